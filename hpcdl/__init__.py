@@ -1,0 +1,7 @@
+"""hpcdl: an MPI-native research code for distributed deep learning."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

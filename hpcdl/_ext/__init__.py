@@ -1,0 +1,1 @@
+"""Compiled kernels, built from the Cython sources in ``ext/`` by ``pip install``."""

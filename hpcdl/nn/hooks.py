@@ -1,0 +1,98 @@
+"""The per-layer hook: observers called around each layer's forward and backward.
+
+Observers live in a ``contextvars`` variable (DESIGN.md): each simulated rank
+(greenlet) has its own, and nothing is module state. ``Sequential`` calls
+``before``/``after`` for every child layer, phase ``"forward"`` or ``"backward"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from hpcdl.nn.layer import Layer
+
+__all__ = ["LayerObserver", "observe", "current_observers", "LayerProfiler"]
+
+
+class LayerObserver(Protocol):
+    """Called before and after each layer's forward and backward."""
+
+    def before(self, phase: str, layer: Layer, x: Any) -> None:
+        """``phase`` is ``"forward"`` or ``"backward"``; ``x`` the layer's input (or output gradient)."""
+
+    def after(self, phase: str, layer: Layer, y: Any) -> None:
+        """``y`` is the layer's output (or input gradient)."""
+
+
+_observers: ContextVar[tuple[LayerObserver, ...]] = ContextVar("hpcdl_layer_observers", default=())
+
+
+def current_observers() -> tuple[LayerObserver, ...]:
+    """The observers active in this context, outermost first."""
+    return _observers.get()
+
+
+@contextlib.contextmanager
+def observe(observer: LayerObserver) -> Iterator[LayerObserver]:
+    """Activate ``observer`` for the ``with`` block (observers nest)."""
+    token = _observers.set(_observers.get() + (observer,))
+    try:
+        yield observer
+    finally:
+        _observers.reset(token)
+
+
+class LayerProfiler:
+    """Records each layer's forward and backward time and output size.
+
+    Times come from a monotonic counter (``time.perf_counter``): this measures
+    real compute, which is what the pipeline planner and the simulator's
+    cost tables need. Call :meth:`table` for one row per layer with the median
+    over the recorded steps.
+    """
+
+    def __init__(self) -> None:
+        self._start: dict[tuple[str, str], float] = {}
+        self.times: dict[tuple[str, str], list[float]] = {}
+        self.out_bytes: dict[str, int] = {}
+        self.out_shape: dict[str, tuple[int, ...]] = {}
+        self.order: list[str] = []
+
+    def before(self, phase: str, layer: Layer, x: Any) -> None:
+        self._start[(layer.name, phase)] = time.perf_counter()
+
+    def after(self, phase: str, layer: Layer, y: Any) -> None:
+        key = (layer.name, phase)
+        dt = time.perf_counter() - self._start.pop(key)
+        self.times.setdefault(key, []).append(dt)
+        if phase == "forward":
+            if layer.name not in self.out_bytes:
+                self.order.append(layer.name)
+            self.out_bytes[layer.name] = int(y.nbytes)
+            self.out_shape[layer.name] = tuple(y.shape)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per layer in forward order: ``layer``, ``kind``, ``forward_s``,
+        ``backward_s`` (medians), ``calls``, ``output_bytes``, ``output_shape``."""
+        import statistics  # noqa: PLC0415
+
+        rows = []
+        for name in self.order:
+            fwd = self.times.get((name, "forward"), [])
+            bwd = self.times.get((name, "backward"), [])
+            rows.append(
+                {
+                    "layer": name,
+                    "forward_s": statistics.median(fwd) if fwd else 0.0,
+                    "backward_s": statistics.median(bwd) if bwd else 0.0,
+                    "calls": len(fwd),
+                    "output_bytes": self.out_bytes[name],
+                    "output_shape": self.out_shape[name],
+                }
+            )
+        return rows

@@ -1,0 +1,22 @@
+"""Build the Cython kernels in ext/ as modules of the hpcdl._ext package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = [
+    Extension(
+        f"hpcdl._ext.{pyx.stem}",
+        [str(pyx)],
+        include_dirs=[numpy.get_include(), "ext"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        extra_compile_args=["-O3"],
+    )
+    for pyx in sorted(Path("ext").glob("*.pyx"))
+]
+
+setup(ext_modules=cythonize(extensions, language_level=3, include_path=["ext"]))
