@@ -19,4 +19,8 @@ extensions = [
     for pyx in sorted(Path("ext").glob("*.pyx"))
 ]
 
-setup(ext_modules=cythonize(extensions, language_level=3, include_path=["ext"]))
+setup(
+    ext_modules=cythonize(extensions, language_level=3, include_path=["ext"]),
+    # the bundled digits, found by hpcdl.data.digits in <prefix>/share/hpcdl when not run from a checkout
+    data_files=[("share/hpcdl", ["data/digits.npz"])],
+)

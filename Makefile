@@ -1,0 +1,53 @@
+# hpcdl: `make demo` trains on 2 ranks; `make test` runs the suite. Both set themselves up.
+VENV      ?= .venv
+PYTHON    ?= python3
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip --disable-pip-version-check -q
+MPIEXEC   ?= $(VENV)/bin/mpiexec
+# one BLAS thread per rank: on a small machine, ranks must not fight for the cores
+export OPENBLAS_NUM_THREADS ?= 1
+export OMP_NUM_THREADS ?= 1
+
+SOURCES := setup.py pyproject.toml $(wildcard ext/*.pyx ext/*.pxd)
+
+.PHONY: demo test test-slow test-serial test-mpi lint bench install clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip setuptools wheel
+
+# editable install with the MPI library from the registry (mpiexec lands in the venv)
+$(VENV)/.installed: $(VENV)/bin/activate $(SOURCES)
+	$(PIP) install -e '.[mpich,plot]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -e '.[mpich,plot,test,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(MPIEXEC) -n 2 $(PY) -m hpcdl.train --config digits-mlp
+
+test: test-serial test-mpi
+
+test-serial: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m "not mpi and not slow" tests
+
+test-mpi: $(VENV)/.installed-test
+	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 2 -m "mpi and not slow" tests
+	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 3 -m "mpi and not slow" tests
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m "slow and not mpi" tests
+	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 4 -m "mpi" tests
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check hpcdl tests data setup.py
+
+bench: $(VENV)/.installed
+	$(PY) -m hpcdl.bench step --model mlp32 --batch 128
+
+clean:
+	rm -rf build *.egg-info hpcdl/_ext/*.so hpcdl/_ext/*.c ext/*.c

@@ -1,0 +1,187 @@
+"""``python -m hpcdl.bench SUBCOMMAND``: benchmarks, printed and written as JSON rows.
+
+Benchmarks are not tests: each prints its figures beside a reference measured
+in the same run (PyTorch here), as medians of interleaved repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl.cli import parse_args
+from hpcdl.comm import world, wtime
+from hpcdl.errors import ConfigError
+from hpcdl.models import MODELS, build_model
+from hpcdl.nn import SoftmaxCrossEntropy
+from hpcdl.optim import SGD
+from hpcdl.rng import generator
+
+__all__ = ["main", "bench_step"]
+
+LR, MOMENTUM = 0.01, 0.9
+
+
+def _hpcdl_stepper(model_name: str, batch: int, shape: tuple[int, ...], classes: int, seed: int):
+    model = build_model(model_name, shape, classes, rng=generator(seed, "init"))
+    opt = SGD(model.parameters(), LR, momentum=MOMENTUM)
+    loss_fn = SoftmaxCrossEntropy()
+    rng = generator(seed, "bench-data")
+    x = rng.standard_normal((batch, *shape), dtype=np.float32)
+    y = rng.integers(0, classes, batch)
+
+    def step() -> None:
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        opt.step()
+
+    return model, step
+
+
+def _torch_stepper(model: Any, batch: int, shape: tuple[int, ...], classes: int, seed: int, threads: int):
+    """The same network in PyTorch, initialised with hpcdl's weights (Linear layers only)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    layers: list[Any] = [torch.nn.Flatten()]
+    for layer in model.layers:
+        kind = type(layer).__name__
+        if kind == "Linear":
+            lin = torch.nn.Linear(layer.weight.shape[1], layer.weight.shape[0])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(np.asarray(layer.weight.data)))
+                lin.bias.copy_(torch.from_numpy(np.asarray(layer.bias.data)))
+            layers.append(lin)
+        elif kind == "ReLU":
+            layers.append(torch.nn.ReLU())
+        elif kind != "Flatten":
+            raise ConfigError(f"--vs torch supports Linear/ReLU models (mlp, mlp32); found {kind}")
+    net = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    rng = generator(seed, "bench-data")
+    x = torch.from_numpy(rng.standard_normal((batch, *shape), dtype=np.float32))
+    y = torch.from_numpy(rng.integers(0, classes, batch))
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _time(step: Callable[[], None], steps: int) -> float:
+    t0 = wtime()
+    for _ in range(steps):
+        step()
+    return (wtime() - t0) / steps
+
+
+def bench_step(
+    model: str = "mlp32",
+    batch: int = 128,
+    vs: str | None = None,
+    repeat: int = 5,
+    steps: int = 20,
+    warmup: int = 5,
+    threads: int = 1,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Forward + backward + SGD update samples/s of one process, optionally beside PyTorch.
+
+    Repetitions alternate between the implementations (hpcdl, torch, hpcdl, …)
+    so that drifts of the machine hit both alike; each figure is the median.
+    """
+    shape: tuple[int, ...] = (1, 28, 28) if model.startswith("mlp") else (3, 32, 32)
+    classes = 10
+    net, hp_step = _hpcdl_stepper(model, batch, shape, classes, seed)
+    impls: dict[str, Callable[[], None]] = {"hpcdl": hp_step}
+    if vs == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "--vs torch needs PyTorch, which hpcdl does not depend on: pip install torch==2.13.0"
+            ) from None
+        impls["torch"] = _torch_stepper(net, batch, shape, classes, seed, threads)
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for name, step in impls.items():
+        _time(step, warmup)
+    for _ in range(repeat):
+        for name, step in impls.items():
+            times[name].append(_time(step, steps))
+    rows = []
+    for name, ts in times.items():
+        step_s = statistics.median(ts)
+        rows.append(
+            {
+                "impl": name,
+                "model": model,
+                "batch": batch,
+                "samples_per_s": batch / step_s,
+                "step_s": step_s,
+                "step_s_min": min(ts),
+                "step_s_max": max(ts),
+                "repeat": repeat,
+                "threads": threads,
+            }
+        )
+    return rows
+
+
+def _print_step(rows: list[dict[str, Any]]) -> None:
+    ref = next((r for r in rows if r["impl"] == "torch"), None)
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
+    print(f"bench step: {rows[0]['model']}, batch {rows[0]['batch']}, median of {rows[0]['repeat']} "
+          f"interleaved repetitions (OPENBLAS_NUM_THREADS={blas}, torch threads={rows[0]['threads']})")
+    print(f"{'impl':<8}{'samples/s':>12}{'step ms':>10}{'min..max ms':>16}{'vs torch':>10}")
+    for r in rows:
+        ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
+        span = f"{1e3 * r['step_s_min']:.1f}..{1e3 * r['step_s_max']:.1f}"
+        print(f"{r['impl']:<8}{r['samples_per_s']:>12.0f}{1e3 * r['step_s']:>10.2f}{span:>16}{ratio:>10}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.bench", description=__doc__, exit_on_error=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("step", help="forward+backward+update samples/s of one process", exit_on_error=False)
+    p.add_argument("--model", default="mlp32", choices=MODELS)
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--vs", choices=("torch",), default=None, help="also run the same network in PyTorch")
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
+    p.add_argument("--steps", type=int, default=20, help="steps per repetition")
+    p.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads (match OPENBLAS_NUM_THREADS)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a benchmark; returns the exit status."""
+    args = parse_args(build_parser(), list(argv or []))
+    if args.command == "step":
+        if args.batch < 1 or args.repeat < 1 or args.steps < 1:
+            raise ConfigError("--batch, --repeat and --steps must be positive integers")
+        rows = bench_step(args.model, args.batch, args.vs, args.repeat, args.steps, threads=args.threads)
+        if world().Get_rank() == 0:
+            _print_step(rows)
+    else:  # pragma: no cover - argparse restricts the choices
+        raise ConfigError(f"unknown benchmark {args.command!r}")
+    if args.json is not None and world().Get_rank() == 0:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"rows written to {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from hpcdl.cli import entry
+
+    entry(main, "hpcdl.bench")

@@ -1,0 +1,224 @@
+"""Run configuration: TOML files and presets with dotted keys, checked against typed defaults."""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hpcdl.errors import ConfigError
+
+__all__ = ["Key", "SCHEMA", "Config", "load_config", "preset_names", "parse_set", "markdown_table"]
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its type, default, allowed values and meaning."""
+
+    type: type
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] = ()
+    minimum: float | None = None
+
+
+_OPTIMIZERS = ("sgd", "adam", "adamw")
+_MODELS = ("mlp", "mlp32", "cnn", "vgg16", "resnet18", "resnet50")
+_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "npz", "hdf5", "synthetic")
+
+#: Every config key, by dotted name. README's key table is generated from this.
+SCHEMA: dict[str, Key] = {
+    "name": Key(str, "", "run name (defaults to the preset or file name)"),
+    "seed": Key(int, 0, "seed of every random stream (init, epoch permutation, dropout)", minimum=0),
+    "device": Key(str, "cpu", "array device", choices=("cpu", "gpu")),
+    "dtype": Key(str, "float32", "parameter and activation dtype", choices=("float32", "float64")),
+    "model.name": Key(str, "mlp", "model builder", choices=_MODELS),
+    "model.depth": Key(int, 3, "mlp: number of Linear layers", minimum=1),
+    "model.width": Key(int, 256, "mlp: hidden width", minimum=1),
+    "model.width_mult": Key(float, 1.0, "cnn/vgg16/resnet: channel width multiplier", minimum=0.0),
+    "model.channels": Key(int, 32, "cnn: channels of the first convolution", minimum=1),
+    "model.dropout": Key(float, 0.0, "mlp/cnn: dropout probability before the head", minimum=0.0),
+    "data.name": Key(str, "digits", "data set", choices=_DATASETS),
+    "data.path": Key(str, "", "file or directory of the data set (digits: bundled when empty)"),
+    "data.batch_size": Key(int, 32, "samples per step PER RANK (global batch = ranks x batch)", minimum=1),
+    "data.sampler": Key(
+        str, "shuffle", "shuffle: strided shards of one permutation; random: with replacement",
+        choices=("shuffle", "random"),
+    ),
+    "data.shape": Key(list, [1, 28, 28], "synthetic: per-sample input shape"),
+    "data.num_classes": Key(int, 10, "synthetic: number of classes", minimum=2),
+    "data.train_size": Key(int, 8192, "synthetic: training samples", minimum=1),
+    "data.test_size": Key(int, 1024, "synthetic: test samples", minimum=1),
+    "train.epochs": Key(int, 10, "epochs to train (ignored when train.steps > 0)", minimum=1),
+    "train.steps": Key(int, 0, "total steps; 0: train.epochs epochs", minimum=0),
+    "train.eval_every": Key(int, 0, "steps between test evaluations; 0: at the end of each epoch", minimum=0),
+    "train.log_every": Key(int, 20, "steps between progress lines (batch jobs)", minimum=1),
+    "optimizer.name": Key(str, "sgd", "optimizer", choices=_OPTIMIZERS),
+    "optimizer.lr": Key(float, 0.1, "base learning rate (before rank scaling)", minimum=0.0),
+    "optimizer.momentum": Key(float, 0.9, "sgd: momentum", minimum=0.0),
+    "optimizer.nesterov": Key(bool, False, "sgd: Nesterov momentum"),
+    "optimizer.weight_decay": Key(float, 0.0, "L2 (sgd, adam) or decoupled (adamw) weight decay", minimum=0.0),
+    "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0),
+    "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0),
+    "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", minimum=0.0),
+    "schedule.name": Key(str, "constant", "LR schedule after warm-up", choices=("constant", "step", "cosine")),
+    "schedule.warmup_epochs": Key(float, 0.0, "linear warm-up from lr/ranks-scale to the scaled lr", minimum=0.0),
+    "schedule.step_epochs": Key(float, 30.0, "step: epochs between decays", minimum=0.0),
+    "schedule.gamma": Key(float, 0.1, "step: decay factor", minimum=0.0),
+    "schedule.min_lr": Key(float, 0.0, "cosine: final learning rate", minimum=0.0),
+    "schedule.scale": Key(
+        str, "none", "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
+        choices=("none", "linear", "sqrt"),
+    ),
+    "exchange.name": Key(str, "allreduce", "gradient exchange under mpiexec", choices=("allreduce",)),
+    "exchange.debug": Key(bool, False, "check buffer sizes and finite gradients across ranks before exchange"),
+    "profile.layers": Key(bool, False, "record per-layer forward/backward times and output sizes"),
+}
+
+
+def _type_name(t: type) -> str:
+    return {str: "a string", int: "an integer", float: "a float", bool: "a boolean", list: "a list"}[t]
+
+
+def _nearest(key: str) -> str:
+    close = difflib.get_close_matches(key, SCHEMA, n=1, cutoff=0.0)
+    best = close[0] if close else "name"
+    return f"{best!r} ({_type_name(SCHEMA[best].type)})"
+
+
+def _check(key: str, value: Any) -> Any:
+    """Validate one value against the schema and return it normalised."""
+    spec = SCHEMA.get(key)
+    if spec is None:
+        raise ConfigError(f"unknown config key {key!r}; nearest valid key: {_nearest(key)}")
+    t = spec.type
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, t) or (t is int and isinstance(value, bool)):
+        raise ConfigError(
+            f"config key {key!r} expects {_type_name(t)}, got {type(value).__name__} {value!r} "
+            f"(nearest valid key: {_nearest(key)})"
+        )
+    if spec.choices and value not in spec.choices:
+        raise ConfigError(f"config key {key!r} must be one of {', '.join(map(repr, spec.choices))} (got {value!r})")
+    if spec.minimum is not None and value < spec.minimum:
+        raise ConfigError(f"config key {key!r} must be >= {spec.minimum} (got {value!r})")
+    return value
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[prefix + k] = v
+    return flat
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    """Parse one ``--set key=value``; the value is read as a TOML value.
+
+    A bare word that is not valid TOML (``--set model.name=cnn``) is taken as a string.
+    """
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value (got {item!r}), e.g. --set optimizer.lr=0.05")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return key, value
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped in ``hpcdl/presets``."""
+    return sorted(p.name[:-5] for p in resources.files("hpcdl.presets").iterdir() if p.name.endswith(".toml"))
+
+
+class Config:
+    """A validated config: every key of :data:`SCHEMA`, defaults filled in.
+
+    Read values with ``cfg["optimizer.lr"]``; ``cfg.toml()`` gives the full
+    config back as TOML text (stored in run files).
+    """
+
+    def __init__(self, values: dict[str, Any] | None = None) -> None:
+        self.values: dict[str, Any] = {k: spec.default for k, spec in SCHEMA.items()}
+        for k, v in (values or {}).items():
+            self.values[k] = _check(k, v)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def with_updates(self, updates: dict[str, Any]) -> Config:
+        """A new config with ``updates`` (dotted keys) applied and checked."""
+        return Config({**self.values, **updates})
+
+    def toml(self) -> str:
+        """The whole config as TOML text, one table per section."""
+        sections: dict[str, list[str]] = {}
+        for key, value in self.values.items():
+            section, _, leaf = key.rpartition(".")
+            sections.setdefault(section, []).append(f"{leaf} = {_toml_value(value)}")
+        lines = sections.pop("", [])
+        for section, body in sections.items():
+            lines += ["", f"[{section}]", *body]
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def load_config(source: str, sets: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a preset name or a TOML file, then apply ``--set key=value`` items.
+
+    Raises:
+        ConfigError: the file or preset does not exist, is not valid TOML, or a
+            key is unknown, of the wrong type or out of range.
+    """
+    path = Path(source)
+    if source in preset_names():
+        text = resources.files("hpcdl.presets").joinpath(f"{source}.toml").read_text()
+        origin, default_name = f"preset {source!r}", source
+    elif path.is_file():
+        text, origin, default_name = path.read_text(), str(path), path.stem
+    else:
+        raise ConfigError(
+            f"--config {source!r} is neither a file nor a preset; presets: {', '.join(preset_names())}"
+        )
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{origin} is not valid TOML: {err}") from None
+    values = _flatten(table)
+    for item in sets:
+        key, value = parse_set(item)
+        values[key] = value
+    if not values.get("name"):
+        values["name"] = default_name
+    return Config(values)
+
+
+def markdown_table() -> str:
+    """The README's table of config keys (``python -m hpcdl.config`` prints it)."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for key, spec in SCHEMA.items():
+        meaning = spec.doc + (f" ({' / '.join(map(str, spec.choices))})" if spec.choices else "")
+        rows.append(f"| `{key}` | {spec.type.__name__} | `{_toml_value(spec.default)}` | {meaning} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,0 +1,52 @@
+"""Data-parallel training under mpiexec equals single-process training on the same global batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpcdl.comm import world
+from hpcdl.config import load_config
+from hpcdl.train import run
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_data_parallel_equals_one_process_on_global_batches(optimizer: str) -> None:
+    comm = world()
+    n, batch = comm.Get_size(), 16
+    common = [f"optimizer.name={optimizer}", "optimizer.lr=0.01", "train.steps=12", "dtype=float64",
+              "optimizer.weight_decay=1e-4", "schedule.name=cosine"]
+    parallel = run(load_config("digits-mlp", [*common, f"data.batch_size={batch}"]), comm)
+    alone_comm = comm.Split(comm.Get_rank(), 0)  # a world of one on every rank
+    try:
+        alone = run(load_config("digits-mlp", [*common, f"data.batch_size={n * batch}"]), alone_comm)
+    finally:
+        alone_comm.Free()
+    assert parallel.steps == alone.steps == 12
+    for p, q in zip(parallel.model.parameters(), alone.model.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-9, atol=1e-12, err_msg=p.name)
+    # and every rank holds the same parameters, bit for bit
+    mine = np.concatenate([p.data.ravel() for p in parallel.model.parameters()])
+    theirs = comm.bcast(mine, root=0)
+    np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_weights_broadcast_from_rank_0() -> None:
+    """Even if the ranks' seeds differ, rank 0's initial weights win (train.steps=0 is not allowed,
+    so one step at lr 0 leaves the broadcast weights untouched)."""
+    comm = world()
+    cfg = load_config("digits-mlp", ["train.steps=1", "optimizer.lr=0", f"seed={comm.Get_rank()}"])
+    result = run(cfg, comm)
+    mine = np.concatenate([p.data.ravel() for p in result.model.parameters()])
+    np.testing.assert_array_equal(mine, comm.bcast(mine, root=0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_batchnorm_statistics_stay_local() -> None:
+    comm = world()
+    result = run(load_config("digits-cnn", ["train.steps=2", "model.channels=4"]), comm)
+    bn = result.model[1]
+    means = comm.allgather(np.asarray(bn.running_mean).copy())
+    assert any(not np.array_equal(means[0], m) for m in means[1:])
