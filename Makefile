@@ -40,8 +40,9 @@ test-mpi: $(VENV)/.installed-test
 	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 3 -m "mpi and not slow" tests
 
 test-slow: $(VENV)/.installed-test
-	$(PY) -m pytest -q -m "slow and not mpi" tests
-	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 4 -m "mpi" tests
+	$(PY) -m pytest -q -s -m "slow and not mpi" tests
+	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 2 -s -m "slow and mpi" tests
+	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 4 -s -m "mpi" tests
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check hpcdl tests data setup.py

@@ -1,0 +1,64 @@
+"""The communicator contract and its helpers: the same code runs on MPI and in the simulator.
+
+``import hpcdl.comm`` is cheap: mpi4py (and MPI initialisation) is imported by
+:mod:`hpcdl.comm.mpi` on the first call of :func:`world`, :func:`wtime`, ... or the first
+use of a constant (``ANY_SOURCE``, ``ANY_TAG``, ``SUM``, ``MAX``, ``MIN``, ``IN_PLACE``,
+which are mpi4py's own objects).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcdl.comm.abort import abort_on_exception
+from hpcdl.comm.context import (
+    Status,
+    reset_world,
+    set_world,
+    subcomm,
+    use_world,
+    waitall,
+    waitany,
+    world,
+    wtime,
+)
+from hpcdl.comm.contract import Communicator, Request, WorldHooks
+from hpcdl.comm.contract import Status as StatusProtocol
+
+__all__ = [
+    "ANY_SOURCE",
+    "ANY_TAG",
+    "IN_PLACE",
+    "MAX",
+    "MIN",
+    "SUM",
+    "Communicator",
+    "Request",
+    "Status",
+    "StatusProtocol",
+    "WorldHooks",
+    "abort_on_exception",
+    "reset_world",
+    "set_world",
+    "subcomm",
+    "use_world",
+    "waitall",
+    "waitany",
+    "world",
+    "wtime",
+]
+
+_MPI_CONSTANTS = frozenset({"ANY_SOURCE", "ANY_TAG", "IN_PLACE", "MAX", "MIN", "SUM"})
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve the MPI constants from :mod:`hpcdl.comm.mpi` on first use (PEP 562)."""
+    if name in _MPI_CONSTANTS:
+        from hpcdl.comm import mpi
+
+        return getattr(mpi, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _MPI_CONSTANTS)

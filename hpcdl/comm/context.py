@@ -1,0 +1,191 @@
+"""The current world communicator, its clock, and helpers that work in both worlds."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar, Token
+
+from hpcdl.comm.contract import Communicator, Request
+from hpcdl.comm.contract import Status as StatusLike
+
+__all__ = [
+    "Status",
+    "reset_world",
+    "set_world",
+    "subcomm",
+    "use_world",
+    "waitall",
+    "waitany",
+    "world",
+    "wtime",
+]
+
+# The simulator sets one per virtual rank (inside each greenlet); unset means MPI's world.
+_WORLD: ContextVar[Communicator | None] = ContextVar("hpcdl_world", default=None)
+
+
+def world() -> Communicator:
+    """The current world communicator.
+
+    Returns:
+        The communicator set by :func:`set_world` in this context (a virtual rank's in the
+        simulator), else MPI's ``COMM_WORLD`` (a world of one without mpiexec).
+    """
+    comm = _WORLD.get()
+    if comm is not None:
+        return comm
+    from hpcdl.comm import mpi
+
+    return mpi.comm_world()
+
+
+def set_world(comm: Communicator | None) -> Token[Communicator | None]:
+    """Make ``comm`` the world of the current context (``None``: back to MPI's).
+
+    Args:
+        comm: the communicator :func:`world` returns from now on in this context.
+
+    Returns:
+        A token for :func:`reset_world`, which restores the previous world.
+    """
+    return _WORLD.set(comm)
+
+
+def reset_world(token: Token[Communicator | None]) -> None:
+    """Restore the world that was current before the :func:`set_world` giving ``token``."""
+    _WORLD.reset(token)
+
+
+@contextlib.contextmanager
+def use_world(comm: Communicator | None) -> Iterator[Communicator]:
+    """Context manager: ``comm`` is the world inside the ``with`` block.
+
+    Yields:
+        The world inside the block (``comm``, or MPI's when ``comm`` is ``None``).
+    """
+    token = set_world(comm)
+    try:
+        yield world()
+    finally:
+        reset_world(token)
+
+
+def wtime() -> float:
+    """Seconds on the current world's clock.
+
+    Returns:
+        The world's ``wtime()`` when it has one (virtual time in the simulator), else
+        ``MPI.Wtime()`` (wall time). Event times in hpcdl come from here, never from ``time``.
+    """
+    comm = _WORLD.get()
+    clock = getattr(comm, "wtime", None) if comm is not None else None
+    if clock is not None:
+        return float(clock())
+    from hpcdl.comm import mpi
+
+    return mpi.wtime()
+
+
+def Status() -> StatusLike:  # noqa: N802  (named like the mpi4py class it creates)
+    """A fresh status object for ``Recv``/``Iprobe``/``Sendrecv``/``Wait``.
+
+    Returns:
+        The current world's ``new_status()`` when it has one, else an ``MPI.Status``.
+    """
+    comm = _WORLD.get()
+    factory = getattr(comm, "new_status", None) if comm is not None else None
+    if factory is not None:
+        return factory()
+    from hpcdl.comm import mpi
+
+    return mpi.new_status()
+
+
+def _active(reqs: Sequence[Request | None]) -> list[int]:
+    return [i for i, r in enumerate(reqs) if r is not None and r]
+
+
+def waitall(reqs: Sequence[Request | None]) -> None:
+    """Wait until every request of ``reqs`` has completed.
+
+    MPI's requests only: ``MPI.Request.Waitall``. Otherwise (hpcdl's own or simulated
+    requests, possibly mixed with MPI's) the active ones are polled with ``Test()`` in
+    turn, and the last one is waited on with ``Wait()``.
+
+    Args:
+        reqs: requests; ``None`` and inactive (falsy) entries are skipped.
+    """
+    from hpcdl.comm import mpi
+
+    if mpi.all_requests(reqs):
+        mpi.waitall(reqs)
+        return
+    pending = [reqs[i] for i in _active(reqs)]
+    while len(pending) > 1:
+        pending = [r for r in pending if not r.Test()]
+    if pending:
+        pending[0].Wait()
+
+
+def waitany(reqs: Sequence[Request | None], status: StatusLike | None = None) -> int | None:
+    """Wait until one request of ``reqs`` completes and return its index.
+
+    MPI's requests only: ``MPI.Request.Waitany`` (the completed request becomes
+    ``REQUEST_NULL``). Otherwise the active ones are polled with ``Test()`` in turn.
+    Callers that loop over ``waitany`` should set ``reqs[i] = None`` after each completion:
+    that works for every kind of request.
+
+    Args:
+        reqs: requests; ``None`` and inactive (falsy) entries are skipped.
+        status: filled with the completed operation's status, if given.
+
+    Returns:
+        The index of a completed request, or ``None`` when no request is active.
+    """
+    from hpcdl.comm import mpi
+
+    if mpi.all_requests(reqs):
+        return mpi.waitany(reqs, status)
+    active = _active(reqs)
+    if not active:
+        return None
+    while True:
+        for i in active:
+            if reqs[i].Test(status):
+                return i
+
+
+def subcomm(comm: Communicator, ranks: Sequence[int]) -> Communicator:
+    """The communicator of ``ranks`` of ``comm``; only the members call it.
+
+    The new ranks follow the order of ``ranks``. In MPI this is ``comm.Create_group`` over
+    ``comm.Get_group().Incl(ranks)``, collective over the members only; a simulated
+    communicator provides ``subcomm(ranks)`` instead. Free the result when done.
+
+    Args:
+        comm: the parent communicator.
+        ranks: distinct ranks of ``comm``, including the caller's.
+
+    Returns:
+        The sub-communicator.
+
+    Raises:
+        ValueError: ``ranks`` is empty, has duplicates or out-of-range ranks, or the caller
+            is not a member.
+    """
+    ranks = [int(r) for r in ranks]
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"subcomm needs distinct ranks (got {ranks})")
+    bad = [r for r in ranks if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"subcomm ranks {bad} are outside [0, {size})")
+    if rank not in ranks:
+        raise ValueError(f"subcomm is called by the members only: rank {rank} is not in {ranks}")
+    own = getattr(comm, "subcomm", None)
+    if own is not None:
+        return own(ranks)
+    from hpcdl.comm import mpi
+
+    return mpi.subcomm(comm, ranks)

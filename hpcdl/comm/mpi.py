@@ -1,0 +1,93 @@
+"""The mpi4py adapter: the only hpcdl module that imports mpi4py.
+
+Importing it initialises MPI (mpi4py 4 calls ``MPI_Init_thread`` on ``from mpi4py import
+MPI`` by default, ``mpi4py.rc.initialize``); without mpiexec that is a world of one
+(singleton init). :mod:`hpcdl.comm` imports this module only when first needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = [
+    "ANY_SOURCE",
+    "ANY_TAG",
+    "IN_PLACE",
+    "MAX",
+    "MIN",
+    "SUM",
+    "all_requests",
+    "comm_world",
+    "library_version",
+    "new_status",
+    "subcomm",
+    "waitall",
+    "waitany",
+    "wtime",
+]
+
+ANY_SOURCE: int = MPI.ANY_SOURCE
+ANY_TAG: int = MPI.ANY_TAG
+IN_PLACE: Any = MPI.IN_PLACE
+SUM: MPI.Op = MPI.SUM
+MAX: MPI.Op = MPI.MAX
+MIN: MPI.Op = MPI.MIN
+
+
+def comm_world() -> MPI.Intracomm:
+    """MPI's ``COMM_WORLD``."""
+    return MPI.COMM_WORLD
+
+
+def wtime() -> float:
+    """``MPI.Wtime()``: wall-clock seconds."""
+    return MPI.Wtime()
+
+
+def new_status() -> MPI.Status:
+    """A fresh ``MPI.Status``."""
+    return MPI.Status()
+
+
+def library_version() -> str:
+    """The MPI library's version string (first line)."""
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def all_requests(reqs: Sequence[Any]) -> bool:
+    """True when every entry is an ``MPI.Request`` or ``None``."""
+    return all(r is None or isinstance(r, MPI.Request) for r in reqs)
+
+
+def _with_nulls(reqs: Sequence[MPI.Request | None]) -> list[MPI.Request]:
+    return [MPI.REQUEST_NULL if r is None else r for r in reqs]
+
+
+def waitall(reqs: Sequence[MPI.Request | None]) -> None:
+    """``MPI.Request.Waitall`` over ``reqs`` (``None`` entries skipped)."""
+    MPI.Request.Waitall(_with_nulls(reqs))
+
+
+def waitany(reqs: Sequence[MPI.Request | None], status: MPI.Status | None = None) -> int | None:
+    """``MPI.Request.Waitany``: the index completed, or ``None`` when none is active."""
+    index = MPI.Request.Waitany(_with_nulls(reqs), status)
+    return None if index == MPI.UNDEFINED else index
+
+
+def subcomm(comm: MPI.Intracomm, ranks: Sequence[int]) -> MPI.Intracomm:
+    """``comm.Create_group(comm.Get_group().Incl(ranks))``, freeing the groups.
+
+    Collective over the members of ``ranks`` only.
+    """
+    group = comm.Get_group()
+    try:
+        sub = group.Incl(list(ranks))
+        try:
+            return comm.Create_group(sub)
+        finally:
+            sub.Free()
+    finally:
+        group.Free()

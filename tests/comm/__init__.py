@@ -1,0 +1,1 @@
+"""Tests of hpcdl.comm; ``conformance`` holds the bodies shared with the simulator's tests."""
