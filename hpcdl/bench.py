@@ -114,7 +114,7 @@ def bench_step(
             ) from None
         impls["torch"] = _torch_stepper(net, batch, shape, classes, seed, threads)
     times: dict[str, list[float]] = {name: [] for name in impls}
-    for name, step in impls.items():
+    for step in impls.values():
         _time(step, warmup)
     for _ in range(repeat):
         for name, step in impls.items():
@@ -141,8 +141,10 @@ def bench_step(
 def _print_step(rows: list[dict[str, Any]]) -> None:
     ref = next((r for r in rows if r["impl"] == "torch"), None)
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
-    print(f"bench step: {rows[0]['model']}, batch {rows[0]['batch']}, median of {rows[0]['repeat']} "
-          f"interleaved repetitions (OPENBLAS_NUM_THREADS={blas}, torch threads={rows[0]['threads']})")
+    print(
+        f"bench step: {rows[0]['model']}, batch {rows[0]['batch']}, median of {rows[0]['repeat']} "
+        f"interleaved repetitions (OPENBLAS_NUM_THREADS={blas}, torch threads={rows[0]['threads']})"
+    )
     print(f"{'impl':<8}{'samples/s':>12}{'step ms':>10}{'min..max ms':>16}{'vs torch':>10}")
     for r in rows:
         ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
@@ -159,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=("torch",), default=None, help="also run the same network in PyTorch")
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
     p.add_argument("--steps", type=int, default=20, help="steps per repetition")
-    p.add_argument("--threads", type=int, default=1, help="PyTorch intra-op threads (match OPENBLAS_NUM_THREADS)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="PyTorch intra-op threads (match OPENBLAS_NUM_THREADS)"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list")
     return parser
 

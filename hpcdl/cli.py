@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -51,11 +50,10 @@ def entry(main: Callable[[list[str]], int], prog: str) -> NoReturn:
     except BaseException as err:  # noqa: BLE001  (any failure must end every rank)
         if isinstance(err, SystemExit):
             raise
-        rank, size = _world_rank_size()
-        lines = traceback.format_exception(err)
-        sys.stderr.write("".join(f"[rank {rank}] {line}" for chunk in lines for line in chunk.splitlines(True)))
-        sys.stderr.flush()
-        _end(1, size)
+        from hpcdl.comm import abort_on_exception
+
+        abort_on_exception(err)  # prints "[rank R] Traceback ..."; aborts the job if size > 1
+        sys.exit(1)
     sys.exit(code)
 
 

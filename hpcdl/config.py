@@ -45,7 +45,9 @@ SCHEMA: dict[str, Key] = {
     "data.path": Key(str, "", "file or directory of the data set (digits: bundled when empty)"),
     "data.batch_size": Key(int, 32, "samples per step PER RANK (global batch = ranks x batch)", minimum=1),
     "data.sampler": Key(
-        str, "shuffle", "shuffle: strided shards of one permutation; random: with replacement",
+        str,
+        "shuffle",
+        "shuffle: strided shards of one permutation; random: with replacement",
         choices=("shuffle", "random"),
     ),
     "data.shape": Key(list, [1, 28, 28], "synthetic: per-sample input shape"),
@@ -60,21 +62,31 @@ SCHEMA: dict[str, Key] = {
     "optimizer.lr": Key(float, 0.1, "base learning rate (before rank scaling)", minimum=0.0),
     "optimizer.momentum": Key(float, 0.9, "sgd: momentum", minimum=0.0),
     "optimizer.nesterov": Key(bool, False, "sgd: Nesterov momentum"),
-    "optimizer.weight_decay": Key(float, 0.0, "L2 (sgd, adam) or decoupled (adamw) weight decay", minimum=0.0),
+    "optimizer.weight_decay": Key(
+        float, 0.0, "L2 (sgd, adam) or decoupled (adamw) weight decay", minimum=0.0
+    ),
     "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0),
     "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0),
     "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", minimum=0.0),
-    "schedule.name": Key(str, "constant", "LR schedule after warm-up", choices=("constant", "step", "cosine")),
-    "schedule.warmup_epochs": Key(float, 0.0, "linear warm-up from lr/ranks-scale to the scaled lr", minimum=0.0),
+    "schedule.name": Key(
+        str, "constant", "LR schedule after warm-up", choices=("constant", "step", "cosine")
+    ),
+    "schedule.warmup_epochs": Key(
+        float, 0.0, "linear warm-up from lr/ranks-scale to the scaled lr", minimum=0.0
+    ),
     "schedule.step_epochs": Key(float, 30.0, "step: epochs between decays", minimum=0.0),
     "schedule.gamma": Key(float, 0.1, "step: decay factor", minimum=0.0),
     "schedule.min_lr": Key(float, 0.0, "cosine: final learning rate", minimum=0.0),
     "schedule.scale": Key(
-        str, "none", "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
+        str,
+        "none",
+        "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
         choices=("none", "linear", "sqrt"),
     ),
     "exchange.name": Key(str, "allreduce", "gradient exchange under mpiexec", choices=("allreduce",)),
-    "exchange.debug": Key(bool, False, "check buffer sizes and finite gradients across ranks before exchange"),
+    "exchange.debug": Key(
+        bool, False, "check buffer sizes and finite gradients across ranks before exchange"
+    ),
     "profile.layers": Key(bool, False, "record per-layer forward/backward times and output sizes"),
 }
 
@@ -103,7 +115,9 @@ def _check(key: str, value: Any) -> Any:
             f"(nearest valid key: {_nearest(key)})"
         )
     if spec.choices and value not in spec.choices:
-        raise ConfigError(f"config key {key!r} must be one of {', '.join(map(repr, spec.choices))} (got {value!r})")
+        raise ConfigError(
+            f"config key {key!r} must be one of {', '.join(map(repr, spec.choices))} (got {value!r})"
+        )
     if spec.minimum is not None and value < spec.minimum:
         raise ConfigError(f"config key {key!r} must be >= {spec.minimum} (got {value!r})")
     return value

@@ -14,7 +14,7 @@ from hpcdl.cli import parse_args
 from hpcdl.comm import SUM, Communicator, world, wtime
 from hpcdl.config import Config, load_config
 from hpcdl.data import Dataset, DistributedSampler, load_dataset
-from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.errors import HpcdlError
 from hpcdl.models import build_model
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
@@ -64,11 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", required=True, help="a preset name (e.g. digits-mlp) or a TOML file")
     parser.add_argument(
-        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override a config key; the value is read as TOML (repeatable)",
     )
     parser.add_argument(
-        "--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+        "--progress",
+        choices=("auto", "bar", "lines", "none"),
+        default="auto",
         help="auto: a bar when interactive, plain lines in batch jobs",
     )
     return parser
@@ -79,8 +85,13 @@ def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
     params = model.parameters()
     name, wd = cfg["optimizer.name"], cfg["optimizer.weight_decay"]
     if name == "sgd":
-        return SGD(params, lr, momentum=cfg["optimizer.momentum"], nesterov=cfg["optimizer.nesterov"],
-                   weight_decay=wd)
+        return SGD(
+            params,
+            lr,
+            momentum=cfg["optimizer.momentum"],
+            nesterov=cfg["optimizer.nesterov"],
+            weight_decay=wd,
+        )
     betas = (cfg["optimizer.beta1"], cfg["optimizer.beta2"])
     if name == "adam":
         return Adam(params, lr, betas=betas, eps=cfg["optimizer.eps"], weight_decay=wd)
@@ -116,7 +127,9 @@ def load_data(cfg: Config) -> Dataset:
     )
 
 
-def evaluate(model: Sequential, data: Dataset, comm: Communicator, xp: Any, dtype: Any) -> tuple[float, float]:
+def evaluate(
+    model: Sequential, data: Dataset, comm: Communicator, xp: Any, dtype: Any
+) -> tuple[float, float]:
     """Test accuracy and mean loss over the whole test set, sharded over the ranks.
 
     Rank r evaluates test images r, r+N, …, with its own BatchNorm statistics;
@@ -165,10 +178,18 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
         len(data.y_train), cfg["data.batch_size"], rank, size, seed=seed, kind=cfg["data.sampler"]
     )
     model = build_model(
-        cfg["model.name"], data.input_shape, data.num_classes,
-        rng=generator(seed, "init"), dropout_rng=generator(seed, rank, "dropout"), dtype=dtype, xp=xp,
-        depth=cfg["model.depth"], width=cfg["model.width"], width_mult=cfg["model.width_mult"],
-        channels=cfg["model.channels"], dropout=cfg["model.dropout"],
+        cfg["model.name"],
+        data.input_shape,
+        data.num_classes,
+        rng=generator(seed, "init"),
+        dropout_rng=generator(seed, rank, "dropout"),
+        dtype=dtype,
+        xp=xp,
+        depth=cfg["model.depth"],
+        width=cfg["model.width"],
+        width_mult=cfg["model.width_mult"],
+        channels=cfg["model.channels"],
+        dropout=cfg["model.dropout"],
     )
     steps_per_epoch = sampler.steps_per_epoch
     total_steps = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
@@ -212,12 +233,16 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
                     )
                 row = {"step": step, "epoch": epoch, "loss": loss, "lr": optimizer.lr, "step_s": dt}
                 end_of_epoch = i_batch == steps_per_epoch - 1
-                if (eval_every and step % eval_every == 0) or (not eval_every and end_of_epoch) or (
-                    step == total_steps
+                if (
+                    (eval_every and step % eval_every == 0)
+                    or (not eval_every and end_of_epoch)
+                    or (step == total_steps)
                 ):
                     acc, test_loss = evaluate(model, data, comm, xp, dtype)
                     row.update(test_accuracy=acc, test_loss=test_loss)
-                    bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {test_loss:.4f}")
+                    bar.write(
+                        f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {test_loss:.4f}"
+                    )
                 history.append(row)
                 bar.update(step, loss=loss, samples_per_s=global_batch * step / train_s)
                 if step >= total_steps:

@@ -22,7 +22,7 @@ def test_presets_ship_and_load() -> None:
 
 def test_file_and_set_override(tmp_path: Path) -> None:
     f = tmp_path / "exp.toml"
-    f.write_text('[optimizer]\nlr = 1\n[data]\nbatch_size = 8\n')
+    f.write_text("[optimizer]\nlr = 1\n[data]\nbatch_size = 8\n")
     cfg = load_config(str(f), ["data.batch_size=16", "model.name=cnn", "data.shape=[3, 32, 32]"])
     assert cfg["optimizer.lr"] == 1.0 and isinstance(cfg["optimizer.lr"], float)  # int widened to float
     assert cfg["data.batch_size"] == 16

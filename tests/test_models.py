@@ -48,8 +48,17 @@ def test_same_stream_same_weights() -> None:
 def test_cnn_structure() -> None:
     model = _build("cnn", (1, 8, 8), channels=16)
     kinds = [type(layer).__name__ for layer in model]
-    assert kinds == ["Conv2d", "BatchNorm2d", "ReLU", "Conv2d", "BatchNorm2d", "ReLU", "MaxPool2d", "Flatten",
-                     "Linear"]
+    assert kinds == [
+        "Conv2d",
+        "BatchNorm2d",
+        "ReLU",
+        "Conv2d",
+        "BatchNorm2d",
+        "ReLU",
+        "MaxPool2d",
+        "Flatten",
+        "Linear",
+    ]
     assert model[0].weight.shape == (16, 1, 3, 3) and model[3].weight.shape == (32, 16, 3, 3)
     assert model[8].weight.shape == (10, 32 * 4 * 4)
 
@@ -63,8 +72,10 @@ def test_vgg16_has_16_weight_layers() -> None:
     assert sum(isinstance(layer, BatchNorm2d) for layer in model) == 13
 
 
-@pytest.mark.parametrize(("name", "block", "count", "expected"), [("resnet18", BasicBlock, 8, 11_689_512),
-                                                                   ("resnet50", Bottleneck, 16, 25_557_032)])
+@pytest.mark.parametrize(
+    ("name", "block", "count", "expected"),
+    [("resnet18", BasicBlock, 8, 11_689_512), ("resnet50", Bottleneck, 16, 25_557_032)],
+)
 def test_resnet_matches_reference_parameter_count(name, block, count, expected) -> None:
     """At width 1 with the ImageNet stem, the counts of torchvision's ResNets (1,000 classes)."""
     model = _build(name, (3, 64, 64), classes=1000)

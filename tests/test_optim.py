@@ -43,8 +43,9 @@ def _reference_sgd(lr, mu, nesterov, wd, steps=4):
     return ws
 
 
-@pytest.mark.parametrize(("mu", "nesterov", "wd"), [(0.0, False, 0.0), (0.9, False, 0.0), (0.9, True, 1e-2),
-                                                     (0.5, False, 1e-3)])
+@pytest.mark.parametrize(
+    ("mu", "nesterov", "wd"), [(0.0, False, 0.0), (0.9, False, 0.0), (0.9, True, 1e-2), (0.5, False, 1e-3)]
+)
 def test_sgd_matches_reference(mu: float, nesterov: bool, wd: float) -> None:
     got = _run(lambda ps: SGD(ps, 0.1, momentum=mu, nesterov=nesterov, weight_decay=wd))
     for a, b in zip(got, _reference_sgd(0.1, mu, nesterov, wd)):
@@ -82,14 +83,22 @@ def test_against_torch(name: str) -> None:
     params = _params()
     tparams = [torch.tensor(p.data.copy(), requires_grad=True) for p in params]
     ours, theirs = {
-        "sgd": (lambda: SGD(params, 0.1, momentum=0.9, weight_decay=1e-3),
-                lambda: torch.optim.SGD(tparams, 0.1, momentum=0.9, weight_decay=1e-3)),
-        "nesterov": (lambda: SGD(params, 0.1, momentum=0.9, nesterov=True),
-                     lambda: torch.optim.SGD(tparams, 0.1, momentum=0.9, nesterov=True)),
-        "adam": (lambda: Adam(params, 1e-2, weight_decay=1e-3),
-                 lambda: torch.optim.Adam(tparams, 1e-2, weight_decay=1e-3)),
-        "adamw": (lambda: AdamW(params, 1e-2, weight_decay=1e-2),
-                  lambda: torch.optim.AdamW(tparams, 1e-2, weight_decay=1e-2)),
+        "sgd": (
+            lambda: SGD(params, 0.1, momentum=0.9, weight_decay=1e-3),
+            lambda: torch.optim.SGD(tparams, 0.1, momentum=0.9, weight_decay=1e-3),
+        ),
+        "nesterov": (
+            lambda: SGD(params, 0.1, momentum=0.9, nesterov=True),
+            lambda: torch.optim.SGD(tparams, 0.1, momentum=0.9, nesterov=True),
+        ),
+        "adam": (
+            lambda: Adam(params, 1e-2, weight_decay=1e-3),
+            lambda: torch.optim.Adam(tparams, 1e-2, weight_decay=1e-3),
+        ),
+        "adamw": (
+            lambda: AdamW(params, 1e-2, weight_decay=1e-2),
+            lambda: torch.optim.AdamW(tparams, 1e-2, weight_decay=1e-2),
+        ),
     }[name]
     opt, topt = ours(), theirs()
     for t in range(5):

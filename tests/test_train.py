@@ -51,8 +51,15 @@ def test_profiler_table() -> None:
 def test_other_optimizers_and_schedules(sampler: str) -> None:
     cfg = load_config(
         "digits-mlp",
-        ["train.epochs=2", "optimizer.name=adamw", "optimizer.lr=0.002", "schedule.name=step",
-         "schedule.step_epochs=1", "schedule.warmup_epochs=0.5", f"data.sampler={sampler}"],
+        [
+            "train.epochs=2",
+            "optimizer.name=adamw",
+            "optimizer.lr=0.002",
+            "schedule.name=step",
+            "schedule.step_epochs=1",
+            "schedule.warmup_epochs=0.5",
+            f"data.sampler={sampler}",
+        ],
     )
     result = run(cfg)
     assert result.test_accuracy > 0.8
@@ -69,16 +76,21 @@ def _run_cmd(*args: str, n: int | None = None, timeout: float = 120) -> subproce
     cmd = [sys.executable, "-m", "hpcdl.train", *args]
     if n is not None:
         cmd = [str(BIN / "mpiexec"), "-n", str(n), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=_env())
 
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["--config", "digits-mlp", "--set", "optimizer.lrr=1"], "nearest valid key: 'optimizer.lr' (a float)"),
+        (
+            ["--config", "digits-mlp", "--set", "optimizer.lrr=1"],
+            "nearest valid key: 'optimizer.lr' (a float)",
+        ),
         (["--config", "nosuch"], "neither a file nor a preset"),
-        (["--config", "digits-mlp", "--set", "data.name=mnist", "--set", "data.path=/nonexistent/mnist"],
-         "/nonexistent/mnist"),
+        (
+            ["--config", "digits-mlp", "--set", "data.name=mnist", "--set", "data.path=/nonexistent/mnist"],
+            "/nonexistent/mnist",
+        ),
         (["--config", "digits-mlp", "--set", "data.batch_size=2000"], "sampler"),
         (["--config", "digits-mlp", "--bogus"], "unrecognized arguments: --bogus"),
     ],
@@ -120,8 +132,14 @@ entry(main, "failing")
 def test_exception_on_one_rank_ends_the_job(tmp_path: Path, n: int, bad: int) -> None:
     script = tmp_path / "failing.py"
     script.write_text(FAILING.format(bad=bad))
-    proc = subprocess.run([str(BIN / "mpiexec"), "-n", str(n), sys.executable, str(script)],
-                          capture_output=True, text=True, timeout=60, env=_env())
+    proc = subprocess.run(
+        [str(BIN / "mpiexec"), "-n", str(n), sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+    )
     assert proc.returncode != 0
     assert f"[rank {bad}] Traceback" in proc.stderr
     assert f"[rank {bad}] RuntimeError: deliberate failure" in proc.stderr

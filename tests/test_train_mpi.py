@@ -15,8 +15,14 @@ from hpcdl.train import run
 def test_data_parallel_equals_one_process_on_global_batches(optimizer: str) -> None:
     comm = world()
     n, batch = comm.Get_size(), 16
-    common = [f"optimizer.name={optimizer}", "optimizer.lr=0.01", "train.steps=12", "dtype=float64",
-              "optimizer.weight_decay=1e-4", "schedule.name=cosine"]
+    common = [
+        f"optimizer.name={optimizer}",
+        "optimizer.lr=0.01",
+        "train.steps=12",
+        "dtype=float64",
+        "optimizer.weight_decay=1e-4",
+        "schedule.name=cosine",
+    ]
     parallel = run(load_config("digits-mlp", [*common, f"data.batch_size={batch}"]), comm)
     alone_comm = comm.Split(comm.Get_rank(), 0)  # a world of one on every rank
     try:

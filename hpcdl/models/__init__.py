@@ -52,7 +52,9 @@ def build_model(
     common: dict[str, Any] = {"rng": rng, "dtype": dtype, "xp": xp}
     flat = int(math.prod(input_shape))
     if name == "mlp":
-        return mlp(flat, num_classes, depth=depth, width=width, dropout=dropout, dropout_rng=dropout_rng, **common)
+        return mlp(
+            flat, num_classes, depth=depth, width=width, dropout=dropout, dropout_rng=dropout_rng, **common
+        )
     if name == "mlp32":
         return mlp32(flat, num_classes, **common)
     if len(input_shape) != 3:

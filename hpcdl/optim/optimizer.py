@@ -63,13 +63,16 @@ class Optimizer:
         """
         names = [p.name for p in self.params]
         if list(state["param_names"]) != names:
-            raise ValueError(f"optimizer state is for parameters {list(state['param_names'])[:4]}..., not {names[:4]}...")
+            raise ValueError(
+                f"optimizer state is for parameters {list(state['param_names'])[:4]}..., not {names[:4]}..."
+            )
         self.t = int(state["t"])
         self.lr = float(state["lr"])
         for name, arrays in self.state.items():
             for i, a in enumerate(arrays):
                 src = np.asarray(state[f"{name}/{i}"])
                 if src.shape != tuple(a.shape):
-                    raise ValueError(f"optimizer state {name}/{i} has shape {src.shape}, expected {tuple(a.shape)}")
+                    raise ValueError(
+                        f"optimizer state {name}/{i} has shape {src.shape}, expected {tuple(a.shape)}"
+                    )
                 a[...] = get_array_module(a).asarray(src, dtype=a.dtype)
-

@@ -8,7 +8,14 @@ from hpcdl.comm import Communicator
 from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.exchange import AllreduceExchange, ExchangeError, GradientExchange, LocalExchange
 
-__all__ = ["EXCHANGES", "make_exchange", "GradientExchange", "AllreduceExchange", "LocalExchange", "ExchangeError"]
+__all__ = [
+    "EXCHANGES",
+    "make_exchange",
+    "GradientExchange",
+    "AllreduceExchange",
+    "LocalExchange",
+    "ExchangeError",
+]
 
 EXCHANGES = {"allreduce": AllreduceExchange}
 
