@@ -43,8 +43,7 @@ def array_module(device: str) -> ModuleType:
             import cupy  # noqa: PLC0415
         except ImportError:
             raise ConfigError(
-                "device = 'gpu' needs CuPy: install it with `pip install .[gpu]` "
-                "or set device = 'cpu'"
+                "device = 'gpu' needs CuPy: install it with `pip install .[gpu]` or set device = 'cpu'"
             ) from None
         return cupy
     raise ConfigError(f"device must be 'cpu' or 'gpu' (got {device!r})")

@@ -22,11 +22,17 @@ class Layer:
     parameters in ``_params`` (attribute names, in a fixed order), their
     non-trainable state such as BatchNorm's running statistics in ``_buffers``,
     and any child layers in ``_children``.
+
+    ``needs_input_grad`` (default ``True``): when a model builder sets it to
+    ``False`` (on the first layer of a model, whose input is data), a layer may
+    skip computing the input gradient and return ``None`` from ``backward``;
+    layers without parameters pass a ``None`` gradient through as ``None``.
     """
 
     _params: tuple[str, ...] = ()
     _buffers: tuple[str, ...] = ()
     _children: tuple[str, ...] = ()
+    needs_input_grad: bool = True
 
     def __init__(self) -> None:
         self.name = ""
@@ -53,7 +59,7 @@ class Layer:
             p = getattr(self, attr)
             if p is not None:
                 yield prefix + attr, p
-        for child_attr, child in zip(self._children, self.children()):
+        for child_attr, child in zip(self._children, self.children(), strict=True):
             yield from child.named_parameters(f"{prefix}{child_attr}.")
 
     def parameters(self) -> list[Parameter]:
@@ -64,7 +70,7 @@ class Layer:
         """``(dotted name, array)`` pairs of non-trainable state."""
         for attr in self._buffers:
             yield prefix + attr, getattr(self, attr)
-        for child_attr, child in zip(self._children, self.children()):
+        for child_attr, child in zip(self._children, self.children(), strict=True):
             yield from child.named_buffers(f"{prefix}{child_attr}.")
 
     def assign_names(self, prefix: str = "") -> None:
@@ -74,7 +80,7 @@ class Layer:
             p = getattr(self, attr)
             if p is not None:
                 p.name = prefix + attr
-        for child_attr, child in zip(self._children, self.children()):
+        for child_attr, child in zip(self._children, self.children(), strict=True):
             child.assign_names(f"{prefix}{child_attr}.")
 
     # -- modes --------------------------------------------------------------

@@ -35,7 +35,7 @@ class Sequential(Layer):
 
     def assign_names(self, prefix: str = "") -> None:
         self.name = prefix.rstrip(".") or "model"
-        for child_name, child in zip(self._children, self.layers):
+        for child_name, child in zip(self._children, self.layers, strict=True):
             child.assign_names(f"{prefix}{child_name}.")
 
     def forward(self, x: Any) -> Any:
@@ -82,5 +82,5 @@ class Sequential(Layer):
         return self.layers[index]
 
     def extra_repr(self) -> str:
-        inner = "\n".join(f"  ({n}): {layer!r}" for n, layer in zip(self._children, self.layers))
+        inner = "\n".join(f"  ({n}): {layer!r}" for n, layer in zip(self._children, self.layers, strict=True))
         return f"\n{inner}\n" if inner else ""
