@@ -1,0 +1,39 @@
+"""The benchmark command's output format (figures are not asserted: benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcdl.bench import main
+from hpcdl.errors import ConfigError
+
+KEYS = {"impl", "model", "batch", "samples_per_s", "step_s"}
+
+
+def test_step_writes_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "step.json"
+    assert main(["step", "--model", "mlp", "--batch", "8", "--repeat", "2", "--steps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["impl"] for r in rows] == ["hpcdl"]
+    assert KEYS <= set(rows[0]) and rows[0]["batch"] == 8 and rows[0]["model"] == "mlp"
+    assert rows[0]["samples_per_s"] == pytest.approx(8 / rows[0]["step_s"])
+    assert "samples/s" in capsys.readouterr().out
+
+
+def test_step_vs_torch_same_network(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "step.json"
+    assert main(["step", "--model", "mlp", "--batch", "4", "--repeat", "1", "--steps", "1", "--vs", "torch",
+                 "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["impl"] for r in rows] == ["hpcdl", "torch"]
+
+
+def test_step_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="positive"):
+        main(["step", "--batch", "0"])
+    with pytest.raises(ConfigError, match="invalid choice"):
+        main(["step", "--model", "alexnet"])
