@@ -26,7 +26,7 @@ class LayerObserver(Protocol):
         """``phase`` is ``"forward"`` or ``"backward"``; ``x`` the layer's input (or output gradient)."""
 
     def after(self, phase: str, layer: Layer, y: Any) -> None:
-        """``y`` is the layer's output (or input gradient)."""
+        """``y`` is the layer's output (or input gradient; ``None`` when the layer skipped it)."""
 
 
 _observers: ContextVar[tuple[LayerObserver, ...]] = ContextVar("hpcdl_layer_observers", default=())
