@@ -22,6 +22,7 @@ def test_data_parallel_equals_one_process_on_global_batches(optimizer: str) -> N
         "dtype=float64",
         "optimizer.weight_decay=1e-4",
         "schedule.name=cosine",
+        "schedule.scale=none",  # the same lr as the single process with N x the batch
     ]
     parallel = run(load_config("digits-mlp", [*common, f"data.batch_size={batch}"]), comm)
     alone_comm = comm.Split(comm.Get_rank(), 0)  # a world of one on every rank
