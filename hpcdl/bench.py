@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.cli import parse_args
+from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import world, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
@@ -153,9 +153,9 @@ def _print_step(rows: list[dict[str, Any]]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpcdl.bench", description=__doc__, exit_on_error=False)
+    parser = ArgumentParser(prog="python -m hpcdl.bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("step", help="forward+backward+update samples/s of one process", exit_on_error=False)
+    p = sub.add_parser("step", help="forward+backward+update samples/s of one process")
     p.add_argument("--model", default="mlp32", choices=MODELS)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--vs", choices=("torch",), default=None, help="also run the same network in PyTorch")

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 from hpcdl.errors import ConfigError, HpcdlError
 
-__all__ = ["entry", "parse_args", "EXIT_USAGE"]
+__all__ = ["entry", "parse_args", "ArgumentParser", "HelpRequested", "EXIT_USAGE"]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
 EXIT_USAGE = 2
@@ -40,10 +40,15 @@ def entry(main: Callable[[list[str]], int], prog: str) -> NoReturn:
     """
     try:
         code = main(sys.argv[1:])
+    except HelpRequested as done:
+        code = done.status
     except HpcdlError as err:
         rank, size = _world_rank_size()
         if size > 1 and rank != 0:
-            time.sleep(1.0)  # if rank 0 hit it too, its Abort ends us before we print it again
+            # A heuristic, not a protocol: if rank 0 hit the same error (a bad config is
+            # seen by every rank), its Abort usually ends this rank before it prints the
+            # line a second time. An error only this rank sees is printed after the pause.
+            time.sleep(1.0)
         where = f" (rank {rank})" if size > 1 and rank != 0 else ""
         print(f"{prog}: error{where}: {err}", file=sys.stderr, flush=True)
         _end(EXIT_USAGE, size)
@@ -65,12 +70,39 @@ def _end(code: int, size: int) -> NoReturn:
     sys.exit(code)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser for ``main(argv)``: errors raise, nothing calls ``sys.exit``.
+
+    A usage error (missing or unknown argument, bad choice) raises
+    :class:`ConfigError`, which the entry point prints as one line with exit
+    status 2; ``--help`` raises :class:`HelpRequested` after printing the help.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise HelpRequested(status)
+
+
+class HelpRequested(Exception):  # noqa: N818  (not an error: --help was answered)
+    """``--help`` (or ``--version``) printed its text; ``main`` returns ``status``."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """``parser.parse_args`` that raises :class:`ConfigError` (exit 2) instead of exiting."""
+    """``parser.parse_args(argv)`` raising :class:`ConfigError` (exit 2) instead of exiting.
+
+    Raises:
+        ConfigError: a usage error.
+        HelpRequested: ``--help`` was given and answered.
+    """
     try:
-        args, extra = parser.parse_known_args(argv)
+        return parser.parse_args(argv)
     except argparse.ArgumentError as err:
-        raise ConfigError(f"{err} (see --help)") from None
-    if extra:
-        raise ConfigError(f"unrecognized arguments: {' '.join(extra)} (see --help)")
-    return args
+        raise ConfigError(f"{err} (see {parser.prog} --help)") from None

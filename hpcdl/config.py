@@ -9,7 +9,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
+from hpcdl.models import MODELS
+from hpcdl.parallel import EXCHANGES
 
 __all__ = ["Key", "SCHEMA", "Config", "load_config", "preset_names", "parse_set", "markdown_table"]
 
@@ -23,11 +26,11 @@ class Key:
     doc: str
     choices: tuple[Any, ...] = ()
     minimum: float | None = None
+    below: float | None = None  # exclusive upper bound
+    item: type | None = None  # lists: the type of every element (positive when numeric)
 
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
-_MODELS = ("mlp", "mlp32", "cnn", "vgg16", "resnet18", "resnet50")
-_DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "npz", "hdf5", "synthetic")
 
 #: Every config key, by dotted name. README's key table is generated from this.
 SCHEMA: dict[str, Key] = {
@@ -35,22 +38,22 @@ SCHEMA: dict[str, Key] = {
     "seed": Key(int, 0, "seed of every random stream (init, epoch permutation, dropout)", minimum=0),
     "device": Key(str, "cpu", "array device", choices=("cpu", "gpu")),
     "dtype": Key(str, "float32", "parameter and activation dtype", choices=("float32", "float64")),
-    "model.name": Key(str, "mlp", "model builder", choices=_MODELS),
+    "model.name": Key(str, "mlp", "model builder", choices=MODELS),
     "model.depth": Key(int, 3, "mlp: number of Linear layers", minimum=1),
     "model.width": Key(int, 256, "mlp: hidden width", minimum=1),
     "model.width_mult": Key(float, 1.0, "cnn/vgg16/resnet: channel width multiplier", minimum=0.0),
     "model.channels": Key(int, 32, "cnn: channels of the first convolution", minimum=1),
-    "model.dropout": Key(float, 0.0, "mlp/cnn: dropout probability before the head", minimum=0.0),
-    "data.name": Key(str, "digits", "data set", choices=_DATASETS),
+    "model.dropout": Key(float, 0.0, "mlp/cnn: dropout probability before the head", minimum=0.0, below=1.0),
+    "data.name": Key(str, "digits", "data set", choices=DATASETS),
     "data.path": Key(str, "", "file or directory of the data set (digits: bundled when empty)"),
     "data.batch_size": Key(int, 32, "samples per step PER RANK (global batch = ranks x batch)", minimum=1),
     "data.sampler": Key(
         str,
         "shuffle",
         "shuffle: strided shards of one permutation; random: with replacement",
-        choices=("shuffle", "random"),
+        choices=KINDS,
     ),
-    "data.shape": Key(list, [1, 28, 28], "synthetic: per-sample input shape"),
+    "data.shape": Key(list, [1, 28, 28], "synthetic: per-sample input shape", item=int),
     "data.num_classes": Key(int, 10, "synthetic: number of classes", minimum=2),
     "data.train_size": Key(int, 8192, "synthetic: training samples", minimum=1),
     "data.test_size": Key(int, 1024, "synthetic: test samples", minimum=1),
@@ -65,8 +68,8 @@ SCHEMA: dict[str, Key] = {
     "optimizer.weight_decay": Key(
         float, 0.0, "L2 (sgd, adam) or decoupled (adamw) weight decay", minimum=0.0
     ),
-    "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0),
-    "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0),
+    "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0, below=1.0),
+    "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0, below=1.0),
     "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", minimum=0.0),
     "schedule.name": Key(
         str, "constant", "LR schedule after warm-up", choices=("constant", "step", "cosine")
@@ -83,7 +86,7 @@ SCHEMA: dict[str, Key] = {
         "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
         choices=("none", "linear", "sqrt"),
     ),
-    "exchange.name": Key(str, "allreduce", "gradient exchange under mpiexec", choices=("allreduce",)),
+    "exchange.name": Key(str, "allreduce", "gradient exchange under mpiexec", choices=tuple(EXCHANGES)),
     "exchange.debug": Key(
         bool, False, "check buffer sizes and finite gradients across ranks before exchange"
     ),
@@ -120,6 +123,15 @@ def _check(key: str, value: Any) -> Any:
         )
     if spec.minimum is not None and value < spec.minimum:
         raise ConfigError(f"config key {key!r} must be >= {spec.minimum} (got {value!r})")
+    if spec.below is not None and value >= spec.below:
+        raise ConfigError(f"config key {key!r} must be < {spec.below} (got {value!r})")
+    if spec.item is not None:
+        ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)
+        if not ok or not value:
+            raise ConfigError(
+                f"config key {key!r} expects a non-empty list of positive "
+                f"{spec.item.__name__}s (got {value!r})"
+            )
     return value
 
 

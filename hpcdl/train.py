@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from hpcdl.backend import array_module, to_numpy
-from hpcdl.cli import parse_args
+from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import SUM, Communicator, world, wtime
 from hpcdl.config import Config, load_config
-from hpcdl.data import Dataset, DistributedSampler, load_dataset
-from hpcdl.errors import HpcdlError
+from hpcdl.data import Dataset, DistributedSampler, gather_batch, load_dataset
+from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.models import build_model
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
@@ -57,10 +57,9 @@ class RunResult:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m hpcdl.train",
         description="Train a model; under `mpiexec -n N` it trains data-parallel on N ranks.",
-        exit_on_error=False,
     )
     parser.add_argument("--config", required=True, help="a preset name (e.g. digits-mlp) or a TOML file")
     parser.add_argument(
@@ -85,6 +84,8 @@ def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
     params = model.parameters()
     name, wd = cfg["optimizer.name"], cfg["optimizer.weight_decay"]
     if name == "sgd":
+        if cfg["optimizer.nesterov"] and cfg["optimizer.momentum"] <= 0:
+            raise ConfigError("optimizer.nesterov = true needs optimizer.momentum > 0 (got 0)")
         return SGD(
             params,
             lr,
@@ -127,13 +128,44 @@ def load_data(cfg: Config) -> Dataset:
     )
 
 
+def build(cfg: Config, data: Dataset, rank: int, dtype: Any, xp: Any) -> Sequential:
+    """The config's model for ``data``: initialised from (seed, "init"), dropout from (seed, rank).
+
+    Raises:
+        ConfigError: the model cannot take the data set's samples.
+    """
+    seed = cfg["seed"]
+    try:
+        return build_model(
+            cfg["model.name"],
+            data.input_shape,
+            data.num_classes,
+            rng=generator(seed, "init"),
+            dropout_rng=generator(seed, rank, "dropout"),
+            dtype=dtype,
+            xp=xp,
+            depth=cfg["model.depth"],
+            width=cfg["model.width"],
+            width_mult=cfg["model.width_mult"],
+            channels=cfg["model.channels"],
+            dropout=cfg["model.dropout"],
+        )
+    except ValueError as err:
+        raise ConfigError(
+            f"model.name = {cfg['model.name']!r} does not fit data {data.name!r}: {err}"
+        ) from None
+
+
 def evaluate(
     model: Sequential, data: Dataset, comm: Communicator, xp: Any, dtype: Any
 ) -> tuple[float, float]:
     """Test accuracy and mean loss over the whole test set, sharded over the ranks.
 
-    Rank r evaluates test images r, r+N, …, with its own BatchNorm statistics;
-    the counts are summed with one small allreduce.
+    Rank r evaluates test images r, r+N, … with its own model. The parameters
+    are the same on every rank, but BatchNorm's running statistics are local
+    (DESIGN.md), so for a model with BatchNorm at N > 1 the figure pools N
+    slightly different models, as DDP-style sharded evaluation does. The
+    counts are summed with one small allreduce.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     idx = np.arange(rank, len(data.y_test), size)
@@ -177,20 +209,7 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
     sampler = DistributedSampler(
         len(data.y_train), cfg["data.batch_size"], rank, size, seed=seed, kind=cfg["data.sampler"]
     )
-    model = build_model(
-        cfg["model.name"],
-        data.input_shape,
-        data.num_classes,
-        rng=generator(seed, "init"),
-        dropout_rng=generator(seed, rank, "dropout"),
-        dtype=dtype,
-        xp=xp,
-        depth=cfg["model.depth"],
-        width=cfg["model.width"],
-        width_mult=cfg["model.width_mult"],
-        channels=cfg["model.channels"],
-        dropout=cfg["model.dropout"],
-    )
+    model = build(cfg, data, rank, dtype, xp)
     steps_per_epoch = sampler.steps_per_epoch
     total_steps = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
     schedule = make_schedule(cfg, size, steps_per_epoch, total_steps)
@@ -207,19 +226,20 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
     step, compute_s, train_s = 0, 0.0, 0.0
     acc, test_loss = float("nan"), float("nan")
     global_batch = size * cfg["data.batch_size"]
+    loss_buf = np.zeros(2)  # [sum of the ranks' losses] in, out: for the mean over ranks
     try:
-        epoch = 0
         while step < total_steps:
-            for i_batch, indices in enumerate(sampler.epoch_batches(epoch)):
+            epoch = sampler.epoch
+            for i_batch, indices in sampler:  # the sampler keeps its position (for resume)
                 t0 = wtime()
-                x = xp.asarray(data.x_train[indices], dtype=dtype)
-                y = xp.asarray(data.y_train[indices])
+                x, y = gather_batch(data.x_train, data.y_train, indices, xp)
+                x = x.astype(dtype, copy=False)
                 optimizer.lr = schedule(step)
                 if profiler is not None:
                     with observe(profiler):
-                        loss = _forward_backward(model, loss_fn, x, y)
+                        local_loss = _forward_backward(model, loss_fn, x, y)
                 else:
-                    loss = _forward_backward(model, loss_fn, x, y)
+                    local_loss = _forward_backward(model, loss_fn, x, y)
                 comm_before = exchange.comm_time
                 exchange.exchange()
                 optimizer.step()
@@ -227,10 +247,9 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
                 compute_s += dt - (exchange.comm_time - comm_before)
                 train_s += dt
                 step += 1
+                loss = _mean_over_ranks(comm, local_loss, loss_buf)  # a metric: outside the step time
                 if not math.isfinite(loss):
-                    raise HpcdlError(
-                        f"loss is {loss} at step {step} (rank {rank}): lower optimizer.lr or check the data"
-                    )
+                    raise HpcdlError(f"loss is {loss} at step {step}: lower optimizer.lr or check the data")
                 row = {"step": step, "epoch": epoch, "loss": loss, "lr": optimizer.lr, "step_s": dt}
                 end_of_epoch = i_batch == steps_per_epoch - 1
                 if (
@@ -247,7 +266,6 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
                 bar.update(step, loss=loss, samples_per_s=global_batch * step / train_s)
                 if step >= total_steps:
                     break
-            epoch += 1
     finally:
         bar.close()
     if not history or "test_accuracy" not in history[-1]:
@@ -269,6 +287,16 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
         history=history,
         profile=profiler.table() if profiler is not None else None,
     )
+
+
+def _mean_over_ranks(comm: Communicator, value: float, buf: np.ndarray) -> float:
+    """The mean of ``value`` over the ranks (one tiny ``Allreduce``; ``buf`` holds 2 floats)."""
+    size = comm.Get_size()
+    if size == 1:
+        return value
+    buf[0] = value
+    comm.Allreduce(buf[:1], buf[1:], op=SUM)
+    return float(buf[1]) / size
 
 
 def _forward_backward(model: Sequential, loss_fn: SoftmaxCrossEntropy, x: Any, y: Any) -> float:

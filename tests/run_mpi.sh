@@ -31,7 +31,7 @@ echo $? >"$LOGDIR/rank$r.rc"'
 echo "+ mpiexec -n $nprocs $python -m pytest --with-mpi -m mpi $*" >&2
 set +e
 LOGDIR=$logdir timeout --kill-after=30 "$timeout_s" \
-    "${MPIEXEC:-mpiexec}" -n "$nprocs" -genv LOGDIR "$logdir" bash -c "$rank_cmd" "$python" "$@"
+    "${MPIEXEC:-mpiexec}" -n "$nprocs" bash -c "$rank_cmd" "$python" "$@"
 launcher_rc=$?
 set -e
 

@@ -15,7 +15,10 @@ KEYS = {"impl", "model", "batch", "samples_per_s", "step_s"}
 
 def test_step_writes_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "step.json"
-    assert main(["step", "--model", "mlp", "--batch", "8", "--repeat", "2", "--steps", "1", "--json", str(out)]) == 0
+    assert (
+        main(["step", "--model", "mlp", "--batch", "8", "--repeat", "2", "--steps", "1", "--json", str(out)])
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [r["impl"] for r in rows] == ["hpcdl"]
     assert KEYS <= set(rows[0]) and rows[0]["batch"] == 8 and rows[0]["model"] == "mlp"
@@ -26,8 +29,26 @@ def test_step_writes_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_step_vs_torch_same_network(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "step.json"
-    assert main(["step", "--model", "mlp", "--batch", "4", "--repeat", "1", "--steps", "1", "--vs", "torch",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "step",
+                "--model",
+                "mlp",
+                "--batch",
+                "4",
+                "--repeat",
+                "1",
+                "--steps",
+                "1",
+                "--vs",
+                "torch",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())
     assert [r["impl"] for r in rows] == ["hpcdl", "torch"]
 

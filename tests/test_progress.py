@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from hpcdl.progress import Progress, choose_mode
+from hpcdl.progress import SCHEDULER_VARS, Progress, choose_mode
 
 
 class _Tty(io.StringIO):
@@ -16,8 +16,7 @@ class _Tty(io.StringIO):
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for var in ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "COBALT_JOBID", "FLUX_JOB_ID", "JOB_ID", "CI",
-                "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+    for var in (*SCHEDULER_VARS, "CI", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 

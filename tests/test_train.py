@@ -43,7 +43,10 @@ def test_profiler_table() -> None:
     result = run(cfg)
     assert result.profile is not None
     assert [row["layer"] for row in result.profile] == [str(i) for i in range(len(result.model))]
-    assert all(row["calls"] == 3 and row["forward_s"] > 0 and row["backward_s"] > 0 for row in result.profile)
+    assert all(
+        row["calls"] == 3 and row["forward_s"] >= 0 and row["backward_s"] >= 0 for row in result.profile
+    )
+    assert [row["kind"] for row in result.profile][:3] == ["Conv2d", "BatchNorm2d", "ReLU"]
     assert result.profile[0]["output_shape"] == (32, 4, 8, 8)
 
 
@@ -93,6 +96,26 @@ def _run_cmd(*args: str, n: int | None = None, timeout: float = 120) -> subproce
         ),
         (["--config", "digits-mlp", "--set", "data.batch_size=2000"], "sampler"),
         (["--config", "digits-mlp", "--bogus"], "unrecognized arguments: --bogus"),
+        ([], "the following arguments are required: --config"),
+        (["--config", "digits-mlp", "--set", "model.dropout=1.0"], "'model.dropout' must be < 1.0"),
+        (
+            ["--config", "digits-mlp", "--set", "optimizer.nesterov=true", "--set", "optimizer.momentum=0"],
+            "needs optimizer.momentum > 0",
+        ),
+        (
+            [
+                "--config",
+                "digits-mlp",
+                "--set",
+                "model.name=cnn",
+                "--set",
+                "data.name=synthetic",
+                "--set",
+                "data.shape=[784]",
+            ],
+            "needs image inputs (C, H, W)",
+        ),
+        (["--config", "digits-mlp", "--set", 'data.shape=[1, "a"]'], "list of positive ints"),
     ],
 )
 def test_user_errors_exit_2_with_one_line(args: list[str], fragment: str) -> None:
@@ -102,6 +125,11 @@ def test_user_errors_exit_2_with_one_line(args: list[str], fragment: str) -> Non
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hpcdl.train: error: ") and fragment in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_help_exits_0() -> None:
+    proc = _run_cmd("--help")
+    assert proc.returncode == 0 and "--config" in proc.stdout and proc.stderr == ""
 
 
 def test_user_error_under_mpiexec_is_one_line_and_nonzero() -> None:

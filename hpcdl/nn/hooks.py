@@ -61,6 +61,7 @@ class LayerProfiler:
         self.times: dict[tuple[str, str], list[float]] = {}
         self.out_bytes: dict[str, int] = {}
         self.out_shape: dict[str, tuple[int, ...]] = {}
+        self.kind: dict[str, str] = {}
         self.order: list[str] = []
 
     def before(self, phase: str, layer: Layer, x: Any) -> None:
@@ -73,6 +74,7 @@ class LayerProfiler:
         if phase == "forward":
             if layer.name not in self.out_bytes:
                 self.order.append(layer.name)
+                self.kind[layer.name] = type(layer).__name__
             self.out_bytes[layer.name] = int(y.nbytes)
             self.out_shape[layer.name] = tuple(y.shape)
 
@@ -88,6 +90,7 @@ class LayerProfiler:
             rows.append(
                 {
                     "layer": name,
+                    "kind": self.kind[name],
                     "forward_s": statistics.median(fwd) if fwd else 0.0,
                     "backward_s": statistics.median(bwd) if bwd else 0.0,
                     "calls": len(fwd),

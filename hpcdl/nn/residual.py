@@ -45,13 +45,17 @@ class ResidualBlock(Layer):
         h = x  # N, Cin, H, W
         for attr in self._main:
             h = getattr(self, attr).forward(h)  # N, Cout, Ho, Wo at the end
-        s = x if self.shortcut is None else self.shortcut.forward(x)  # N, Cout, Ho, Wo
+        s = x  # N, Cin, H, W
+        for layer in self.shortcut or ():  # not shortcut.forward: the hook must not fire inside
+            s = layer.forward(s)  # N, Cout, Ho, Wo at the end
         h += s  # N, Cout, Ho, Wo (h is a fresh BatchNorm output)
         return self.relu_out.forward(h)  # N, Cout, Ho, Wo
 
     def backward(self, gy: Any) -> Any:
         g = self.relu_out.backward(gy)  # N, Cout, Ho, Wo
-        gs = g if self.shortcut is None else self.shortcut.backward(g)  # N, Cin, H, W
+        gs = g  # N, Cout, Ho, Wo
+        for layer in reversed(self.shortcut.layers if self.shortcut is not None else []):
+            gs = layer.backward(gs)  # N, Cin, H, W at the end
         gh = g  # N, Cout, Ho, Wo
         for attr in reversed(self._main):
             gh = getattr(self, attr).backward(gh)  # N, Cin, H, W at the end

@@ -53,7 +53,7 @@ class LocalExchange:
             _check_finite(self.params, self.comm.Get_rank())
 
 
-class AllreduceExchange:
+class AllreduceExchange(LocalExchange):
     """Packs all gradients into one buffer, sums it with ``Allreduce``, unpacks with scale 1/N.
 
     Packing (the Cython kernel in ``ext/pack.pyx``) follows the parameters'
@@ -64,11 +64,7 @@ class AllreduceExchange:
     """
 
     def __init__(self, comm: Communicator, params: Sequence[Parameter], debug: bool = False) -> None:
-        self.comm = comm
-        self.params = list(params)
-        self.debug = debug
-        self.comm_time = 0.0
-        self.bytes_sent = 0
+        super().__init__(comm, params, debug)
         grads = [p.grad for p in self.params]
         self._grads = Packer(grads)
         self._data = Packer([p.data for p in self.params])

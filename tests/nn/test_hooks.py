@@ -81,3 +81,19 @@ def test_stage_reports_model_names():
     with observe(Recorder("r", log)):
         stage.forward(np.ones((2, 5), np.float32))
     assert [e[3] for e in log] == ["1", "1", "2", "2"]
+
+
+def test_profiler_sees_a_residual_block_as_one_layer():
+    """A projection shortcut is a Sequential inside the block: the hook must not fire inside it."""
+    from hpcdl.nn import BasicBlock, GlobalAvgPool2d
+
+    rng = np.random.default_rng(0)
+    model = Sequential([BasicBlock(2, 4, stride=2, rng=rng), GlobalAvgPool2d()])
+    x = rng.standard_normal((2, 2, 6, 6)).astype(np.float32)
+    with observe(LayerProfiler()) as prof:
+        y = model.forward(x)
+        model.backward(np.ones_like(y))
+    rows = prof.table()
+    assert [(r["layer"], r["kind"]) for r in rows] == [("0", "BasicBlock"), ("1", "GlobalAvgPool2d")]
+    assert [r["calls"] for r in rows] == [1, 1]
+    assert sorted(prof.times) == [("0", "backward"), ("0", "forward"), ("1", "backward"), ("1", "forward")]
