@@ -24,7 +24,10 @@ EXIT_USAGE = 2
 def _world_rank_size() -> tuple[int, int]:
     from hpcdl.comm import world
 
-    comm = world()
+    try:
+        comm = world()
+    except HpcdlError:  # MPI itself cannot start: report as a process of one
+        return 0, 1
     return comm.Get_rank(), comm.Get_size()
 
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, to_numpy
 from hpcdl.cli import ArgumentParser, parse_args
-from hpcdl.comm import SUM, Communicator, world, wtime
+from hpcdl.comm import Communicator, world, wtime
 from hpcdl.config import Config, load_config
 from hpcdl.data import Dataset, DistributedSampler, gather_batch, load_dataset
 from hpcdl.errors import ConfigError, HpcdlError
@@ -180,7 +181,7 @@ def evaluate(
         loss_sum += loss_fn.forward(logits, y) * len(part)
         correct += int(to_numpy(logits.argmax(axis=1) == y).sum())
     model.train()
-    correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=SUM)
+    correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=ops.SUM)
     return float(correct / max(1, count)), float(loss_sum / max(1, count))
 
 
@@ -295,7 +296,7 @@ def _mean_over_ranks(comm: Communicator, value: float, buf: np.ndarray) -> float
     if size == 1:
         return value
     buf[0] = value
-    comm.Allreduce(buf[:1], buf[1:], op=SUM)
+    comm.Allreduce(buf[:1], buf[1:], op=ops.SUM)
     return float(buf[1]) / size
 
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mpi4py import MPI
+from hpcdl.errors import HpcdlError
+
+try:
+    from mpi4py import MPI
+except (ImportError, RuntimeError) as _err:  # mpi4py missing, or no MPI library to load
+    _reason = str(_err).splitlines()[0]
+    raise HpcdlError(
+        f"mpi4py cannot start MPI ({_reason}): install an MPI library, e.g. `pip install mpich` "
+        "(the [mpich] extra), or build mpi4py against your cluster's MPI (README: Installing on a cluster)"
+    ) from None
 
 __all__ = [
     "ANY_SOURCE",

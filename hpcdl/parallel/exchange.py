@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import get_array_module, synchronize, to_numpy
-from hpcdl.comm import MAX, SUM, Communicator, wtime
+from hpcdl.comm import Communicator, wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.errors import HpcdlError
 from hpcdl.nn.parameter import Parameter
@@ -85,7 +86,7 @@ class AllreduceExchange(LocalExchange):
         grads = [p.grad for p in self.params]
         send = self._grads.pack(grads)
         synchronize(send)
-        self.comm.Allreduce(send, self._recv, op=SUM)
+        self.comm.Allreduce(send, self._recv, op=ops.SUM)
         self._grads.unpack(self._recv, grads, scale=1.0 / self.comm.Get_size())
         self.comm_time += wtime() - t0
         self.bytes_sent += int(send.nbytes)
@@ -101,7 +102,7 @@ class AllreduceExchange(LocalExchange):
                 f"gradient buffers differ across ranks ({detail}): every rank must build the same model"
             )
         bad = _check_finite(self.params, rank, raise_error=False)
-        if self.comm.allreduce(int(bad is not None), op=MAX):
+        if self.comm.allreduce(int(bad is not None), op=ops.MAX):
             raise ExchangeError(bad or "a gradient on another rank is not finite (see that rank's message)")
 
 
