@@ -31,7 +31,7 @@ def _world_rank_size() -> tuple[int, int]:
     return comm.Get_rank(), comm.Get_size()
 
 
-def entry(main: Callable[[list[str]], int], prog: str) -> NoReturn:
+def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = False) -> NoReturn:
     """Run ``main(sys.argv[1:])`` and exit with its status.
 
     A :class:`~hpcdl.errors.HpcdlError` prints one line ``prog: error: ...`` and
@@ -41,6 +41,12 @@ def entry(main: Callable[[list[str]], int], prog: str) -> NoReturn:
     waiting in a collective forever); rank 0 reports first, so that an error
     every rank hits is printed once.
     """
+    if stop_signals:  # SIGUSR1/SIGTERM/SIGINT ask the loop for a checkpoint and a clean exit
+        from hpcdl.signals import StopRequest, install_handlers, set_stop_request
+
+        request = StopRequest()
+        install_handlers(request)
+        set_stop_request(request)
     try:
         code = main(sys.argv[1:])
     except HelpRequested as done:

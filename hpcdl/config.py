@@ -59,6 +59,9 @@ SCHEMA: dict[str, Key] = {
     "data.test_size": Key(int, 1024, "synthetic: test samples", minimum=1),
     "train.epochs": Key(int, 10, "epochs to train (ignored when train.steps > 0)", minimum=1),
     "train.steps": Key(int, 0, "total steps; 0: train.epochs epochs", minimum=0),
+    "train.stop_at": Key(
+        int, 0, "stop gracefully after this step (checkpoint, exit 0), as a signal would; 0: never", minimum=0
+    ),
     "train.eval_every": Key(int, 0, "steps between test evaluations; 0: at the end of each epoch", minimum=0),
     "train.log_every": Key(int, 20, "steps between progress lines (batch jobs)", minimum=1),
     "optimizer.name": Key(str, "sgd", "optimizer", choices=_OPTIMIZERS),
@@ -91,6 +94,11 @@ SCHEMA: dict[str, Key] = {
         bool, False, "check buffer sizes and finite gradients across ranks before exchange"
     ),
     "profile.layers": Key(bool, False, "record per-layer forward/backward times and output sizes"),
+    "checkpoint.every": Key(int, 200, "steps between checkpoints (0: only at the end or a stop)", minimum=0),
+    "checkpoint.keep": Key(int, 2, "checkpoints kept beside the run file (the newest)", minimum=1),
+    "log.flush_every": Key(
+        int, 10, "steps between writes of the run file (a crash loses at most these)", minimum=1
+    ),
 }
 
 

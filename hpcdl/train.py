@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
+import os
+import shlex
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpcdl import __version__
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, to_numpy
 from hpcdl.cli import ArgumentParser, parse_args
@@ -21,7 +28,18 @@ from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
 from hpcdl.parallel import make_exchange
 from hpcdl.progress import Progress, choose_mode
+from hpcdl.resume import capture, find_resume, restore
 from hpcdl.rng import generator
+from hpcdl.runlog import RunLog
+from hpcdl.signals import current_stop_request
+from hpcdl.store import RunFile
+from hpcdl.store.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_path,
+    prune_checkpoints,
+    save_checkpoint,
+)
 
 __all__ = ["main", "run", "RunResult", "build_parser"]
 
@@ -47,6 +65,9 @@ class RunResult:
     optimizer: Optimizer
     history: list[dict[str, float]] = field(default_factory=list)
     profile: list[dict[str, Any]] | None = None
+    run_file: Path | None = None
+    checkpoint: Path | None = None
+    stopped_by: str = ""
 
     def summary(self) -> str:
         """The one summary line printed at the end of a run."""
@@ -54,6 +75,7 @@ class RunResult:
             f"{self.config['name']}: test accuracy {100 * self.test_accuracy:.2f}% | "
             f"{self.steps} steps ({self.epochs:g} epochs) on {self.ranks} rank{'s' * (self.ranks > 1)} | "
             f"wall {self.wall_s:.1f} s | {self.samples_per_s:.0f} samples/s"
+            + (f" | run file {self.run_file}" if self.run_file is not None else "")
         )
 
 
@@ -70,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override a config key; the value is read as TOML (repeatable)",
+    )
+    parser.add_argument("--out", default=None, help="the run file (HDF5); default runs/<name>-<time>.h5")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="CHECKPOINT|auto",
+        help="continue from a checkpoint, or auto: the newest valid one of --out (fresh start if none)",
     )
     parser.add_argument(
         "--progress",
@@ -129,7 +158,9 @@ def load_data(cfg: Config) -> Dataset:
     )
 
 
-def build(cfg: Config, data: Dataset, rank: int, dtype: Any, xp: Any) -> Sequential:
+def build(
+    cfg: Config, data: Dataset, rank: int, dtype: Any, xp: Any, dropout_rng: np.random.Generator | None = None
+) -> Sequential:
     """The config's model for ``data``: initialised from (seed, "init"), dropout from (seed, rank).
 
     Raises:
@@ -142,7 +173,7 @@ def build(cfg: Config, data: Dataset, rank: int, dtype: Any, xp: Any) -> Sequent
             data.input_shape,
             data.num_classes,
             rng=generator(seed, "init"),
-            dropout_rng=generator(seed, rank, "dropout"),
+            dropout_rng=dropout_rng if dropout_rng is not None else generator(seed, rank, "dropout"),
             dtype=dtype,
             xp=xp,
             depth=cfg["model.depth"],
@@ -185,19 +216,30 @@ def evaluate(
     return float(correct / max(1, count)), float(loss_sum / max(1, count))
 
 
-def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -> RunResult:
+def run(
+    cfg: Config,
+    comm: Communicator | None = None,
+    progress: str = "none",
+    out: str | os.PathLike[str] | None = None,
+    resume: str | None = None,
+) -> RunResult:
     """Train as ``cfg`` says on ``comm`` (default: :func:`hpcdl.comm.world`).
 
     Args:
         cfg: a validated config.
         comm: the communicator; one rank trains alone, N ranks data-parallel.
         progress: ``bar``, ``lines``, ``none`` (rank 0 only) or ``auto``.
+        out: the run file (HDF5) to write, checkpoints beside it; None writes nothing.
+        resume: ``auto`` or a checkpoint path to continue from (needs ``out`` for
+            ``auto``).
 
     Returns:
-        The result, identical on every rank except for local timings.
+        The result, identical on every rank except for local timings; ``stopped``
+        is set when a stop was requested (a signal) and honoured at a step boundary.
 
     Raises:
-        HpcdlError: the data set does not fit the rank count and batch size, and the like.
+        HpcdlError: the data set does not fit the rank count and batch size, a
+            checkpoint does not fit, the loss is not finite, and the like.
     """
     comm = comm or world()
     t_start = wtime()
@@ -210,26 +252,57 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
     sampler = DistributedSampler(
         len(data.y_train), cfg["data.batch_size"], rank, size, seed=seed, kind=cfg["data.sampler"]
     )
-    model = build(cfg, data, rank, dtype, xp)
+    dropout_rng = generator(seed, rank, "dropout")
+    model = build(cfg, data, rank, dtype, xp, dropout_rng)
     steps_per_epoch = sampler.steps_per_epoch
     total_steps = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
     schedule = make_schedule(cfg, size, steps_per_epoch, total_steps)
     optimizer = make_optimizer(cfg, model, schedule(0))
     exchange = make_exchange(cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"])
     exchange.broadcast_parameters(root=0)
+
+    # -- the run file and the checkpoint to continue from (rank 0 decides, all learn) --------
+    run_path = Path(out) if out is not None else None
+    ckpt, runfile = _open_run(comm, cfg, model, run_path, resume, t_start)
+    counters = {"train_s": 0.0, "compute_s": 0.0, "elapsed_s": 0.0, "bytes_sent": 0}
+    step = 0
+    if ckpt is not None:
+        restore(ckpt, rank, model, optimizer, sampler, dropout_rng)
+        step = ckpt.step
+        counters.update({k: ckpt.meta["counters"][k] for k in counters})
+        exchange.bytes_sent = int(counters["bytes_sent"])
+    log = RunLog(comm, runfile, cfg["log.flush_every"])
+
     loss_fn = SoftmaxCrossEntropy()
     eval_every = cfg["train.eval_every"]
-    mode = choose_mode(progress)
-    bar = Progress(mode, total_steps, cfg["train.log_every"], active=rank == 0)
+    bar = Progress(choose_mode(progress), total_steps, cfg["train.log_every"], active=rank == 0)
     profiler = LayerProfiler() if cfg["profile.layers"] else None
+    stop = current_stop_request()
+    every = cfg["checkpoint.every"]
 
     history: list[dict[str, float]] = []
-    step, compute_s, train_s = 0, 0.0, 0.0
     acc, test_loss = float("nan"), float("nan")
     global_batch = size * cfg["data.batch_size"]
-    loss_buf = np.zeros(2)  # [sum of the ranks' losses] in, out: for the mean over ranks
+    agree = np.zeros(6)  # [loss, correct, stop] in, the sums over the ranks out
+    stopped_by = ""
+    t_segment = wtime()
+
+    def save(step: int) -> Path | None:
+        """Flush the log, then write a checkpoint of the state after ``step`` (collective)."""
+        if run_path is None:
+            return None
+        log.flush()
+        meta = {"counters": {**counters, "elapsed_s": counters["elapsed_s"] + wtime() - t_segment},
+                "exchange": {"name": cfg["exchange.name"], "debug": cfg["exchange.debug"]}}  # fmt: skip
+        ckpt = capture(comm, model, optimizer, sampler, dropout_rng, cfg, step, meta, _ckpt_attrs(run_path))
+        if ckpt is None:
+            return None
+        path = save_checkpoint(ckpt, checkpoint_path(run_path, step))
+        prune_checkpoints(run_path, cfg["checkpoint.keep"])
+        return path
+
     try:
-        while step < total_steps:
+        while step < total_steps and not stopped_by:
             epoch = sampler.epoch
             for i_batch, indices in sampler:  # the sampler keeps its position (for resume)
                 t0 = wtime()
@@ -238,20 +311,31 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
                 optimizer.lr = schedule(step)
                 if profiler is not None:
                     with observe(profiler):
-                        local_loss = _forward_backward(model, loss_fn, x, y)
+                        local_loss, correct = _forward_backward(model, loss_fn, x, y)
                 else:
-                    local_loss = _forward_backward(model, loss_fn, x, y)
+                    local_loss, correct = _forward_backward(model, loss_fn, x, y)
                 comm_before = exchange.comm_time
                 exchange.exchange()
                 optimizer.step()
                 dt = wtime() - t0
-                compute_s += dt - (exchange.comm_time - comm_before)
-                train_s += dt
+                step_comm = exchange.comm_time - comm_before
+                counters["compute_s"] += dt - step_comm
+                counters["train_s"] += dt
                 step += 1
-                loss = _mean_over_ranks(comm, local_loss, loss_buf)  # a metric: outside the step time
+                # one small Allreduce, outside the step time: global metrics, and agreement on a stop
+                loss, train_acc, stop_votes = _agree(
+                    comm, agree, local_loss, correct, len(indices), stop.requested
+                )
                 if not math.isfinite(loss):
-                    raise HpcdlError(f"loss is {loss} at step {step}: lower optimizer.lr or check the data")
-                row = {"step": step, "epoch": epoch, "loss": loss, "lr": optimizer.lr, "step_s": dt}
+                    log.close("failed", end_time=_now())
+                    raise HpcdlError(
+                        f"loss is {loss} at step {step}: stopped; the last good checkpoint is kept "
+                        "(lower optimizer.lr or check the data)"
+                    )
+                row = {"step": step, "epoch": epoch, "loss": loss, "train_accuracy": train_acc,
+                       "lr": optimizer.lr, "step_time": dt, "samples_per_s": global_batch / dt,
+                       "bytes_sent": exchange.bytes_sent,
+                       "time": counters["elapsed_s"] + wtime() - t_segment}  # fmt: skip
                 end_of_epoch = i_batch == steps_per_epoch - 1
                 if (
                     (eval_every and step % eval_every == 0)
@@ -264,13 +348,37 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
                         f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {test_loss:.4f}"
                     )
                 history.append(row)
-                bar.update(step, loss=loss, samples_per_s=global_batch * step / train_s)
+                log.record(row, dt - step_comm, step_comm)
+                bar.update(step, loss=loss, samples_per_s=global_batch * step / counters["train_s"])
+                if stop_votes:
+                    stopped_by = stop.name or "a signal to another rank"
+                    break
+                if step == cfg["train.stop_at"] and step < total_steps:
+                    stopped_by = f"train.stop_at = {step}"
+                    break
+                if every and step % every == 0 and step < total_steps:
+                    save(step)
                 if step >= total_steps:
                     break
+    except BaseException:
+        log.abandon("failed")
+        raise
     finally:
         bar.close()
-    if not history or "test_accuracy" not in history[-1]:
+    if not stopped_by and (not history or "test_accuracy" not in history[-1]):
         acc, test_loss = evaluate(model, data, comm, xp, dtype)
+    ckpt_path = save(step) if run_path is not None else None
+    counters["elapsed_s"] += wtime() - t_segment
+    samples_per_s = global_batch * step / counters["train_s"] if counters["train_s"] > 0 else 0.0
+    if runfile is not None and profiler is not None:
+        runfile.write_profile(profiler.table())
+    log.close(
+        "stopped" if stopped_by else "finished",
+        end_time=_now(),
+        wall_s=counters["elapsed_s"],
+        final_test_accuracy=acc,
+        samples_per_s=samples_per_s,
+    )
     return RunResult(
         config=cfg,
         ranks=size,
@@ -279,32 +387,163 @@ def run(cfg: Config, comm: Communicator | None = None, progress: str = "none") -
         test_accuracy=acc,
         test_loss=test_loss,
         wall_s=wtime() - t_start,
-        train_s=train_s,
-        samples_per_s=global_batch * step / train_s if train_s > 0 else 0.0,
-        compute_s=compute_s,
+        train_s=counters["train_s"],
+        samples_per_s=samples_per_s,
+        compute_s=counters["compute_s"],
         comm_s=exchange.comm_time,
         model=model,
         optimizer=optimizer,
         history=history,
         profile=profiler.table() if profiler is not None else None,
+        run_file=run_path,
+        checkpoint=ckpt_path,
+        stopped_by=stopped_by,
     )
 
 
-def _mean_over_ranks(comm: Communicator, value: float, buf: np.ndarray) -> float:
-    """The mean of ``value`` over the ranks (one tiny ``Allreduce``; ``buf`` holds 2 floats)."""
+def _open_run(
+    comm: Communicator,
+    cfg: Config,
+    model: Sequential,
+    run_path: Path | None,
+    resume: str | None,
+    t_start: float,
+) -> tuple[Checkpoint | None, RunFile | None]:
+    """Rank 0 finds the checkpoint and opens the run file; every rank gets the checkpoint.
+
+    A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is
+    sent to every rank, so that all raise the same error instead of waiting.
+    """
+    ckpt: Checkpoint | None = None
+    runfile: RunFile | None = None
+    outcome: tuple[str, Any] = ("ok", None)
+    if comm.Get_rank() == 0:
+        try:
+            if resume == "auto" and run_path is None:
+                raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
+            if resume is not None:
+                ckpt = find_resume(resume, run_path or Path(resume), cfg, model, comm.Get_size())
+            if run_path is not None:
+                if resume is not None and run_path.exists():  # continue it; no checkpoint: from step 0
+                    runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, comm.Get_size())
+                else:
+                    runfile = RunFile.create(run_path, _run_attrs(cfg, comm), comm.Get_size())
+            outcome = ("ok", ckpt)
+        except HpcdlError as err:
+            outcome = ("error", str(err))
+    status, payload = comm.bcast(outcome if comm.Get_rank() == 0 else None, root=0)
+    if status == "error":
+        raise CheckpointError(payload)
+    if ckpt is not None and comm.Get_rank() == 0:
+        print(f"hpcdl.train: resuming from {ckpt.path} (step {ckpt.step})", file=sys.stderr, flush=True)
+    return payload, runfile
+
+
+def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
+    """The root attributes of a new run file."""
+    from hpcdl.comm.mpi import library_version
+
+    return {
+        "name": cfg["name"],
+        "config": cfg.toml(),
+        "hpcdl_version": __version__,
+        "git_commit": _git_commit(),
+        "mpi_library": library_version().splitlines()[0].strip(),
+        "ranks": comm.Get_size(),
+        "world": "mpi",
+        "network": "",
+        "compute": "real",
+        "start_time": _now(),
+        "argv": " ".join(sys.argv),
+    }
+
+
+def _ckpt_attrs(run_path: Path | None) -> dict[str, Any]:
+    from hpcdl.comm.mpi import library_version
+
+    return {
+        "hpcdl_version": __version__,
+        "mpi_library": library_version().splitlines()[0].strip(),
+        "run_file": run_path.name if run_path is not None else "",
+    }
+
+
+def _git_commit() -> str:
+    """The commit of the hpcdl checkout in use, or "" (installed package, no git)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return ""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _agree(
+    comm: Communicator, buf: np.ndarray, loss: float, correct: int, count: int, stop: bool
+) -> tuple[float, float, int]:
+    """Mean loss and batch accuracy over the ranks, and how many ranks want to stop.
+
+    One ``Allreduce`` of three numbers: the stop votes travel with the metrics, so
+    agreeing on a stop costs nothing extra (a SUM > 0 is the MAX of the flags > 0).
+    """
     size = comm.Get_size()
+    buf[:3] = (loss, correct, float(stop))
     if size == 1:
-        return value
-    buf[0] = value
-    comm.Allreduce(buf[:1], buf[1:], op=ops.SUM)
-    return float(buf[1]) / size
+        buf[3:6] = buf[:3]
+    else:
+        comm.Allreduce(buf[:3], buf[3:6], op=ops.SUM)
+    return float(buf[3]) / size, float(buf[4]) / (count * size), int(buf[5])
 
 
-def _forward_backward(model: Sequential, loss_fn: SoftmaxCrossEntropy, x: Any, y: Any) -> float:
+def _forward_backward(model: Sequential, loss_fn: SoftmaxCrossEntropy, x: Any, y: Any) -> tuple[float, int]:
+    """Forward, loss, backward; returns the local loss and the number of correct predictions."""
     logits = model.forward(x)
     loss = loss_fn.forward(logits, y)
+    correct = int(to_numpy(logits.argmax(axis=1) == y).sum())
     model.backward(loss_fn.backward())
-    return float(loss)
+    return float(loss), correct
+
+
+def default_out(cfg: Config, comm: Communicator) -> Path:
+    """``runs/<name>-<UTC time>.h5``, the same on every rank (rank 0's clock)."""
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg['name']}-{comm.bcast(stamp, root=0)}.h5"
+
+
+def run_file_of(checkpoint: str) -> Path:
+    """The run file a checkpoint belongs to: ``RUN.ckpt-00000100.h5`` -> ``RUN.h5``."""
+    path = Path(checkpoint)
+    stem, sep, _ = path.name.rpartition(".ckpt-")
+    if not sep:
+        raise ConfigError(
+            f"--resume {checkpoint}: not a checkpoint name (RUN.ckpt-NNNNNNNN.h5); give --out too"
+        )
+    return path.with_name(f"{stem}.h5")
+
+
+def _resume_command(argv: list[str], out: Path) -> str:
+    """This command line with ``--out OUT --resume auto`` in place of its own."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--resume"):
+            skip = True
+        elif not arg.startswith(("--out=", "--resume=")):
+            kept.append(shlex.quote(arg))
+    return " ".join(["python -m hpcdl.train", *kept, "--out", shlex.quote(str(out)), "--resume auto"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,8 +551,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, list(argv or []))
     cfg = load_config(args.config, args.sets)
-    result = run(cfg, world(), progress=args.progress)
-    if world().Get_rank() == 0:
+    comm = world()
+    if args.out is not None:
+        out = Path(args.out)
+    elif args.resume is None:
+        out = default_out(cfg, comm)
+    elif args.resume == "auto":
+        raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
+    else:
+        out = run_file_of(args.resume)
+    result = run(cfg, comm, progress=args.progress, out=out, resume=args.resume)
+    if comm.Get_rank() == 0:
+        if result.stopped_by:
+            print(
+                f"{cfg['name']}: stopped by {result.stopped_by} after step {result.steps}, "
+                f"checkpoint {result.checkpoint}; continue with: {_resume_command(list(argv or []), out)}",
+                flush=True,
+            )
         print(result.summary(), flush=True)
     return 0
 
@@ -321,4 +575,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from hpcdl.cli import entry
 
-    entry(main, "hpcdl.train")
+    entry(main, "hpcdl.train", stop_signals=True)
