@@ -28,7 +28,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed
-	$(MPIEXEC) -n 2 $(PY) -m hpcdl.train --config digits-mlp
+	@run=runs/demo-$$(date +%Y%m%d-%H%M%S).h5; \
+	echo "+ $(MPIEXEC) -n 2 $(PY) -m hpcdl.train --config digits-mlp --out $$run"; \
+	$(MPIEXEC) -n 2 $(PY) -m hpcdl.train --config digits-mlp --out $$run && \
+	$(PY) -m hpcdl.report $$run
 
 test: test-serial test-mpi
 

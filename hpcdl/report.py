@@ -14,7 +14,7 @@ import numpy as np
 from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.store.runfile import FORMAT_VERSION, RANK_SERIES, RunFileError
 
-__all__ = ["Run", "load", "summarize", "format_table", "plot", "main"]
+__all__ = ["Run", "load", "summarize", "format_table", "labels", "plot", "main"]
 
 #: table columns: (key, header, format of a present value)
 COLUMNS = (
@@ -212,19 +212,23 @@ def plot(runs: list[Run], names: list[str], out: Path) -> list[Path]:
             1, len(with_ranks), figsize=(4 + 3 * len(with_ranks), 4), squeeze=False, sharey=True
         )
         for ax, (run, name) in zip(axes[0], with_ranks):
+            # comm_time includes wait_time (the part spent waiting for slower ranks): stack
+            # compute, the rest of the communication, and the wait, so the bar is the step
+            parts = {k: 1e3 * _column_means(run.ranks[k]) for k in RANK_SERIES if k in run.ranks}
+            if "comm_time" in parts and "wait_time" in parts:
+                parts["comm_time"] = parts["comm_time"] - parts["wait_time"]
+            labels = {"compute_time": "compute", "comm_time": "communication", "wait_time": "waiting"}
             bottom = None
-            for series in RANK_SERIES:
-                if series not in run.ranks:
-                    continue
-                ms = 1e3 * _column_means(run.ranks[series])
+            for series, ms in parts.items():
                 x = np.arange(len(ms))
-                ax.bar(x, ms, bottom=bottom, label=series.removesuffix("_time"))
+                ax.bar(x, ms, bottom=bottom, label=labels.get(series, series))
                 bottom = ms if bottom is None else bottom + ms
             ax.set_title(name)
             ax.set_xlabel("rank")
             ax.set_xticks(np.arange(len(bottom)) if bottom is not None else [])
         axes[0][0].set_ylabel("mean time per step (ms)")
-        axes[0][0].legend()
+        axes[0][0].margins(y=0.15)  # room for the legend above the bars
+        axes[0][0].legend(loc="upper left", ncol=3, fontsize="small")
         save(fig, "ranks.png")
     return written
 

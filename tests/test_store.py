@@ -1,0 +1,157 @@
+"""The run file's layout and checkpoint files: read back with plain h5py, damage detected."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.config import load_config
+from hpcdl.store import METRICS, RANK_SERIES, TRACE_FIELDS, RunFile, RunFileError
+from hpcdl.store.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from hpcdl.train import run
+
+
+def test_training_writes_the_documented_layout(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "r.h5"
+    cfg = load_config("digits-cnn", ["train.epochs=2", "model.channels=4", "profile.layers=true"])
+    result = run(cfg, out=out)
+    steps = result.steps
+    with h5py.File(out, "r") as f:  # plain h5py: nothing from hpcdl needed to read it
+        attrs = dict(f.attrs)
+        for key in (
+            "config",
+            "hpcdl_version",
+            "git_commit",
+            "mpi_library",
+            "ranks",
+            "world",
+            "start_time",
+            "status",
+            "end_time",
+            "wall_s",
+            "final_test_accuracy",
+            "samples_per_s",
+        ):
+            assert key in attrs, key
+        assert attrs["ranks"] == 1 and attrs["world"] == "mpi" and attrs["status"] == "finished"
+        assert "MPICH" in attrs["mpi_library"] or "Open MPI" in attrs["mpi_library"]
+        assert "[optimizer]" in attrs["config"] and 'name = "digits-cnn"' in attrs["config"]
+        assert set(f["metrics"]) == set(METRICS)
+        for name in METRICS:
+            assert f["metrics"][name].shape == (steps,), name
+        np.testing.assert_array_equal(f["metrics/step"][...], np.arange(1, steps + 1))
+        assert np.all(np.diff(f["metrics/time"][...]) > 0)
+        evaluated = ~np.isnan(f["metrics/test_accuracy"][...])
+        assert evaluated.sum() == 2 and evaluated[-1]  # end of each epoch
+        assert f["metrics/test_accuracy"][-1] == pytest.approx(result.test_accuracy)
+        np.testing.assert_allclose(f["metrics/loss"][...], [r["loss"] for r in result.history])
+        assert set(f["ranks"]) == set(RANK_SERIES)
+        assert all(f["ranks"][n].shape == (steps, 1) for n in RANK_SERIES)
+        assert set(f["trace"]) == set(TRACE_FIELDS)
+        layers = [s.decode() for s in f["profile/layer"][...]]
+        assert layers == [str(i) for i in range(len(result.model))]
+        assert f["profile/output_bytes"][0] == 32 * 4 * 8 * 8 * 4
+    ckpts = list_checkpoints(out)
+    assert ckpts == [checkpoint_path(out, steps)]
+
+
+def test_pandas_and_xarray_read_it(tmp_path: Path) -> None:
+    pd = pytest.importorskip("pandas")
+    out = tmp_path / "r.h5"
+    run(load_config("digits-mlp", ["train.steps=5"]), out=out)
+    with h5py.File(out, "r") as f:
+        frame = pd.DataFrame({k: f["metrics"][k][...] for k in f["metrics"]})
+    assert list(frame["step"]) == [1, 2, 3, 4, 5]
+
+
+def test_run_file_is_never_overwritten(tmp_path: Path) -> None:
+    out = tmp_path / "r.h5"
+    out.write_bytes(b"precious")
+    with pytest.raises(RunFileError, match="already exists"):
+        RunFile.create(out, {}, 1)
+    assert out.read_bytes() == b"precious"
+
+
+def _ckpt(step: int, ranks: int = 1) -> Checkpoint:
+    rng = np.random.default_rng(step)
+    return Checkpoint(
+        step=step, epoch=0, ranks=ranks, config="", params={"0.weight": rng.standard_normal((3, 4))},
+        optimizer={"momentum_buffer/0": rng.standard_normal((3, 4))}, buffers=[{} for _ in range(ranks)],
+        meta={"x": 1}, rng=[{"dropout": {"state": step}}] * ranks,
+    )  # fmt: skip
+
+
+def test_checkpoint_round_trip_list_and_prune(tmp_path: Path) -> None:
+    run_file = tmp_path / "r.h5"
+    for step in (10, 20, 30):
+        save_checkpoint(_ckpt(step), checkpoint_path(run_file, step))
+    (tmp_path / "r.ckpt-00000040.h5.123.tmp").write_bytes(b"half")  # a write that never finished
+    (tmp_path / "other.ckpt-00000050.h5").write_bytes(b"")  # another run's
+    assert [p.name for p in list_checkpoints(run_file)] == [f"r.ckpt-000000{s}.h5" for s in (30, 20, 10)]
+    back = load_checkpoint(checkpoint_path(run_file, 20))
+    np.testing.assert_array_equal(back.params["0.weight"], _ckpt(20).params["0.weight"])
+    np.testing.assert_array_equal(
+        back.optimizer["momentum_buffer/0"], _ckpt(20).optimizer["momentum_buffer/0"]
+    )
+    assert back.step == 20 and back.meta == {"x": 1} and back.rng[0]["dropout"]["state"] == 20
+    prune_checkpoints(run_file, keep=2)
+    assert [p.name for p in list_checkpoints(run_file)] == ["r.ckpt-00000030.h5", "r.ckpt-00000020.h5"]
+
+
+def test_truncated_and_damaged_checkpoints_are_refused(tmp_path: Path) -> None:
+    path = save_checkpoint(_ckpt(5), tmp_path / "r.ckpt-00000005.h5")
+    data = path.read_bytes()
+    truncated = tmp_path / "t.ckpt-00000005.h5"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"t\.ckpt-00000005\.h5 is damaged or truncated"):
+        load_checkpoint(truncated)
+    with h5py.File(path, "r+") as f:  # flip values behind the digest's back
+        f["params/0.weight"][0, 0] += 1.0
+    with pytest.raises(CheckpointError, match="do not match their SHA-256 digest"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "none.h5")
+
+
+WRITER = """
+import sys, numpy as np
+from hpcdl.store.checkpoint import Checkpoint, save_checkpoint
+# 800 MB: long enough to kill mid-write
+big = {f"p{i}": np.full((1024, 1024), i, dtype=np.float64) for i in range(100)}
+ck = Checkpoint(step=2, epoch=0, ranks=1, config="", params=big, optimizer={}, buffers=[{}])
+print("writing", flush=True)
+save_checkpoint(ck, sys.argv[1])
+"""
+
+
+def test_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -> None:
+    run_file = tmp_path / "r.h5"
+    save_checkpoint(_ckpt(1), checkpoint_path(run_file, 1))
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(checkpoint_path(run_file, 2))],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tmps = list(tmp_path.glob("*.tmp"))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert tmps, "the writer never started its temporary file"
+    assert list_checkpoints(run_file) == [checkpoint_path(run_file, 1)]
+    assert load_checkpoint(checkpoint_path(run_file, 1)).step == 1
