@@ -155,3 +155,13 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(tmp_path: Path) -
     assert tmps, "the writer never started its temporary file"
     assert list_checkpoints(run_file) == [checkpoint_path(run_file, 1)]
     assert load_checkpoint(checkpoint_path(run_file, 1)).step == 1
+
+
+def test_xarray_reads_the_metrics_group(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    pytest.importorskip("h5netcdf")
+    out = tmp_path / "r.h5"
+    run(load_config("digits-mlp", ["train.steps=4"]), out=out)
+    ds = xr.open_dataset(out, group="metrics", engine="h5netcdf", phony_dims="sort")
+    assert list(ds["step"].values) == [1, 2, 3, 4] and set(ds.data_vars) == set(METRICS)
+    ds.close()
