@@ -1,15 +1,26 @@
-"""Per-step metrics from every rank into rank 0's run file, gathered every few steps."""
+"""The training command's run file: opening it (and the checkpoint to continue from), and
+per-step metrics from every rank into rank 0's copy, gathered every few steps."""
 
 from __future__ import annotations
 
+import datetime
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpcdl import __version__
 from hpcdl.comm import Communicator
+from hpcdl.config import Config
+from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.nn import Sequential
+from hpcdl.resume import find_resume
 from hpcdl.store import RunFile
+from hpcdl.store.checkpoint import Checkpoint, CheckpointError
 
-__all__ = ["RunLog"]
+__all__ = ["RunLog", "open_run", "checkpoint_attrs", "now"]
 
 
 class RunLog:
@@ -71,3 +82,92 @@ class RunLog:
             self.runfile.set_attrs(status=status)
             self.runfile.close()
             self.runfile = None
+
+
+def open_run(
+    comm: Communicator,
+    cfg: Config,
+    model: Sequential,
+    run_path: Path | None,
+    resume: str | None,
+    t_start: float,
+) -> tuple[Checkpoint | None, RunFile | None]:
+    """Rank 0 finds the checkpoint and opens the run file; every rank gets the checkpoint.
+
+    A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is
+    sent to every rank, so that all raise the same error instead of waiting.
+    """
+    ckpt: Checkpoint | None = None
+    runfile: RunFile | None = None
+    outcome: tuple[str, Any] = ("ok", None)
+    if comm.Get_rank() == 0:
+        try:
+            if resume == "auto" and run_path is None:
+                raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
+            if resume is not None:
+                ckpt = find_resume(resume, run_path or Path(resume), cfg, model, comm.Get_size())
+            if run_path is not None:
+                if resume is not None and run_path.exists():  # continue it; no checkpoint: from step 0
+                    runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, comm.Get_size())
+                else:
+                    runfile = RunFile.create(run_path, _run_attrs(cfg, comm), comm.Get_size())
+            outcome = ("ok", ckpt)
+        except HpcdlError as err:
+            outcome = ("error", str(err))
+    status, payload = comm.bcast(outcome if comm.Get_rank() == 0 else None, root=0)
+    if status == "error":
+        raise CheckpointError(payload)
+    if ckpt is not None and comm.Get_rank() == 0:
+        print(f"hpcdl.train: resuming from {ckpt.path} (step {ckpt.step})", file=sys.stderr, flush=True)
+    return payload, runfile
+
+
+def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
+    """The root attributes of a new run file."""
+    from hpcdl.comm.mpi import library_version
+
+    return {
+        "name": cfg["name"],
+        "config": cfg.toml(),
+        "hpcdl_version": __version__,
+        "git_commit": _git_commit(),
+        "mpi_library": library_version().splitlines()[0].strip(),
+        "ranks": comm.Get_size(),
+        "world": "mpi",
+        "network": "",
+        "compute": "real",
+        "start_time": now(),
+        "argv": " ".join(sys.argv),
+    }
+
+
+def checkpoint_attrs(run_path: Path | None) -> dict[str, Any]:
+    from hpcdl.comm.mpi import library_version
+
+    return {
+        "hpcdl_version": __version__,
+        "mpi_library": library_version().splitlines()[0].strip(),
+        "run_file": run_path.name if run_path is not None else "",
+    }
+
+
+def _git_commit() -> str:
+    """The commit of the hpcdl checkout in use, or "" (installed package, no git)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return ""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

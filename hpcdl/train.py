@@ -7,43 +7,35 @@ import datetime
 import math
 import os
 import shlex
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcdl import __version__
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, to_numpy
 from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import Communicator, world, wtime
 from hpcdl.config import Config, load_config
-from hpcdl.data import Dataset, DistributedSampler, gather_batch, load_dataset
+from hpcdl.data import DistributedSampler, gather_batch
 from hpcdl.errors import ConfigError, HpcdlError
-from hpcdl.models import build_model
+from hpcdl.factory import build, evaluate, load_data, make_optimizer, make_schedule
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
-from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
+from hpcdl.optim import Optimizer
 from hpcdl.parallel import make_exchange
 from hpcdl.progress import Progress, choose_mode
-from hpcdl.resume import capture, find_resume, restore
+from hpcdl.resume import capture, restore
 from hpcdl.rng import generator
-from hpcdl.runlog import RunLog
+from hpcdl.runlog import RunLog, checkpoint_attrs, now, open_run
 from hpcdl.signals import current_stop_request
-from hpcdl.store import RunFile
 from hpcdl.store.checkpoint import (
-    Checkpoint,
-    CheckpointError,
     checkpoint_path,
     prune_checkpoints,
     save_checkpoint,
 )
 
 __all__ = ["main", "run", "RunResult", "build_parser"]
-
-EVAL_BATCH = 512
 
 
 @dataclass
@@ -109,113 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
-    """The optimizer named in the config, over the model's parameters."""
-    params = model.parameters()
-    name, wd = cfg["optimizer.name"], cfg["optimizer.weight_decay"]
-    if name == "sgd":
-        if cfg["optimizer.nesterov"] and cfg["optimizer.momentum"] <= 0:
-            raise ConfigError("optimizer.nesterov = true needs optimizer.momentum > 0 (got 0)")
-        return SGD(
-            params,
-            lr,
-            momentum=cfg["optimizer.momentum"],
-            nesterov=cfg["optimizer.nesterov"],
-            weight_decay=wd,
-        )
-    betas = (cfg["optimizer.beta1"], cfg["optimizer.beta2"])
-    if name == "adam":
-        return Adam(params, lr, betas=betas, eps=cfg["optimizer.eps"], weight_decay=wd)
-    return AdamW(params, lr, betas=betas, eps=cfg["optimizer.eps"], weight_decay=wd)
-
-
-def make_schedule(cfg: Config, ranks: int, steps_per_epoch: int, total_steps: int) -> Schedule:
-    """The learning-rate schedule, with the rank-count scaling rule applied."""
-    base = cfg["optimizer.lr"]
-    peak = scaled_lr(base, ranks, cfg["schedule.scale"])
-    return Schedule(
-        peak_lr=peak,
-        total_steps=total_steps,
-        name=cfg["schedule.name"],
-        warmup_steps=round(cfg["schedule.warmup_epochs"] * steps_per_epoch),
-        start_lr=base if peak != base else None,
-        step_size=max(1, round(cfg["schedule.step_epochs"] * steps_per_epoch)),
-        gamma=cfg["schedule.gamma"],
-        min_lr=cfg["schedule.min_lr"],
-    )
-
-
-def load_data(cfg: Config) -> Dataset:
-    """The data set named in the config (a read-only copy shared within the process)."""
-    return load_dataset(
-        cfg["data.name"],
-        cfg["data.path"] or None,
-        seed=cfg["seed"],
-        shape=tuple(cfg["data.shape"]),
-        num_classes=cfg["data.num_classes"],
-        train_size=cfg["data.train_size"],
-        test_size=cfg["data.test_size"],
-    )
-
-
-def build(
-    cfg: Config, data: Dataset, rank: int, dtype: Any, xp: Any, dropout_rng: np.random.Generator | None = None
-) -> Sequential:
-    """The config's model for ``data``: initialised from (seed, "init"), dropout from (seed, rank).
-
-    Raises:
-        ConfigError: the model cannot take the data set's samples.
-    """
-    seed = cfg["seed"]
-    try:
-        return build_model(
-            cfg["model.name"],
-            data.input_shape,
-            data.num_classes,
-            rng=generator(seed, "init"),
-            dropout_rng=dropout_rng if dropout_rng is not None else generator(seed, rank, "dropout"),
-            dtype=dtype,
-            xp=xp,
-            depth=cfg["model.depth"],
-            width=cfg["model.width"],
-            width_mult=cfg["model.width_mult"],
-            channels=cfg["model.channels"],
-            dropout=cfg["model.dropout"],
-        )
-    except ValueError as err:
-        raise ConfigError(
-            f"model.name = {cfg['model.name']!r} does not fit data {data.name!r}: {err}"
-        ) from None
-
-
-def evaluate(
-    model: Sequential, data: Dataset, comm: Communicator, xp: Any, dtype: Any
-) -> tuple[float, float]:
-    """Test accuracy and mean loss over the whole test set, sharded over the ranks.
-
-    Rank r evaluates test images r, r+N, … with its own model. The parameters
-    are the same on every rank, but BatchNorm's running statistics are local
-    (DESIGN.md), so for a model with BatchNorm at N > 1 the figure pools N
-    slightly different models, as DDP-style sharded evaluation does. The
-    counts are summed with one small allreduce.
-    """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    idx = np.arange(rank, len(data.y_test), size)
-    loss_fn = SoftmaxCrossEntropy()
-    correct, loss_sum = 0, 0.0
-    model.eval()
-    for start in range(0, len(idx), EVAL_BATCH):
-        part = idx[start : start + EVAL_BATCH]
-        x = xp.asarray(data.x_test[part], dtype=dtype)
-        y = xp.asarray(data.y_test[part])
-        logits = model.forward(x)
-        loss_sum += loss_fn.forward(logits, y) * len(part)
-        correct += int(to_numpy(logits.argmax(axis=1) == y).sum())
-    model.train()
-    correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=ops.SUM)
-    return float(correct / max(1, count)), float(loss_sum / max(1, count))
-
-
 def run(
     cfg: Config,
     comm: Communicator | None = None,
@@ -263,7 +148,7 @@ def run(
 
     # -- the run file and the checkpoint to continue from (rank 0 decides, all learn) --------
     run_path = Path(out) if out is not None else None
-    ckpt, runfile = _open_run(comm, cfg, model, run_path, resume, t_start)
+    ckpt, runfile = open_run(comm, cfg, model, run_path, resume, t_start)
     counters = {"train_s": 0.0, "compute_s": 0.0, "elapsed_s": 0.0, "bytes_sent": 0}
     step = 0
     if ckpt is not None:
@@ -294,7 +179,9 @@ def run(
         log.flush()
         meta = {"counters": {**counters, "elapsed_s": counters["elapsed_s"] + wtime() - t_segment},
                 "exchange": {"name": cfg["exchange.name"], "debug": cfg["exchange.debug"]}}  # fmt: skip
-        ckpt = capture(comm, model, optimizer, sampler, dropout_rng, cfg, step, meta, _ckpt_attrs(run_path))
+        ckpt = capture(
+            comm, model, optimizer, sampler, dropout_rng, cfg, step, meta, checkpoint_attrs(run_path)
+        )
         if ckpt is None:
             return None
         path = save_checkpoint(ckpt, checkpoint_path(run_path, step))
@@ -327,7 +214,7 @@ def run(
                     comm, agree, local_loss, correct, len(indices), stop.requested
                 )
                 if not math.isfinite(loss):
-                    log.close("failed", end_time=_now())
+                    log.close("failed", end_time=now())
                     raise HpcdlError(
                         f"loss is {loss} at step {step}: stopped; the last good checkpoint is kept "
                         "(lower optimizer.lr or check the data)"
@@ -374,7 +261,7 @@ def run(
         runfile.write_profile(profiler.table())
     log.close(
         "stopped" if stopped_by else "finished",
-        end_time=_now(),
+        end_time=now(),
         wall_s=counters["elapsed_s"],
         final_test_accuracy=acc,
         samples_per_s=samples_per_s,
@@ -399,95 +286,6 @@ def run(
         checkpoint=ckpt_path,
         stopped_by=stopped_by,
     )
-
-
-def _open_run(
-    comm: Communicator,
-    cfg: Config,
-    model: Sequential,
-    run_path: Path | None,
-    resume: str | None,
-    t_start: float,
-) -> tuple[Checkpoint | None, RunFile | None]:
-    """Rank 0 finds the checkpoint and opens the run file; every rank gets the checkpoint.
-
-    A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is
-    sent to every rank, so that all raise the same error instead of waiting.
-    """
-    ckpt: Checkpoint | None = None
-    runfile: RunFile | None = None
-    outcome: tuple[str, Any] = ("ok", None)
-    if comm.Get_rank() == 0:
-        try:
-            if resume == "auto" and run_path is None:
-                raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
-            if resume is not None:
-                ckpt = find_resume(resume, run_path or Path(resume), cfg, model, comm.Get_size())
-            if run_path is not None:
-                if resume is not None and run_path.exists():  # continue it; no checkpoint: from step 0
-                    runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, comm.Get_size())
-                else:
-                    runfile = RunFile.create(run_path, _run_attrs(cfg, comm), comm.Get_size())
-            outcome = ("ok", ckpt)
-        except HpcdlError as err:
-            outcome = ("error", str(err))
-    status, payload = comm.bcast(outcome if comm.Get_rank() == 0 else None, root=0)
-    if status == "error":
-        raise CheckpointError(payload)
-    if ckpt is not None and comm.Get_rank() == 0:
-        print(f"hpcdl.train: resuming from {ckpt.path} (step {ckpt.step})", file=sys.stderr, flush=True)
-    return payload, runfile
-
-
-def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
-    """The root attributes of a new run file."""
-    from hpcdl.comm.mpi import library_version
-
-    return {
-        "name": cfg["name"],
-        "config": cfg.toml(),
-        "hpcdl_version": __version__,
-        "git_commit": _git_commit(),
-        "mpi_library": library_version().splitlines()[0].strip(),
-        "ranks": comm.Get_size(),
-        "world": "mpi",
-        "network": "",
-        "compute": "real",
-        "start_time": _now(),
-        "argv": " ".join(sys.argv),
-    }
-
-
-def _ckpt_attrs(run_path: Path | None) -> dict[str, Any]:
-    from hpcdl.comm.mpi import library_version
-
-    return {
-        "hpcdl_version": __version__,
-        "mpi_library": library_version().splitlines()[0].strip(),
-        "run_file": run_path.name if run_path is not None else "",
-    }
-
-
-def _git_commit() -> str:
-    """The commit of the hpcdl checkout in use, or "" (installed package, no git)."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / ".git").exists():
-        return ""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except OSError:
-        return ""
-    return out.stdout.strip() if out.returncode == 0 else ""
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _agree(

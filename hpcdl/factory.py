@@ -1,0 +1,129 @@
+"""Objects from a config: the data set, the model, the optimizer, the schedule; evaluation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
+from hpcdl.backend import to_numpy
+from hpcdl.comm import Communicator
+from hpcdl.config import Config
+from hpcdl.data import Dataset, load_dataset
+from hpcdl.errors import ConfigError
+from hpcdl.models import build_model
+from hpcdl.nn import Sequential, SoftmaxCrossEntropy
+from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
+from hpcdl.rng import generator
+
+__all__ = ["make_optimizer", "make_schedule", "load_data", "build", "evaluate", "EVAL_BATCH"]
+
+EVAL_BATCH = 512
+
+
+def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
+    """The optimizer named in the config, over the model's parameters."""
+    params = model.parameters()
+    name, wd = cfg["optimizer.name"], cfg["optimizer.weight_decay"]
+    if name == "sgd":
+        if cfg["optimizer.nesterov"] and cfg["optimizer.momentum"] <= 0:
+            raise ConfigError("optimizer.nesterov = true needs optimizer.momentum > 0 (got 0)")
+        return SGD(
+            params,
+            lr,
+            momentum=cfg["optimizer.momentum"],
+            nesterov=cfg["optimizer.nesterov"],
+            weight_decay=wd,
+        )
+    betas = (cfg["optimizer.beta1"], cfg["optimizer.beta2"])
+    if name == "adam":
+        return Adam(params, lr, betas=betas, eps=cfg["optimizer.eps"], weight_decay=wd)
+    return AdamW(params, lr, betas=betas, eps=cfg["optimizer.eps"], weight_decay=wd)
+
+
+def make_schedule(cfg: Config, ranks: int, steps_per_epoch: int, total_steps: int) -> Schedule:
+    """The learning-rate schedule, with the rank-count scaling rule applied."""
+    base = cfg["optimizer.lr"]
+    peak = scaled_lr(base, ranks, cfg["schedule.scale"])
+    return Schedule(
+        peak_lr=peak,
+        total_steps=total_steps,
+        name=cfg["schedule.name"],
+        warmup_steps=round(cfg["schedule.warmup_epochs"] * steps_per_epoch),
+        start_lr=base if peak != base else None,
+        step_size=max(1, round(cfg["schedule.step_epochs"] * steps_per_epoch)),
+        gamma=cfg["schedule.gamma"],
+        min_lr=cfg["schedule.min_lr"],
+    )
+
+
+def load_data(cfg: Config) -> Dataset:
+    """The data set named in the config (a read-only copy shared within the process)."""
+    return load_dataset(
+        cfg["data.name"],
+        cfg["data.path"] or None,
+        seed=cfg["seed"],
+        shape=tuple(cfg["data.shape"]),
+        num_classes=cfg["data.num_classes"],
+        train_size=cfg["data.train_size"],
+        test_size=cfg["data.test_size"],
+    )
+
+
+def build(
+    cfg: Config, data: Dataset, rank: int, dtype: Any, xp: Any, dropout_rng: np.random.Generator | None = None
+) -> Sequential:
+    """The config's model for ``data``: initialised from (seed, "init"), dropout from (seed, rank).
+
+    Raises:
+        ConfigError: the model cannot take the data set's samples.
+    """
+    seed = cfg["seed"]
+    try:
+        return build_model(
+            cfg["model.name"],
+            data.input_shape,
+            data.num_classes,
+            rng=generator(seed, "init"),
+            dropout_rng=dropout_rng if dropout_rng is not None else generator(seed, rank, "dropout"),
+            dtype=dtype,
+            xp=xp,
+            depth=cfg["model.depth"],
+            width=cfg["model.width"],
+            width_mult=cfg["model.width_mult"],
+            channels=cfg["model.channels"],
+            dropout=cfg["model.dropout"],
+        )
+    except ValueError as err:
+        raise ConfigError(
+            f"model.name = {cfg['model.name']!r} does not fit data {data.name!r}: {err}"
+        ) from None
+
+
+def evaluate(
+    model: Sequential, data: Dataset, comm: Communicator, xp: Any, dtype: Any
+) -> tuple[float, float]:
+    """Test accuracy and mean loss over the whole test set, sharded over the ranks.
+
+    Rank r evaluates test images r, r+N, … with its own model. The parameters
+    are the same on every rank, but BatchNorm's running statistics are local
+    (DESIGN.md), so for a model with BatchNorm at N > 1 the figure pools N
+    slightly different models, as DDP-style sharded evaluation does. The
+    counts are summed with one small allreduce.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    idx = np.arange(rank, len(data.y_test), size)
+    loss_fn = SoftmaxCrossEntropy()
+    correct, loss_sum = 0, 0.0
+    model.eval()
+    for start in range(0, len(idx), EVAL_BATCH):
+        part = idx[start : start + EVAL_BATCH]
+        x = xp.asarray(data.x_test[part], dtype=dtype)
+        y = xp.asarray(data.y_test[part])
+        logits = model.forward(x)
+        loss_sum += loss_fn.forward(logits, y) * len(part)
+        correct += int(to_numpy(logits.argmax(axis=1) == y).sum())
+    model.train()
+    correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=ops.SUM)
+    return float(correct / max(1, count)), float(loss_sum / max(1, count))
