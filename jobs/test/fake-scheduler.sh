@@ -1,0 +1,390 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2030,SC2031  # each scenario's exports stay in its ( subshell ), on purpose
+# Test the job scripts without a scheduler:   bash jobs/test/fake-scheduler.sh
+# Exits non-zero if any check fails. Needs the MPICH mpiexec of the project's venv
+# (`make demo`, or pip install '.[mpich]'), h5py, and setsid; uses a temporary directory.
+#
+# How it fakes a cluster:
+# - jobs/slurm/train.sbatch and jobs/pbs/train.pbs run under plain bash with the
+#   scheduler's variables set (SLURM_JOB_ID, SLURM_JOB_NAME, SLURM_NTASKS=2,
+#   SLURM_SUBMIT_DIR, ... / PBS_JOBID, PBS_JOBNAME, PBS_NODEFILE, PBS_O_WORKDIR, NCPUS).
+# - HPCDL_VENV points at a fake venv whose `activate` puts a stub directory in front of
+#   the real venv on PATH. The stubs:
+#     srun      drops its options and execs `mpiexec -n $SLURM_NTASKS` (same pid, so a
+#               signal the batch shell forwards to "srun" reaches hydra, which forwards it
+#               to the ranks, as srun does);
+#     scontrol, qsub, sbatch   log their arguments;
+#     qstat     prints a `qstat -f` record with Resource_List.walltime=$FAKE_WALLTIME;
+#     python    `python -m hpcdl.train ...` is a fake rank: it traps USR1/TERM, prints
+#               "rank R got SIG", and rank 0 writes the run file with status "stopped"
+#               (signalled) or "finished" (after FAKE_TRAIN_SECONDS), then exits
+#               FAKE_TRAIN_EXIT (0). Anything else runs the real python (used to read
+#               the run file's status with h5py).
+#   The stub python tests the signal plumbing (batch shell -> srun/mpiexec -> ranks) and
+#   the requeue/resubmit decisions independently of hpcdl.train; its --out/--resume
+#   handling is hpcdl.train's own business (tests/).
+# - HPCDL_TEST_REAL=1 adds a scenario with the real `python -m hpcdl.train` (no python
+#   stub): USR1 mid-run -> checkpoint, status "stopped", requeue; the "requeued" job
+#   (same command, SLURM_RESTART_COUNT=1) resumes from the checkpoint and finishes.
+# - The "walltime warning" is a `kill -USR1` to the batch shell (what Slurm's
+#   --signal=B:USR1@N does); for PBS the script's own timer fires (short fake walltime).
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+real_venv="${HPCDL_TEST_VENV:-$root/.venv}"
+if [[ ! -x "$real_venv/bin/mpiexec" || ! -x "$real_venv/bin/python" ]]; then
+    echo "fake-scheduler: needs $real_venv/bin/{python,mpiexec} (make demo)" >&2
+    exit 2
+fi
+
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/hpcdl-fake-sched.XXXXXX")
+cleanup() { if [[ "${KEEP:-0}" == 1 ]]; then echo "kept $tmp"; else rm -rf "$tmp"; fi; }
+trap cleanup EXIT
+stubs=$tmp/stubs
+submit=$tmp/submit
+mkdir -p "$stubs" "$tmp/venv/bin" "$submit" "$tmp/logs"
+ln -s "$root/jobs" "$submit/jobs"
+# shellcheck disable=SC2016  # $PATH expands when activate is sourced
+printf 'PATH="%s:%s/bin:$PATH"; export PATH\n' "$stubs" "$real_venv" > "$tmp/venv/bin/activate"
+
+cat > "$stubs/python" <<'EOF'
+#!/usr/bin/env bash
+# Fake rank for `python -m hpcdl.train`; the real python for anything else.
+if [[ "${1:-}" != -m || "${2:-}" != hpcdl.train ]]; then
+    exec "$REAL_PYTHON" "$@"
+fi
+shift 2
+out=""
+args=("$@")
+for (( i = 0; i < ${#args[@]}; i++ )); do
+    if [[ "${args[i]}" == --out ]]; then out=${args[i + 1]}; fi
+done
+rank=${PMI_RANK:-0}
+got=""
+trap 'got=USR1' USR1
+trap 'got=TERM' TERM
+echo "rank $rank started: $*"
+sleep "${FAKE_TRAIN_SECONDS:-60}" &
+sleeper=$!
+wait "$sleeper" || true
+if [[ -n "$got" ]]; then
+    kill "$sleeper" 2>/dev/null || true
+    echo "rank $rank got $got"
+    status=stopped
+else
+    status=finished
+fi
+if [[ "$rank" == 0 && -n "$out" ]]; then
+    "$REAL_PYTHON" -c 'import h5py, sys; h5py.File(sys.argv[1], "a").attrs["status"] = sys.argv[2]' "$out" "$status"
+fi
+exit "${FAKE_TRAIN_EXIT:-0}"
+EOF
+
+cat > "$stubs/srun" <<'EOF'
+#!/usr/bin/env bash
+# srun stand-in: log, drop srun's own options, become mpiexec (keeping this pid).
+echo "srun $* SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-}" >> "$FAKE_LOG_DIR/srun.log"
+while [[ "${1:-}" == -* ]]; do shift; done
+exec mpiexec -n "$SLURM_NTASKS" "$@"
+EOF
+
+for cmd in scontrol qsub sbatch; do
+    # shellcheck disable=SC2016  # $* expands when the stub runs
+    printf '#!/usr/bin/env bash\necho "%s $*" >> "$FAKE_LOG_DIR/%s.log"\necho 999.fake\n' "$cmd" "$cmd" > "$stubs/$cmd"
+done
+
+cat > "$stubs/qstat" <<'EOF'
+#!/usr/bin/env bash
+# `qstat -f JOBID`, PBS Pro layout: 4-space attribute lines, tab-started continuations.
+printf 'Job Id: %s\n' "$2"
+printf '    Job_Name = %s\n' "$PBS_JOBNAME"
+printf '    Resource_List.ncpus = 4\n'
+printf '    Resource_List.select = 1:ncpus=4:mpiprocs=2:\n\tvntype=cray_compute\n'
+printf '    Resource_List.walltime = %s\n' "${FAKE_WALLTIME:-00:30:00}"
+printf '    queue = workq\n'
+printf '    Account_Name = proj42\n'
+EOF
+chmod +x "$stubs"/*
+
+export REAL_PYTHON="$real_venv/bin/python" FAKE_LOG_DIR="$tmp/logs" HPCDL_VENV="$tmp/venv"
+
+failures=0
+pass() { echo "  ok   $*"; }
+fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
+# check DESCRIPTION COMMAND...: pass if COMMAND succeeds.
+check() { local what=$1; shift; if "$@" > /dev/null 2>&1; then pass "$what"; else fail "$what"; fi; }
+has() { grep -qF -- "$2" "$1"; }          # has FILE TEXT
+count() { grep -cF -- "$2" "$1" || true; } # count FILE TEXT
+lacks_log() { [[ ! -s "$FAKE_LOG_DIR/$1.log" ]]; }
+
+# start LOG SCRIPT ARGS...: run SCRIPT as a batch shell (own session, like a job) with the
+# environment exported by the caller; sets job_pid.
+start() {
+    local log=$1; shift
+    ( cd "$submit" && exec setsid bash "$@" ) > "$log" 2>&1 &
+    job_pid=$!
+    job_t0=$SECONDS
+}
+# wait_text LOG TEXT N SECONDS: wait until TEXT appears N times in LOG.
+wait_text() {
+    local deadline=$((SECONDS + $4))
+    while (( $(count "$1" "$2") < $3 )); do
+        if (( SECONDS > deadline )) || ! kill -0 "$job_pid" 2>/dev/null; then return 1; fi
+        sleep 0.2
+    done
+}
+# finish SECONDS: wait for the job (killing its session after SECONDS); sets job_rc.
+finish() {
+    local deadline=$((SECONDS + $1))
+    while kill -0 "$job_pid" 2>/dev/null; do
+        if (( SECONDS > deadline )); then
+            echo "  (job $job_pid still running after $1 s: killing its session)"
+            kill -KILL -- "-$job_pid" 2>/dev/null || true
+            break
+        fi
+        sleep 0.2
+    done
+    job_rc=0
+    wait "$job_pid" || job_rc=$?
+    job_secs=$((SECONDS - job_t0))
+}
+reset_logs() { rm -f "$FAKE_LOG_DIR"/*.log; rm -rf "$submit/runs"; }
+show_on_failure() { if (( failures > ${1:-0} )); then sed 's/^/      | /' "$2"; fi; }
+
+slurm_env() {
+    export SLURM_JOB_ID=4242 SLURM_JOB_NAME=$1 SLURM_NTASKS=2 SLURM_SUBMIT_DIR=$submit
+    export SLURM_JOB_NODELIST=$HOSTNAME SLURM_CPUS_PER_TASK=1
+}
+
+echo "== syntax"
+for f in "$root"/jobs/site.sh "$root"/jobs/lib.sh "$root"/jobs/sweep.sh \
+         "$root"/jobs/slurm/train.sbatch "$root"/jobs/pbs/train.pbs "$root"/jobs/test/fake-scheduler.sh; do
+    check "bash -n ${f#"$root"/}" bash -n "$f"
+done
+if command -v shellcheck > /dev/null; then
+    check "shellcheck jobs/" shellcheck -x -s bash "$root"/jobs/*.sh "$root"/jobs/slurm/train.sbatch \
+        "$root"/jobs/pbs/train.pbs "$root"/jobs/test/fake-scheduler.sh
+else
+    echo "  (shellcheck not installed: skipped)"
+fi
+
+echo "== lib.sh"
+# shellcheck source=/dev/null
+source "$root/jobs/lib.sh"
+check "hpcdl_seconds 01:02:03 = 3723" test "$(hpcdl_seconds 01:02:03)" = 3723
+check "hpcdl_seconds 08:09 = 489 (no octal)" test "$(hpcdl_seconds 08:09)" = 489
+check "hpcdl_seconds 1:00:00:00 = 86400" test "$(hpcdl_seconds 1:00:00:00)" = 86400
+check "hpcdl_seconds rejects junk" bash -c "source '$root/jobs/lib.sh'; ! hpcdl_seconds 1h"
+check "hpcdl_pbs_attr joins continuation lines" test \
+    "$(PATH=$stubs:$PATH PBS_JOBNAME=x hpcdl_pbs_attr 1.fake Resource_List.select)" = "1:ncpus=4:mpiprocs=2:vntype=cray_compute"
+
+echo "== slurm: USR1 to the batch shell -> ranks checkpoint -> scontrol requeue"
+reset_logs
+log=$tmp/slurm-usr1.out
+before=$failures
+(
+    slurm_env lr-0.1
+    export FAKE_TRAIN_SECONDS=60
+    start "$log" jobs/slurm/train.sbatch --config digits-cnn --set optimizer.lr=0.1
+    if wait_text "$log" started 2 30; then kill -USR1 "$job_pid"; fi
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "stopped promptly (${job_secs} s < 30)" test "$job_secs" -lt 30
+    check "echoes the launch command" has "$log" \
+        "+ srun --ntasks=2 python -m hpcdl.train --progress lines --out runs/lr-0.1.h5 --resume auto --config digits-cnn --set optimizer.lr=0.1"
+    check "srun gets --cpus-per-task via SRUN_CPUS_PER_TASK" has "$FAKE_LOG_DIR/srun.log" "SRUN_CPUS_PER_TASK=1"
+    check "rank 0 got USR1" has "$log" "rank 0 got USR1"
+    check "rank 1 got USR1" has "$log" "rank 1 got USR1"
+    check "run status read back: stopped" has "$log" "run status stopped, after SIGUSR1"
+    check "scontrol requeue 4242" has "$FAKE_LOG_DIR/scontrol.log" "scontrol requeue 4242"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: training finishes -> exit 0, no requeue"
+reset_logs
+log=$tmp/slurm-finished.out
+before=$failures
+(
+    slurm_env finished
+    export FAKE_TRAIN_SECONDS=1
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "run status finished" has "$log" "run status finished"
+    check "no requeue" lacks_log scontrol
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: USR1 with HPCDL_REQUEUE=0 -> stop, no requeue"
+reset_logs
+log=$tmp/slurm-norequeue.out
+before=$failures
+(
+    slurm_env norequeue
+    export FAKE_TRAIN_SECONDS=60 HPCDL_REQUEUE=0
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    if wait_text "$log" started 2 30; then kill -USR1 "$job_pid"; fi
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "ranks got USR1" test "$(count "$log" "got USR1")" = 2
+    check "no requeue" lacks_log scontrol
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: TERM (scancel) -> forwarded, no requeue"
+reset_logs
+log=$tmp/slurm-term.out
+before=$failures
+(
+    slurm_env term
+    export FAKE_TRAIN_SECONDS=60
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    if wait_text "$log" started 2 30; then kill -TERM "$job_pid"; fi
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "ranks got TERM" test "$(count "$log" "got TERM")" = 2
+    check "no requeue" lacks_log scontrol
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: failing step -> its exit status, no requeue"
+reset_logs
+log=$tmp/slurm-fail.out
+before=$failures
+(
+    slurm_env fail
+    export FAKE_TRAIN_SECONDS=1 FAKE_TRAIN_EXIT=3
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    finish 40
+    check "exit 3 (got $job_rc)" test "$job_rc" = 3
+    check "no requeue" lacks_log scontrol
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: USR1 after HPCDL_MAX_RESTARTS requeues -> exit 1, no requeue"
+reset_logs
+log=$tmp/slurm-max.out
+before=$failures
+(
+    slurm_env max
+    export FAKE_TRAIN_SECONDS=60 SLURM_RESTART_COUNT=3 HPCDL_MAX_RESTARTS=3
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    if wait_text "$log" started 2 30; then kill -USR1 "$job_pid"; fi
+    finish 40
+    check "exit 1 (got $job_rc)" test "$job_rc" = 1
+    check "no requeue" lacks_log scontrol
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+pbs_env() {
+    printf '%s\n' "$HOSTNAME" "$HOSTNAME" > "$tmp/nodefile"
+    export PBS_JOBID=77.fake PBS_JOBNAME=$1 PBS_NODEFILE=$tmp/nodefile PBS_O_WORKDIR=$submit NCPUS=4
+    unset OMP_NUM_THREADS OPENBLAS_NUM_THREADS
+}
+
+echo "== pbs: walltime timer (qstat walltime - HPCDL_MARGIN) -> ranks checkpoint -> qsub again"
+reset_logs
+log=$tmp/pbs-timer.out
+before=$failures
+(
+    pbs_env pbs-lr
+    export FAKE_TRAIN_SECONDS=60 FAKE_WALLTIME=00:00:07 HPCDL_MARGIN=4
+    export HPCDL_ARGS="--config digits-cnn --set optimizer.lr=0.1"
+    start "$log" jobs/pbs/train.pbs
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "timer armed for 7 - 4 = 3 s" has "$log" "SIGUSR1 in 3 s"
+    check "NCPUS=4 over 2 ranks/node: 2 threads/rank" has "$log" "2 threads/rank"
+    check "arguments from HPCDL_ARGS, echoed launch command" has "$log" \
+        "+ mpiexec -n 2 --hostfile $tmp/nodefile python -m hpcdl.train --progress lines --out runs/pbs-lr.h5 --resume auto --config digits-cnn --set optimizer.lr=0.1"
+    check "rank 0 got USR1" has "$log" "rank 0 got USR1"
+    check "rank 1 got USR1" has "$log" "rank 1 got USR1"
+    check "run status stopped" has "$log" "run status stopped, after SIGUSR1"
+    check "qsub with same name, resources, args, run and restart count" has "$FAKE_LOG_DIR/qsub.log" \
+        "qsub -N pbs-lr -l select=1:ncpus=4:mpiprocs=2:vntype=cray_compute -l walltime=00:00:07 -q workq -A proj42 -v HPCDL_ARGS='--config digits-cnn --set optimizer.lr=0.1',HPCDL_RUN=runs/pbs-lr.h5,HPCDL_RESTARTS=1,HPCDL_MARGIN=4 jobs/pbs/train.pbs"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+if [[ -s "$FAKE_LOG_DIR/qsub.log" ]]; then sed 's/^/      qsub.log: /' "$FAKE_LOG_DIR/qsub.log"; fi
+
+echo "== pbs: training finishes before the timer -> timer stopped, no qsub"
+reset_logs
+log=$tmp/pbs-finished.out
+before=$failures
+(
+    pbs_env pbs-done
+    export FAKE_TRAIN_SECONDS=1 HPCDL_WALLTIME=987654 HPCDL_MARGIN=120 HPCDL_ARGS="--config ignored"
+    start "$log" jobs/pbs/train.pbs --config digits-mlp --set train.epochs=1
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "ended promptly (${job_secs} s < 20)" test "$job_secs" -lt 20
+    check "\"\$@\" wins over HPCDL_ARGS" has "$log" "--resume auto --config digits-mlp --set train.epochs=1"
+    check "HPCDL_WALLTIME override used" has "$log" "SIGUSR1 in 987534 s"
+    check "no timer sleep left behind" bash -c '! pgrep -f "sleep 98753[4]"'
+    check "run status finished" has "$log" "run status finished"
+    check "no qsub" lacks_log qsub
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+if [[ "${HPCDL_TEST_REAL:-0}" == 1 ]]; then
+    echo "== slurm, real hpcdl.train: USR1 -> checkpoint -> requeue -> resume -> finished"
+    reset_logs
+    mkdir -p "$tmp/stubs-real" "$tmp/venv-real/bin"
+    ln -sf "$stubs/srun" "$stubs/scontrol" "$tmp/stubs-real/"
+    # shellcheck disable=SC2016  # $PATH expands when activate is sourced
+    printf 'PATH="%s:%s/bin:$PATH"; export PATH\n' "$tmp/stubs-real" "$real_venv" > "$tmp/venv-real/bin/activate"
+    log=$tmp/slurm-real.out
+    before=$failures
+    (
+        slurm_env real
+        export HPCDL_VENV=$tmp/venv-real
+        start "$log" jobs/slurm/train.sbatch --config digits-mlp --set train.epochs=600
+        if wait_text "$log" "step " 3 60; then sleep 2; kill -USR1 "$job_pid"; fi
+        finish 120
+        check "first job: exit 0 (got $job_rc)" test "$job_rc" = 0
+        check "first job: stopped by SIGUSR1 with a checkpoint" has "$log" "stopped by SIGUSR1"
+        check "first job: run status stopped, requeued" has "$FAKE_LOG_DIR/scontrol.log" "scontrol requeue 4242"
+        export SLURM_RESTART_COUNT=1
+        start "$log.2" jobs/slurm/train.sbatch --config digits-mlp --set train.epochs=600
+        finish 300
+        cat "$log.2" >> "$log"
+        check "requeued job: exit 0 (got $job_rc)" test "$job_rc" = 0
+        check "requeued job: resumed from the checkpoint" has "$log.2" "resuming from runs/real.ckpt-"
+        check "requeued job: run status finished" has "$log.2" "run status finished"
+        check "requeued job: not requeued again" test "$(count "$FAKE_LOG_DIR/scontrol.log" requeue)" = 1
+        exit "$failures"
+    ) || failures=$((failures + $? - before))
+    show_on_failure "$before" "$log"
+fi
+
+echo "== sweep.sh"
+reset_logs
+log=$tmp/sweep.out
+before=$failures
+(
+    cd "$submit"
+    export PATH="$stubs:$PATH"
+    HPCDL_SCHEDULER=slurm bash jobs/sweep.sh optimizer.lr 0.01 0.1 -- --config digits-cnn > "$log" 2>&1
+    HPCDL_SCHEDULER=pbs HPCDL_SWEEP=cnn bash jobs/sweep.sh model.name cnn mlp -- --config digits-cnn >> "$log" 2>&1
+    check "slurm: two jobs submitted" test "$(wc -l < "$FAKE_LOG_DIR/sbatch.log")" = 2
+    check "slurm: own job name and --set" has "$FAKE_LOG_DIR/sbatch.log" \
+        "sbatch --job-name=optimizer.lr-0.01 jobs/slurm/train.sbatch --config digits-cnn --set optimizer.lr=0.01"
+    check "pbs: own job name and HPCDL_ARGS" has "$FAKE_LOG_DIR/qsub.log" \
+        "qsub -N cnn-mlp -v HPCDL_ARGS='--config digits-cnn --set model.name=mlp' jobs/pbs/train.pbs"
+    check "usage error without --" bash -c "! bash jobs/sweep.sh optimizer.lr 0.1"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+if (( failures > 0 )); then
+    echo "fake-scheduler: $failures check(s) failed (KEEP=1 keeps $tmp)"
+    exit 1
+fi
+echo "fake-scheduler: all checks passed"
