@@ -1,23 +1,14 @@
-"""``python -m hpcdl.bench SUBCOMMAND``: benchmarks, printed and written as JSON rows.
-
-Benchmarks are not tests: each prints its figures beside a reference measured
-in the same run (PyTorch here), as medians of interleaved repetitions.
-"""
+"""``bench step``: forward + backward + update samples/s of one process, beside PyTorch."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import world, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
@@ -25,7 +16,7 @@ from hpcdl.nn import SoftmaxCrossEntropy
 from hpcdl.optim import SGD
 from hpcdl.rng import generator
 
-__all__ = ["main", "bench_step"]
+__all__ = ["add_parser", "bench_step", "run"]
 
 LR, MOMENTUM = 0.01, 0.9
 
@@ -138,7 +129,7 @@ def bench_step(
     return rows
 
 
-def _print_step(rows: list[dict[str, Any]]) -> None:
+def print_rows(rows: list[dict[str, Any]]) -> None:
     ref = next((r for r in rows if r["impl"] == "torch"), None)
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
     print(
@@ -152,9 +143,8 @@ def _print_step(rows: list[dict[str, Any]]) -> None:
         print(f"{r['impl']:<8}{r['samples_per_s']:>12.0f}{1e3 * r['step_s']:>10.2f}{span:>16}{ratio:>10}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="python -m hpcdl.bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parser(sub: Any) -> None:
+    """Register ``step`` and its options on the ``bench`` subparsers."""
     p = sub.add_parser("step", help="forward+backward+update samples/s of one process")
     p.add_argument("--model", default="mlp32", choices=MODELS)
     p.add_argument("--batch", type=int, default=128)
@@ -164,28 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads", type=int, default=1, help="PyTorch intra-op threads (match OPENBLAS_NUM_THREADS)"
     )
-    p.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run a benchmark; returns the exit status."""
-    args = parse_args(build_parser(), list(argv or []))
-    if args.command == "step":
-        if args.batch < 1 or args.repeat < 1 or args.steps < 1:
-            raise ConfigError("--batch, --repeat and --steps must be positive integers")
-        rows = bench_step(args.model, args.batch, args.vs, args.repeat, args.steps, threads=args.threads)
-        if world().Get_rank() == 0:
-            _print_step(rows)
-    else:  # pragma: no cover - argparse restricts the choices
-        raise ConfigError(f"unknown benchmark {args.command!r}")
-    if args.json is not None and world().Get_rank() == 0:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-        print(f"rows written to {args.json}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    from hpcdl.cli import entry
-
-    entry(main, "hpcdl.bench")
+def run(args: Any) -> list[dict[str, Any]]:
+    """Run ``bench step`` with parsed ``args``; prints the table on rank 0 and returns the rows."""
+    if args.batch < 1 or args.repeat < 1 or args.steps < 1:
+        raise ConfigError("--batch, --repeat and --steps must be positive integers")
+    rows = bench_step(args.model, args.batch, args.vs, args.repeat, args.steps, threads=args.threads)
+    if world().Get_rank() == 0:
+        print_rows(rows)
+    return rows

@@ -1,0 +1,6 @@
+"""``python -m hpcdl.bench``."""
+
+from hpcdl.bench import main
+from hpcdl.cli import entry
+
+entry(main, "hpcdl.bench")
