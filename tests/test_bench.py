@@ -58,3 +58,13 @@ def test_step_bad_arguments() -> None:
         main(["step", "--batch", "0"])
     with pytest.raises(ConfigError, match="invalid choice"):
         main(["step", "--model", "alexnet"])
+
+
+def test_train_rows_in_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "train.json"
+    args = ["train", "--config", "digits-mlp", "--repeat", "2", "--steps", "2", "--json", str(out)]
+    assert main(args) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["impl"] == "hpcdl" and row["ranks"] == 1 and row["batch_per_rank"] == 32
+    assert row["samples_per_s"] == pytest.approx(32 / row["step_s"])
+    assert {"compute_s", "comm_s", "exposed_comm_s", "compression"} <= set(row)

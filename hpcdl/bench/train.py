@@ -1,0 +1,185 @@
+"""``bench train``: data-parallel training throughput under mpiexec, beside PyTorch DDP."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hpcdl import comm as ops
+from hpcdl.comm import Communicator, world, wtime
+from hpcdl.config import load_config
+from hpcdl.data import DistributedSampler, gather_batch
+from hpcdl.errors import ConfigError
+from hpcdl.factory import build, load_data, make_optimizer
+from hpcdl.nn import Sequential, SoftmaxCrossEntropy
+from hpcdl.parallel import make_exchange
+
+__all__ = ["add_parser", "run", "bench_train"]
+
+
+def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Sequential, Callable[[], dict[str, float]], Any]:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    data = load_data(cfg)
+    sampler = DistributedSampler(
+        len(data.y_train), cfg["data.batch_size"], rank, size, seed=cfg["seed"], kind=cfg["data.sampler"]
+    )
+    dtype = np.dtype(cfg["dtype"])
+    model = build(cfg, data, rank, dtype, np)
+    optimizer = make_optimizer(cfg, model, cfg["optimizer.lr"])
+    exchange = make_exchange(cfg["exchange.name"], comm, model.parameters())
+    exchange.broadcast_parameters(root=0)
+    loss_fn = SoftmaxCrossEntropy()
+    x, y = gather_batch(data.x_train, data.y_train, sampler.indices(0, 0))
+    x = x.astype(dtype, copy=False)
+
+    def step() -> dict[str, float]:
+        t0 = wtime()
+        loss_fn.forward(model.forward(x), y)
+        model.backward(loss_fn.backward())
+        t1 = wtime()
+        exchange.exchange()  # blocking: all of its time is exposed
+        t2 = wtime()
+        optimizer.step()
+        return {"compute_s": (t1 - t0) + (wtime() - t2), "comm_s": t2 - t1, "exposed_comm_s": t2 - t1}
+
+    return model, step, (x, y)
+
+
+def _torch_ddp_stepper(model: Sequential, batch: Any, comm: Communicator, cfg: Any) -> Callable[[], dict]:
+    """The same network, weights and batch under PyTorch DDP (gloo), rendezvous address sent over MPI."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    else:
+        port = None
+    port = comm.bcast(port, root=0)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(), world_size=comm.Get_size()
+        )
+    layers: list[Any] = [torch.nn.Flatten()]
+    for layer in model.layers:
+        kind = type(layer).__name__
+        if kind == "Linear":
+            lin = torch.nn.Linear(layer.weight.shape[1], layer.weight.shape[0])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(np.asarray(layer.weight.data)))
+                lin.bias.copy_(torch.from_numpy(np.asarray(layer.bias.data)))
+            layers.append(lin)
+        elif kind == "ReLU":
+            layers.append(torch.nn.ReLU())
+        elif kind != "Flatten":
+            raise ConfigError(f"--vs torch-ddp supports Linear/ReLU models (mlp, mlp32); found {kind}")
+    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
+    opt = torch.optim.SGD(net.parameters(), lr=cfg["optimizer.lr"], momentum=cfg["optimizer.momentum"])
+    loss_fn = torch.nn.CrossEntropyLoss()
+    x = torch.from_numpy(np.ascontiguousarray(batch[0], dtype=np.float32))
+    y = torch.from_numpy(np.asarray(batch[1], dtype=np.int64))
+
+    def step() -> dict[str, float]:
+        t0 = wtime()
+        opt.zero_grad(set_to_none=False)
+        loss_fn(net(x), y).backward()  # DDP overlaps its allreduce with backward
+        opt.step()
+        return {"compute_s": float("nan"), "comm_s": float("nan"), "exposed_comm_s": float("nan"),
+                "total": wtime() - t0}  # fmt: skip
+
+    return step
+
+
+def _measure(comm: Communicator, step: Callable[[], dict], steps: int) -> dict[str, float]:
+    comm.Barrier()
+    t0 = wtime()
+    parts: list[dict[str, float]] = [step() for _ in range(steps)]
+    elapsed = comm.allreduce(wtime() - t0, op=ops.MAX) / steps
+    mean = {k: float(np.mean([p[k] for p in parts])) for k in ("compute_s", "comm_s", "exposed_comm_s")}
+    return {"step_s": elapsed, **mean}
+
+
+def bench_train(
+    config: str, sets: list[str], vs: str | None, repeat: int, steps: int
+) -> list[dict[str, Any]]:
+    """Global samples/s of hpcdl (and PyTorch DDP) on the same network and batch, interleaved."""
+    comm = world()
+    cfg = load_config(config, sets)
+    model, hp_step, batch = _hpcdl_stepper(cfg, comm)
+    impls: dict[str, Callable[[], dict]] = {"hpcdl": hp_step}
+    if vs == "torch-ddp":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ConfigError("--vs torch-ddp needs PyTorch: pip install torch==2.13.0") from None
+        impls["torch-ddp"] = _torch_ddp_stepper(model, batch, comm, cfg)
+    for step in impls.values():
+        _measure(comm, step, 3)  # warm-up
+    results: dict[str, list[dict[str, float]]] = {k: [] for k in impls}
+    for _ in range(repeat):
+        for name, step in impls.items():
+            results[name].append(_measure(comm, step, steps))
+    size, batch_size = comm.Get_size(), cfg["data.batch_size"]
+    rows = []
+    for name, reps in results.items():
+        step_s = statistics.median(r["step_s"] for r in reps)
+        rows.append(
+            {
+                "impl": name,
+                "config": cfg["name"],
+                "ranks": size,
+                "batch_per_rank": batch_size,
+                "samples_per_s": size * batch_size / step_s,
+                "step_s": step_s,
+                "compute_s": statistics.median(r["compute_s"] for r in reps),
+                "comm_s": statistics.median(r["comm_s"] for r in reps),
+                "exposed_comm_s": statistics.median(r["exposed_comm_s"] for r in reps),
+                "compression": "none",
+                "repeat": repeat,
+            }
+        )
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    ref = next((r for r in rows if r["impl"] == "torch-ddp"), None)
+    r0 = rows[0]
+    print(f"bench train: {r0['config']}, {r0['ranks']} ranks x batch {r0['batch_per_rank']}, "
+          f"median of {r0['repeat']} interleaved repetitions")  # fmt: skip
+    print(
+        f"{'impl':<10}{'samples/s':>11}{'step ms':>9}{'compute ms':>12}{'comm ms':>9}{'exposed':>9}{'vs ddp':>8}"
+    )
+    for r in rows:
+        ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
+        ms = {
+            k: (f"{1e3 * r[k]:.2f}" if np.isfinite(r[k]) else "-")
+            for k in ("compute_s", "comm_s", "exposed_comm_s")
+        }
+        print(f"{r['impl']:<10}{r['samples_per_s']:>11.0f}{1e3 * r['step_s']:>9.2f}{ms['compute_s']:>12}"
+              f"{ms['comm_s']:>9}{ms['exposed_comm_s']:>9}{ratio:>8}")  # fmt: skip
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``train`` on the ``bench`` subparsers."""
+    p = sub.add_parser("train", help="data-parallel samples/s under mpiexec [beside PyTorch DDP]")
+    p.add_argument("--config", default="mlp32-synthetic", help="a preset or TOML file")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--vs", choices=("torch-ddp",), default=None, help="also train with PyTorch DDP (gloo)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="steps per repetition")
+
+
+def run(args: Any) -> list[dict[str, Any]]:
+    """Run ``bench train``; prints on rank 0 and returns the rows."""
+    if args.repeat < 1 or args.steps < 1:
+        raise ConfigError("--repeat and --steps must be positive integers")
+    rows = bench_train(args.config, args.sets, args.vs, args.repeat, args.steps)
+    if world().Get_rank() == 0:
+        print_rows(rows)
+    return rows
