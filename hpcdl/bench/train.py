@@ -152,9 +152,9 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     r0 = rows[0]
     print(f"bench train: {r0['config']}, {r0['ranks']} ranks x batch {r0['batch_per_rank']}, "
           f"median of {r0['repeat']} interleaved repetitions")  # fmt: skip
-    print(
-        f"{'impl':<10}{'samples/s':>11}{'step ms':>9}{'compute ms':>12}{'comm ms':>9}{'exposed':>9}{'vs ddp':>8}"
-    )
+    head = ("impl", "samples/s", "step ms", "compute ms", "comm ms", "exposed", "vs ddp")
+    widths = (10, 11, 9, 12, 9, 9, 8)
+    print(head[0].ljust(widths[0]) + "".join(h.rjust(w) for h, w in zip(head[1:], widths[1:])))
     for r in rows:
         ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
         ms = {
