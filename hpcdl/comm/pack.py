@@ -1,7 +1,8 @@
-"""Pack many arrays into one contiguous buffer and back (wraps the Cython kernel of ``ext/``)."""
+"""Pack many arrays into one contiguous buffer and back, casting on the way (wraps ``ext/pack.pyx``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -15,19 +16,108 @@ try:
 except ImportError:  # not built: `python setup.py build_ext --inplace` or `pip install .`
     _kernel = None
 
-__all__ = ["HAVE_EXT", "PackError", "Packer", "SUPPORTED_DTYPES"]
+__all__ = [
+    "HAVE_EXT",
+    "INT32_LIMIT",
+    "MODES",
+    "PackError",
+    "Packer",
+    "SUPPORTED_DTYPES",
+    "int32_scale",
+    "local_maxabs",
+    "wire_dtype",
+]
 
 #: True when the compiled kernel ``hpcdl._ext.pack`` is importable.
 HAVE_EXT: bool = _kernel is not None
 
-#: Buffer dtypes the packer accepts (the kernel's fused type).
+#: Array dtypes the packer accepts (the kernel's fused type).
 SUPPORTED_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.float32), np.dtype(np.float64))
 
+#: Buffer formats: ``plain`` (the arrays' dtype), ``float16`` (IEEE half), ``bfloat16``
+#: (its bits in ``uint16``), ``int32`` (quantized with a shared scale).
+MODES: tuple[str, ...] = ("plain", "float16", "bfloat16", "int32")
+
+#: Largest magnitude of a quantized value: ``int32`` packing saturates to ``±INT32_LIMIT``.
+INT32_LIMIT: int = 2**31 - 1
+
 _IMPLS = ("auto", "cython", "numpy")
+_WIRE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
 
 
 class PackError(ValueError):
     """The arrays given to :class:`Packer` do not match the layout it was built for."""
+
+
+def wire_dtype(mode: str, dtype: Any) -> np.dtype:
+    """The buffer's dtype for arrays of ``dtype`` packed in ``mode``.
+
+    Raises:
+        PackError: ``mode`` is unknown.
+    """
+    if mode not in MODES:
+        raise PackError(f"mode must be one of {MODES} (got {mode!r})")
+    return _WIRE.get(mode, np.dtype(dtype))
+
+
+def int32_scale(global_maxabs: float, n_terms: int) -> float:
+    """The quantization scale for ``int32`` packing such that a sum of ``n_terms`` cannot overflow.
+
+    ``scale = floor((2**31 - 1) / n_terms) / global_maxabs``: every ``rint(g * scale)`` is then
+    at most ``floor((2**31 - 1) / n_terms)`` in magnitude (the floor keeps rounding to the
+    nearest integer from adding half a unit per term), so the sum of ``n_terms`` of them fits.
+    ``global_maxabs`` is ``max |g|`` over every rank: :func:`local_maxabs` followed by a MAX
+    allreduce of one float. A zero maximum (all gradients zero) gives scale 1.
+
+    Args:
+        global_maxabs: the largest ``|g|`` over all arrays of all ranks.
+        n_terms: how many quantized buffers are summed (the number of ranks).
+
+    Returns:
+        The scale passed as ``qscale`` to ``pack`` and ``unpack``.
+
+    Raises:
+        ValueError: ``n_terms < 1``, or ``global_maxabs`` is negative, NaN, infinite, or so
+            small that the scale overflows.
+    """
+    if n_terms < 1:
+        raise ValueError(f"n_terms must be a positive integer ({n_terms} < 1)")
+    maxabs = float(global_maxabs)
+    if not math.isfinite(maxabs) or maxabs < 0:
+        raise ValueError(f"global max |g| must be finite and non-negative (got {maxabs})")
+    if maxabs == 0.0:
+        return 1.0
+    scale = (INT32_LIMIT // n_terms) / maxabs
+    if not math.isfinite(scale):
+        raise ValueError(f"global max |g| = {maxabs} is too small for an int32 scale")
+    return scale
+
+
+def local_maxabs(arrays: Sequence[Any]) -> float:
+    """``max |x|`` over all elements of ``arrays`` (0.0 when empty, NaN if any is NaN).
+
+    NumPy float32/float64 contiguous arrays go through the ``nogil`` kernel; others (CuPy,
+    strided) through ``xp.abs(a).max()``.
+
+    Args:
+        arrays: the local gradients.
+
+    Returns:
+        The local maximum, to be reduced with MAX over the ranks before :func:`int32_scale`.
+    """
+    m = 0.0
+    for a in arrays:
+        if a.size == 0:
+            continue
+        if HAVE_EXT and isinstance(a, np.ndarray) and a.dtype in SUPPORTED_DTYPES and a.flags.c_contiguous:
+            v = _kernel.maxabs(a.reshape(-1))
+        else:
+            xp = get_array_module(a)
+            v = float(xp.abs(a).max())
+        if math.isnan(v):
+            return math.nan
+        m = max(m, v)
+    return m
 
 
 def _shape_of(item: Any) -> tuple[int, ...]:
@@ -38,32 +128,32 @@ def _shape_of(item: Any) -> tuple[int, ...]:
     return tuple(int(d) for d in item)
 
 
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
-    """NumPy's strides of a C-contiguous array of ``shape``; None for an empty one (any)."""
-    if 0 in shape:
-        return None
-    strides, step = [], itemsize
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
-
-
 class Packer:
     """Copies a fixed list of arrays into one 1-D buffer at precomputed offsets, and back.
 
     Array ``i`` occupies ``buffer[offsets[i]:offsets[i + 1]]`` in the order of the list given
     (the caller passes parameters in the model's fixed order, the same on every rank).
     The offsets are a prefix sum of the sizes, computed once; the buffer is allocated once
-    and reallocated only when :meth:`rebind` needs a larger one. The buffer's dtype is the
-    arrays' dtype.
+    and reallocated only when :meth:`rebind` needs a larger one.
 
-    NumPy float32/float64 arrays that are C-contiguous go through the compiled kernel
-    (``memcpy`` per array, scaled loop on unpack, without the GIL); CuPy arrays,
-    non-contiguous arrays, or a missing kernel take a NumPy/CuPy slice-copy path with
-    identical results. (Casting while packing, e.g. float32 arrays into a 16-bit buffer,
-    fits as a buffer dtype distinct from the arrays' one: ``_check`` and the kernel
-    dispatch in ``pack``/``unpack`` are the places to extend.)
+    ``mode`` casts while packing (the buffer's dtype is :func:`wire_dtype`):
+
+    - ``"plain"``: the arrays' dtype; ``unpack`` multiplies by ``scale`` in that dtype.
+    - ``"float16"``: bit for bit ``a.astype(np.float16)`` (round to nearest even,
+      subnormals, inf, NaN); ``unpack`` widens exactly and multiplies by ``scale`` in the
+      arrays' dtype. The pack side gives float16 values only: **summing** float16 buffers
+      across ranks must accumulate in float32 (unpack each received buffer to float32 and
+      add, or a custom reduction op); that is the exchange's business.
+    - ``"bfloat16"``: the upper 16 bits of the float32 value rounded to nearest even, as
+      ``uint16`` (NaN stays NaN); float64 arrays are first rounded to float32.
+    - ``"int32"``: ``q = rint(g * qscale)`` in float64, saturated to ``±(2**31 - 1)``, NaN to 0;
+      ``unpack`` gives ``q * (scale / qscale)`` computed in float64. ``qscale`` comes from
+      :func:`int32_scale`, so that a sum of N buffers cannot overflow.
+
+    NumPy arrays that are C-contiguous and aligned go through the compiled kernel: a
+    pointer table built in C on each call, then ``memcpy`` or the cast loop per array,
+    without the GIL. CuPy arrays, strided arrays, or a missing kernel take a NumPy/CuPy
+    slice path with identical results.
 
     Args:
         arrays_or_shapes: the arrays to pack (their shapes, dtype and array module are
@@ -72,10 +162,12 @@ class Packer:
         xp: array module of the buffer (``numpy`` or ``cupy``); inferred from the arrays
             when omitted, NumPy for shapes.
         impl: ``"auto"`` (kernel when it applies), ``"cython"`` (require the kernel for NumPy
-            arrays) or ``"numpy"`` (always the slice-copy path).
+            arrays) or ``"numpy"`` (always the slice path).
+        mode: the buffer format, one of :data:`MODES`.
 
     Raises:
-        PackError: the dtype is missing, unsupported or not shared by all arrays.
+        PackError: the dtype is missing, unsupported or not shared by all arrays, or the
+            mode is unknown.
         ValueError: ``impl`` is unknown, or ``"cython"`` without the compiled kernel.
     """
 
@@ -86,6 +178,7 @@ class Packer:
         *,
         xp: ModuleType | None = None,
         impl: str = "auto",
+        mode: str = "plain",
     ) -> None:
         if impl not in _IMPLS:
             raise ValueError(f"impl must be one of {_IMPLS} (got {impl!r})")
@@ -110,8 +203,13 @@ class Packer:
         for i, a in enumerate(arrays):
             if np.dtype(a.dtype) != self.dtype:
                 raise PackError(f"array {i} has dtype {a.dtype}, the packer {self.dtype}")
+        self.mode: str = mode
+        #: the buffer's dtype (the arrays' one for ``plain``)
+        self.wire_dtype: np.dtype = wire_dtype(mode, self.dtype)
         self.xp: ModuleType = xp if xp is not None else get_array_module(*arrays)
         self.impl = impl
+        #: ``"cython"`` or ``"numpy"``: the path the last ``pack``/``unpack`` took
+        self.last_impl: str | None = None
         self._storage: Any = None
         self.rebind(items)
 
@@ -124,7 +222,7 @@ class Packer:
             arrays_or_shapes: arrays or shapes, as for the constructor.
         """
         self.shapes: tuple[tuple[int, ...], ...] = tuple(_shape_of(a) for a in arrays_or_shapes)
-        sizes = np.array([int(np.prod(s, dtype=np.int64)) for s in self.shapes], dtype=np.intp)
+        sizes = np.array([math.prod(s) for s in self.shapes], dtype=np.intp)
         offsets = np.zeros(len(sizes) + 1, dtype=np.intp)
         np.cumsum(sizes, out=offsets[1:])
         offsets.flags.writeable = False
@@ -132,14 +230,17 @@ class Packer:
         self.offsets: np.ndarray = offsets
         self.total: int = int(offsets[-1])
         if self._storage is None or self._storage.size < self.total:
-            self._storage = self.xp.empty(self.total, dtype=self.dtype)
+            self._storage = self.xp.empty(self.total, dtype=self.wire_dtype)
         self._offsets_list: list[int] = offsets.tolist()
-        self._cstrides = tuple(_c_strides(s, self.dtype.itemsize) for s in self.shapes)
+        use_kernel = HAVE_EXT and self.impl != "numpy" and self.xp is np
+        self._plan = (
+            _kernel.Plan(list(self.shapes), self.dtype, MODES.index(self.mode)) if use_kernel else None
+        )
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the packed data (``total * itemsize``)."""
-        return self.total * self.dtype.itemsize
+        """Bytes of the packed data (``total * wire_dtype.itemsize``)."""
+        return self.total * self.wire_dtype.itemsize
 
     @property
     def buffer(self) -> Any:
@@ -153,83 +254,137 @@ class Packer:
 
     # -- copies --------------------------------------------------------------------------
 
-    def pack(self, arrays: Sequence[Any]) -> Any:
-        """Copy ``arrays`` into the buffer in order and return the buffer.
+    def pack(self, arrays: Sequence[Any], *, qscale: float | None = None) -> Any:
+        """Copy ``arrays`` into the buffer in order, casting to the mode's format.
 
         Args:
             arrays: arrays with the shapes and dtype the packer was built for.
+            qscale: the quantization scale, required by (and only by) ``mode="int32"``.
 
         Returns:
             The 1-D buffer view (:attr:`buffer`), valid until the next ``pack``/``rebind``.
 
         Raises:
-            PackError: wrong number of arrays, or an array's shape or dtype differs.
+            PackError: wrong number of arrays, an array's shape or dtype differs, or
+                ``qscale`` is missing or given for the wrong mode.
         """
+        q = self._qscale(qscale)
         buf = self.buffer
-        if self._check(arrays, "pack", buf):
-            _kernel.pack([a.reshape(-1) for a in arrays], buf, self.offsets)
-        else:
-            o = self._offsets_list
-            for i, a in enumerate(arrays):
-                self.xp.copyto(buf[o[i] : o[i + 1]].reshape(a.shape), a)
+        if not isinstance(arrays, list):
+            arrays = list(arrays)
+        if self._plan is not None and self._plan.pack(arrays, buf, q):
+            self.last_impl = "cython"
+            return buf
+        self._check(arrays, "pack")
+        self.last_impl = "numpy"
+        with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN pass silently, as in the kernel
+            self._pack_slices(arrays, buf, q)
         return buf
 
-    def unpack(self, buffer: Any, arrays: Sequence[Any], scale: float = 1.0) -> None:
+    def _pack_slices(self, arrays: list[Any], buf: Any, q: float) -> None:
+        o, xp = self._offsets_list, self.xp
+        for i, a in enumerate(arrays):
+            dst = buf[o[i] : o[i + 1]].reshape(a.shape)
+            if self.mode in ("plain", "float16"):
+                xp.copyto(dst, a, casting="same_kind")
+            elif self.mode == "bfloat16":
+                dst[...] = _bfloat16_bits(xp, a)
+            else:
+                v = xp.clip(a.astype(np.float64) * q, -INT32_LIMIT, INT32_LIMIT)
+                dst[...] = xp.nan_to_num(xp.rint(v), nan=0.0).astype(np.int32)
+
+    def unpack(
+        self, buffer: Any, arrays: Sequence[Any], scale: float = 1.0, *, qscale: float | None = None
+    ) -> None:
         """Copy ``buffer`` back into ``arrays``, multiplied by ``scale``.
 
-        ``arrays[i][...] = buffer[offsets[i]:offsets[i + 1]] * scale``, computed in the
-        buffer's dtype (``scale = 1 / size`` turns a summed buffer into an average).
+        ``arrays[i][...] = buffer[offsets[i]:offsets[i + 1]] * scale``: the product is
+        computed in the arrays' dtype for ``plain``/``float16``/``bfloat16`` (``scale =
+        1 / size`` turns a summed buffer into an average), in float64 as
+        ``q * (scale / qscale)`` for ``int32``.
 
         Args:
-            buffer: a 1-D buffer of at least ``total`` elements of the packer's dtype (the
+            buffer: a 1-D buffer of at least ``total`` elements of :attr:`wire_dtype` (the
                 packer's own :attr:`buffer` or a received one).
             arrays: writable arrays with the shapes and dtype the packer was built for.
             scale: factor applied while copying.
+            qscale: the quantization scale used by ``pack`` (``mode="int32"`` only).
 
         Raises:
-            PackError: wrong number of arrays, an array's shape or dtype differs, or the
-                buffer is too small, not 1-D or of another dtype.
+            PackError: wrong number of arrays, an array's shape or dtype differs, the
+                buffer is too small, not 1-D or of another dtype, or ``qscale`` is missing.
         """
         if getattr(buffer, "ndim", None) != 1 or buffer.size < self.total:
             raise PackError(
                 f"unpack needs a 1-D buffer of at least {self.total} elements "
                 f"(got shape {getattr(buffer, 'shape', None)})"
             )
-        if np.dtype(buffer.dtype) != self.dtype:
-            raise PackError(f"unpack buffer has dtype {buffer.dtype}, the packer {self.dtype}")
+        if np.dtype(buffer.dtype) != self.wire_dtype:
+            raise PackError(f"unpack buffer has dtype {buffer.dtype}, the packer {self.wire_dtype}")
+        q = self._qscale(qscale)
         scale = float(scale)
-        if self._check(arrays, "unpack", buffer):
-            _kernel.unpack(buffer, [a.reshape(-1) for a in arrays], self.offsets, scale)
+        mult = scale / q if self.mode == "int32" else scale
+        if not isinstance(arrays, list):
+            arrays = list(arrays)
+        if self._plan is not None and self._plan.unpack(buffer, arrays, mult):
+            self.last_impl = "cython"
             return
-        o = self._offsets_list
+        self._check(arrays, "unpack")
+        self.last_impl = "numpy"
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._unpack_slices(buffer, arrays, scale, mult)
+
+    def _unpack_slices(self, buffer: Any, arrays: list[Any], scale: float, mult: float) -> None:
+        o, xp = self._offsets_list, self.xp
+        s = self.dtype.type(scale)
         for i, a in enumerate(arrays):
             src = buffer[o[i] : o[i + 1]].reshape(a.shape)
-            if scale == 1.0:
-                self.xp.copyto(a, src)
+            if self.mode == "bfloat16":
+                src = (src.astype(np.uint32) << 16).view(np.float32)
+            if self.mode == "int32":
+                a[...] = src * mult  # float64 product, rounded to a's dtype
+            elif scale == 1.0:
+                xp.copyto(a, src)
             else:
-                self.xp.multiply(src, scale, out=a)
+                xp.multiply(src, s, out=a)
+
+    def maxabs(self, arrays: Sequence[Any]) -> float:
+        """:func:`local_maxabs` of ``arrays`` (one kernel call when they qualify)."""
+        arrays = list(arrays)
+        if self._plan is not None:
+            m = self._plan.maxabs(arrays)
+            if m is not None:
+                return float(m)
+        return local_maxabs(arrays)
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _check(self, arrays: Sequence[Any], what: str, buf: Any) -> bool:
-        """Validate ``arrays``; True when the kernel applies to them and to ``buf``."""
+    def _qscale(self, qscale: float | None) -> float:
+        if self.mode == "int32":
+            if qscale is None or not (float(qscale) > 0 and math.isfinite(qscale)):
+                raise PackError(
+                    f"mode='int32' needs qscale= a positive finite scale (got {qscale}): "
+                    "compute it with int32_scale(global max |g|, number of ranks)"
+                )
+            return float(qscale)
+        if qscale is not None:
+            raise PackError(f"qscale= applies to mode='int32' only (this packer: mode={self.mode!r})")
+        return 1.0
+
+    def _check(self, arrays: Sequence[Any], what: str) -> None:
+        """Validate ``arrays`` against the layout (the slice path's checks)."""
         if len(arrays) != len(self.shapes):
             raise PackError(f"{what} got {len(arrays)} arrays, the packer was built for {len(self.shapes)}")
-        kernel = (
-            self.impl != "numpy"
-            and HAVE_EXT
-            and isinstance(buf, np.ndarray)
-            and buf.strides == (self.dtype.itemsize,)
-        )
         for i, a in enumerate(arrays):
             if a.dtype != self.dtype:
                 raise PackError(f"{what}: array {i} has dtype {a.dtype}, the packer {self.dtype}")
             if a.shape != self.shapes[i]:
                 raise PackError(f"{what}: array {i} has shape {a.shape}, the packer expects {self.shapes[i]}")
-            # C-contiguous strides (precomputed; a rarer contiguous layout just takes the
-            # fallback). CuPy arrays are not np.ndarray.
-            if kernel and not isinstance(a, np.ndarray):
-                kernel = False
-            elif kernel and a.strides != self._cstrides[i] and self._cstrides[i] is not None:
-                kernel = False
-        return kernel
+
+
+def _bfloat16_bits(xp: ModuleType, a: Any) -> Any:
+    """bfloat16 bits (round to nearest even, NaN kept quiet) of ``a``, as ``uint16``."""
+    x = xp.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (x + np.uint32(0x7FFF) + ((x >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = (x & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return xp.where(nan, (x >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)

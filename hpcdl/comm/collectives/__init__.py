@@ -1,0 +1,29 @@
+"""hpcdl's own collectives, written on point-to-point calls through the communicator contract.
+
+Allreduce by ring, recursive doubling and Rabenseifner (or the MPI library's own, ``"mpi"``),
+ring reduce-scatter and allgather, binomial-tree reduce and broadcast; for any rank count and
+length. Each is written once, as a resumable schedule of point-to-point rounds
+(:mod:`~hpcdl.comm.collectives.schedule`), so the nonblocking form is the same code as the
+blocking one and runs without threads, in MPI and in the simulator::
+
+    with Collectives(comm) as coll:
+        coll.Allreduce(grad, grad, algorithm="rabenseifner")  # in place
+        reqs = [coll.Iallreduce(b, b) for b in buckets]       # started in the same order everywhere
+        hpcdl.comm.waitall(reqs)
+"""
+
+from __future__ import annotations
+
+from hpcdl.comm.collectives.api import ALGORITHMS, TAG_SPAN, Collectives, CollectivesFreedError
+from hpcdl.comm.collectives.buffers import chunk_counts
+from hpcdl.comm.collectives.schedule import CollRequest, Schedule
+
+__all__ = [
+    "ALGORITHMS",
+    "TAG_SPAN",
+    "CollRequest",
+    "Collectives",
+    "CollectivesFreedError",
+    "Schedule",
+    "chunk_counts",
+]

@@ -1,0 +1,309 @@
+"""The :class:`Collectives` object: hpcdl's own collectives on a private copy of a communicator."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree
+from hpcdl.comm.collectives.buffers import check_pair, chunk_counts, flat, is_in_place, reduction
+from hpcdl.comm.collectives.schedule import CollRequest, Schedule
+from hpcdl.comm.contract import Communicator
+from hpcdl.errors import ConfigError
+
+__all__ = ["ALGORITHMS", "Collectives", "CollectivesFreedError"]
+
+#: allreduce algorithms by name: ``schedule(comm, src, dst, op, tag)`` (flat arrays, ``src is
+#: dst`` for in place). ``"mpi"`` is the MPI library's own ``Iallreduce`` (``Allreduce`` when
+#: blocking).
+ALGORITHMS: dict[str, Callable[[Communicator, Any, Any, Any, int], Schedule]] = {
+    "ring": ring.allreduce,
+    "doubling": doubling.allreduce,
+    "rabenseifner": rabenseifner.allreduce,
+    "mpi": library.allreduce,
+}
+
+#: Tags cycle through [0, TAG_SPAN): MPI guarantees tags up to 32767. Operations in flight
+#: at once on one Collectives object must number fewer than this.
+TAG_SPAN = 1 << 15
+
+
+class CollectivesFreedError(RuntimeError):
+    """A :class:`Collectives` object was used after :meth:`Collectives.free`."""
+
+
+class Collectives:
+    """hpcdl's collectives over a private duplicate of ``comm``, blocking and nonblocking.
+
+    The duplicate keeps their messages apart from the caller's point-to-point traffic on
+    ``comm``; each operation started gets the next tag of a sequence, which keeps
+    operations in flight at the same time (one per gradient bucket, say) apart from each
+    other. As in MPI, **every rank must start the collectives of one object in the same
+    order** (blocking or not, whatever the algorithm); they may complete in any order.
+
+    Methods are named after MPI's (buffers, upper case) and take NumPy or CuPy arrays,
+    C-contiguous, of any shape (treated as flat). Each ``I``-prefixed method returns a
+    :class:`CollRequest`, to be completed with ``Wait()``, ``Test()`` or
+    :func:`hpcdl.comm.waitall`/:func:`~hpcdl.comm.waitany` beside other requests; its
+    buffers must not be touched until then. The blocking method is the same schedule,
+    waited on. Reductions take ``hpcdl.comm.SUM``, ``MAX`` or ``MIN``.
+
+    The object owns a communicator: call :meth:`free` (collective) when done, or use it
+    as a context manager.
+
+    Args:
+        comm: the communicator whose ranks take part (duplicated once, collectively).
+        algorithm: the default allreduce algorithm, a key of :data:`ALGORITHMS`.
+
+    Raises:
+        ConfigError: ``algorithm`` is unknown.
+    """
+
+    def __init__(self, comm: Communicator, algorithm: str = "ring") -> None:
+        self.algorithm = _check_algorithm(algorithm)
+        self._comm: Communicator | None = comm.Dup()
+        self._seq = 0
+        self._inflight: list[CollRequest] = []
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def comm(self) -> Communicator:
+        """The private duplicate communicator the collectives run on."""
+        if self._comm is None:
+            raise CollectivesFreedError(
+                "this Collectives object was freed: create a new Collectives(comm) to run more collectives"
+            )
+        return self._comm
+
+    def free(self) -> None:
+        """Free the duplicate communicator (collective; a second call does nothing).
+
+        Raises:
+            RuntimeError: nonblocking collectives started here have not completed.
+        """
+        if self._comm is None:
+            return
+        pending = [r for r in self._inflight if not r.finished]
+        if pending:
+            raise RuntimeError(
+                f"Collectives.free() with {len(pending)} nonblocking collectives still in flight "
+                f"({pending[0]!r}, ...): complete them with Wait() or hpcdl.comm.waitall first"
+            )
+        comm, self._comm = self._comm, None
+        comm.Free()
+
+    def __enter__(self) -> Collectives:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.free()
+
+    def __repr__(self) -> str:
+        if self._comm is None:
+            return "<Collectives (freed)>"
+        return f"<Collectives size={self._comm.Get_size()} algorithm={self.algorithm!r} started={self._seq}>"
+
+    def _start(self, name: str, make: Callable[[Communicator, int], Schedule]) -> CollRequest:
+        comm = self.comm
+        tag = self._seq % TAG_SPAN
+        self._seq += 1
+        req = CollRequest(make(comm, tag), name)
+        self._inflight = [r for r in self._inflight if not r.finished]
+        if not req.finished:
+            self._inflight.append(req)
+        return req
+
+    # -- allreduce ------------------------------------------------------------------------------
+
+    def Iallreduce(  # noqa: N802  (MPI's name)
+        self, sendbuf: Any, recvbuf: Any, op: Any = None, algorithm: str | None = None
+    ) -> CollRequest:
+        """Start an allreduce of every rank's ``sendbuf`` into every rank's ``recvbuf``.
+
+        Args:
+            sendbuf: this rank's contribution; ``recvbuf`` itself or ``hpcdl.comm.IN_PLACE``
+                to reduce ``recvbuf`` in place.
+            recvbuf: the result, same size and dtype as ``sendbuf``.
+            op: ``hpcdl.comm.SUM`` (default), ``MAX`` or ``MIN``.
+            algorithm: a key of :data:`ALGORITHMS`; default: this object's ``algorithm``.
+
+        Returns:
+            The request of the operation.
+
+        Raises:
+            ConfigError: ``algorithm`` is unknown.
+            ValueError: the buffers do not match, or ``op`` is not supported.
+        """
+        name = _check_algorithm(algorithm or self.algorithm)
+        op = _op(op)
+        src, dst = check_pair(sendbuf, recvbuf, "allreduce")
+        reduction(op, dst)
+        schedule = ALGORITHMS[name]
+        return self._start(f"allreduce[{name}]", lambda comm, tag: schedule(comm, src, dst, op, tag))
+
+    def Allreduce(  # noqa: N802  (MPI's name)
+        self, sendbuf: Any, recvbuf: Any, op: Any = None, algorithm: str | None = None
+    ) -> None:
+        """Allreduce, blocking: :meth:`Iallreduce` waited on (``"mpi"``: ``comm.Allreduce``)."""
+        if (algorithm or self.algorithm) == "mpi":
+            op = _op(op)
+            src, dst = check_pair(sendbuf, recvbuf, "allreduce")
+            self._seq += 1
+            import hpcdl.comm as hc
+
+            self.comm.Allreduce(hc.IN_PLACE if src is dst else src, dst, op=op)
+            return
+        self.Iallreduce(sendbuf, recvbuf, op, algorithm).Wait()
+
+    # -- reduce-scatter and allgather (ring) -----------------------------------------------------
+
+    def Ireduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> CollRequest:  # noqa: N802
+        """Start a ring reduce-scatter: rank r receives chunk r of the reduction of ``sendbuf``.
+
+        Chunk sizes are :func:`chunk_counts` ``(sendbuf.size, size)`` (the first
+        ``sendbuf.size % size`` chunks one longer; MPI's ``Reduce_scatter`` with these
+        ``recvcounts``).
+
+        Args:
+            sendbuf: this rank's full vector; ``hpcdl.comm.IN_PLACE`` to take it from
+                ``recvbuf``, which then receives the result in its first elements (MPI's
+                in-place reduce-scatter).
+            recvbuf: this rank's chunk (or the full vector, in place).
+            op: ``hpcdl.comm.SUM`` (default), ``MAX`` or ``MIN``.
+
+        Returns:
+            The request of the operation.
+
+        Raises:
+            ValueError: ``recvbuf`` is not the size of this rank's chunk, the dtypes differ,
+                or ``op`` is not supported.
+        """
+        op = _op(op)
+        comm = self.comm
+        dst = flat(recvbuf, "reduce_scatter recvbuf")
+        src = dst if is_in_place(sendbuf, recvbuf) else flat(sendbuf, "reduce_scatter sendbuf")
+        count = chunk_counts(src.size, comm.Get_size())[comm.Get_rank()]
+        if src is dst:
+            dst = dst[:count]
+        elif dst.size != count or dst.dtype != src.dtype:
+            raise ValueError(
+                f"reduce_scatter: recvbuf ({dst.size} x {dst.dtype}) must hold rank "
+                f"{comm.Get_rank()}'s chunk of sendbuf: {count} x {src.dtype} "
+                f"({src.size} elements over {comm.Get_size()} ranks)"
+            )
+        reduction(op, src)
+        return self._start("reduce_scatter", lambda c, tag: ring.reduce_scatter(c, src, dst, op, tag))
+
+    def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:  # noqa: N802
+        """Reduce-scatter, blocking: :meth:`Ireduce_scatter` waited on."""
+        self.Ireduce_scatter(sendbuf, recvbuf, op).Wait()
+
+    def Iallgather(self, sendbuf: Any, recvbuf: Any) -> CollRequest:  # noqa: N802
+        """Start a ring allgather: every rank's ``sendbuf``, in rank order, into every ``recvbuf``.
+
+        Rank r's part is chunk r of ``recvbuf``, of :func:`chunk_counts` ``(recvbuf.size,
+        size)[r]`` elements (equal parts, as MPI's ``Allgather``, when ``size`` divides it).
+
+        Args:
+            sendbuf: this rank's part; ``hpcdl.comm.IN_PLACE`` when it is already in place
+                in ``recvbuf``.
+            recvbuf: the concatenation of every rank's part.
+
+        Returns:
+            The request of the operation.
+
+        Raises:
+            ValueError: ``sendbuf`` is not the size of this rank's part, or the dtypes differ.
+        """
+        comm = self.comm
+        dst = flat(recvbuf, "allgather recvbuf")
+        mine = None
+        if not is_in_place(sendbuf, recvbuf):
+            mine = flat(sendbuf, "allgather sendbuf")
+            count = chunk_counts(dst.size, comm.Get_size())[comm.Get_rank()]
+            if mine.size != count or mine.dtype != dst.dtype:
+                raise ValueError(
+                    f"allgather: sendbuf ({mine.size} x {mine.dtype}) must be rank "
+                    f"{comm.Get_rank()}'s part of recvbuf: {count} x {dst.dtype} "
+                    f"({dst.size} elements over {comm.Get_size()} ranks)"
+                )
+        return self._start("allgather", lambda c, tag: ring.allgather(c, mine, dst, tag))
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:  # noqa: N802
+        """Allgather, blocking: :meth:`Iallgather` waited on."""
+        self.Iallgather(sendbuf, recvbuf).Wait()
+
+    # -- reduce and broadcast (binomial tree) ----------------------------------------------------
+
+    def Ireduce(self, sendbuf: Any, recvbuf: Any | None, op: Any = None, root: int = 0) -> CollRequest:  # noqa: N802
+        """Start a binomial-tree reduce of every rank's ``sendbuf`` into ``root``'s ``recvbuf``.
+
+        Args:
+            sendbuf: this rank's contribution; on the root, ``recvbuf`` itself or
+                ``hpcdl.comm.IN_PLACE`` to reduce in place.
+            recvbuf: the result on the root, same size and dtype as ``sendbuf``; ignored
+                (``None`` allowed) elsewhere.
+            op: ``hpcdl.comm.SUM`` (default), ``MAX`` or ``MIN``.
+            root: the rank receiving the result.
+
+        Returns:
+            The request of the operation.
+
+        Raises:
+            ValueError: ``root`` is out of range, the buffers do not match, or ``op`` is
+                not supported.
+        """
+        op = _op(op)
+        comm = self.comm
+        root = _check_root(root, comm)
+        if comm.Get_rank() == root:
+            src, dst = check_pair(sendbuf, recvbuf, "reduce")
+        else:
+            src, dst = flat(sendbuf, "reduce sendbuf"), None
+        reduction(op, src)
+        return self._start(f"reduce[root={root}]", lambda c, tag: tree.reduce(c, src, dst, op, root, tag))
+
+    def Reduce(self, sendbuf: Any, recvbuf: Any | None, op: Any = None, root: int = 0) -> None:  # noqa: N802
+        """Reduce, blocking: :meth:`Ireduce` waited on."""
+        self.Ireduce(sendbuf, recvbuf, op, root).Wait()
+
+    def Ibcast(self, buf: Any, root: int = 0) -> CollRequest:  # noqa: N802
+        """Start a binomial-tree broadcast of ``root``'s ``buf`` into every rank's ``buf``.
+
+        Raises:
+            ValueError: ``root`` is out of range.
+        """
+        comm = self.comm
+        root = _check_root(root, comm)
+        view = flat(buf, "bcast buf")
+        return self._start(f"bcast[root={root}]", lambda c, tag: tree.bcast(c, view, root, tag))
+
+    def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
+        """Broadcast, blocking: :meth:`Ibcast` waited on."""
+        self.Ibcast(buf, root).Wait()
+
+
+def _check_algorithm(name: str) -> str:
+    if name not in ALGORITHMS:
+        raise ConfigError(f"unknown allreduce algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+    return name
+
+
+def _check_root(root: int, comm: Communicator) -> int:
+    size = comm.Get_size()
+    if not 0 <= root < size:
+        raise ValueError(f"root must be a rank in [0, {size}) (got {root})")
+    return int(root)
+
+
+def _op(op: Any) -> Any:
+    if op is None:
+        import hpcdl.comm as hc
+
+        return hc.SUM
+    return op

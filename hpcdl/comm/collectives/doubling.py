@@ -1,0 +1,40 @@
+"""Recursive-doubling allreduce: ``log2(size)`` exchanges of the whole vector (latency-optimal).
+
+At step ``mask = 1, 2, 4, ...`` rank ``r`` swaps its partial result with rank ``r ^ mask``
+and adds the two; after the last step every rank holds the full reduction. A rank count
+that is not a power of two is folded first (:mod:`hpcdl.comm.collectives.fold`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcdl.comm.collectives.buffers import reduction, scratch
+from hpcdl.comm.collectives.fold import fold_in, fold_out, new_rank, old_rank, split_pof2
+from hpcdl.comm.collectives.schedule import Schedule, sendrecv
+from hpcdl.comm.contract import Communicator
+
+__all__ = ["allreduce"]
+
+
+def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Schedule:
+    """Recursive-doubling allreduce of the flat ``src`` into the flat ``dst`` (in place if same)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1 or dst.size == 0:
+        if src is not dst:
+            dst[...] = src
+        return
+    reduce = reduction(op, dst)
+    pof2, rem = split_pof2(size)
+    cur = yield from fold_in(comm, src, dst, reduce, tag)
+    if cur is not None:
+        newrank = new_rank(rank, rem)
+        theirs = scratch(dst, dst.size)
+        mask = 1
+        while mask < pof2:
+            partner = old_rank(newrank ^ mask, rem)
+            yield sendrecv(comm, cur, partner, theirs, partner, tag)
+            reduce(cur, theirs, out=dst)
+            cur = dst
+            mask <<= 1
+    yield from fold_out(comm, dst, tag)

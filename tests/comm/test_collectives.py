@@ -1,0 +1,395 @@
+"""hpcdl's own collectives against MPI's, as bodies that take a communicator.
+
+Each ``check_*`` body runs on every rank of ``comm`` (any size, 1 included) and compares
+with the communicator's own collectives (``Allreduce``, ``Reduce``, ``Bcast``, ``Allgather``
+of the contract) or with closed forms, so the simulator can run the same bodies later.
+Exact comparisons use integer-valued floats (any summation order gives the same sum);
+random floats are compared with a tolerance, and must agree bit for bit across ranks.
+Run under mpiexec with ``tests/run_mpi.sh N tests/comm/test_collectives.py``; without
+mpiexec the bodies run on a world of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import hpcdl.comm as hc
+from hpcdl.comm import Communicator
+from hpcdl.comm.collectives import ALGORITHMS, Collectives, CollectivesFreedError, CollRequest, chunk_counts
+from hpcdl.errors import ConfigError
+
+from .test_mpi_conformance import run_everywhere
+
+DTYPES = (np.float32, np.float64)
+OPS = ("SUM", "MAX", "MIN")
+
+
+def lengths(size: int) -> list[int]:
+    """0, 1, size - 1, size + 1, 1000 and 100003 (not divisible by most sizes), deduplicated."""
+    return sorted({0, 1, max(size - 1, 0), size + 1, 1000, 100003})
+
+
+def integer_values(rank: int, n: int, dtype: type) -> np.ndarray:
+    """Small integers depending on rank and index: every sum of them is exact."""
+    return ((np.arange(n) * 7 + rank * 13) % 101 - 50).astype(dtype)
+
+
+def random_values(rank: int, n: int, dtype: type) -> np.ndarray:
+    return np.random.default_rng([7, rank, n]).standard_normal(n).astype(dtype)
+
+
+def mpi_allreduce(comm: Communicator, x: np.ndarray, op: str = "SUM") -> np.ndarray:
+    out = np.empty_like(x)
+    comm.Allreduce(x, out, op=getattr(hc, op))
+    return out
+
+
+def same_on_all_ranks(comm: Communicator, x: np.ndarray) -> bool:
+    digests = comm.allgather(hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest())
+    return len(set(digests)) == 1
+
+
+# -- allreduce ---------------------------------------------------------------------------
+
+
+def check_allreduce_exact(comm: Communicator) -> None:
+    """Every algorithm, blocking and nonblocking, out of place and in place, equals MPI's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for algorithm in ALGORITHMS:
+            for n in lengths(size):
+                for dtype in DTYPES:
+                    x = integer_values(rank, n, dtype)
+                    expected = mpi_allreduce(comm, x)
+                    where = (algorithm, n, np.dtype(dtype).name)
+                    out = np.full_like(x, np.nan)
+                    coll.Allreduce(x, out, algorithm=algorithm)
+                    assert np.array_equal(out, expected), where
+                    assert np.array_equal(x, integer_values(rank, n, dtype)), (*where, "sendbuf changed")
+                    buf = x.copy()
+                    coll.Allreduce(buf, buf, algorithm=algorithm)
+                    assert np.array_equal(buf, expected), (*where, "in place")
+                    out = np.full_like(x, np.nan)
+                    req = coll.Iallreduce(x, out, algorithm=algorithm)
+                    assert isinstance(req, CollRequest)
+                    req.Wait()
+                    assert not req and req.Test(), where
+                    assert np.array_equal(out, expected), (*where, "nonblocking")
+                    buf = x.copy()
+                    req = coll.Iallreduce(hc.IN_PLACE, buf, algorithm=algorithm)
+                    while not req.Test():
+                        pass
+                    assert np.array_equal(buf, expected), (*where, "nonblocking in place, Test()")
+
+
+def check_allreduce_random(comm: Communicator) -> None:
+    """Random floats: close to MPI's sum, and the same bits on every rank (training needs it)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for algorithm in ALGORITHMS:
+            for n in (size + 1, 1000, 100003):
+                for dtype in DTYPES:
+                    x = random_values(rank, n, dtype)
+                    expected = mpi_allreduce(comm, x)
+                    out = np.empty_like(x)
+                    coll.Allreduce(x, out, algorithm=algorithm)
+                    rtol = 1e-5 if dtype == np.float32 else 1e-12
+                    np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol * size)
+                    if algorithm != "mpi":
+                        assert same_on_all_ranks(comm, out), (algorithm, n, np.dtype(dtype).name)
+
+
+def check_allreduce_max_min(comm: Communicator) -> None:
+    """MAX and MIN (and SUM) by every algorithm equal MPI's, for random floats (exact)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for algorithm in ALGORITHMS:
+            for op in ("MAX", "MIN"):
+                for n in (1, size + 1, 1000):
+                    x = random_values(rank, n, np.float64)
+                    out = np.empty_like(x)
+                    coll.Allreduce(x, out, op=getattr(hc, op), algorithm=algorithm)
+                    assert np.array_equal(out, mpi_allreduce(comm, x, op)), (algorithm, op, n)
+
+
+def check_allreduce_shapes(comm: Communicator) -> None:
+    """A 2-D array is reduced as a flat vector; the object's default algorithm is used."""
+    rank = comm.Get_rank()
+    for algorithm in ALGORITHMS:
+        with Collectives(comm, algorithm=algorithm) as coll:
+            assert coll.algorithm == algorithm
+            x = integer_values(rank, 35, np.float32).reshape(5, 7)
+            out = np.zeros_like(x)
+            coll.Allreduce(x, out)
+            assert np.array_equal(out, mpi_allreduce(comm, x)), algorithm
+
+
+# -- reduce-scatter, allgather, reduce, bcast ------------------------------------------------
+
+
+def check_reduce_scatter(comm: Communicator) -> None:
+    """Rank r gets chunk r (chunk_counts) of MPI's Allreduce, out of place and in place."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for n in lengths(size):
+            counts = chunk_counts(n, size)
+            lo = sum(counts[:rank])
+            assert sum(counts) == n and max(counts) - min(counts) <= 1
+            for dtype in DTYPES:
+                x = integer_values(rank, n, dtype)
+                mine = mpi_allreduce(comm, x)[lo : lo + counts[rank]]
+                out = np.full(counts[rank], np.nan, dtype=dtype)
+                coll.Reduce_scatter(x, out)
+                assert np.array_equal(out, mine), (n, np.dtype(dtype).name)
+                buf = x.copy()
+                coll.Ireduce_scatter(hc.IN_PLACE, buf).Wait()
+                assert np.array_equal(buf[: counts[rank]], mine), (n, np.dtype(dtype).name, "in place")
+            x = random_values(rank, n, np.float64)
+            out = np.empty(counts[rank])
+            coll.Reduce_scatter(x, out, op=hc.MAX)
+            assert np.array_equal(out, mpi_allreduce(comm, x, "MAX")[lo : lo + counts[rank]])
+
+
+def check_allgather(comm: Communicator) -> None:
+    """Every rank's part lands in rank order: MPI's Allgather for equal parts, uneven ones too."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for dtype in DTYPES:
+            for part in (0, 1, 1000):  # equal parts: compare with MPI
+                mine = integer_values(rank, part, dtype)
+                expected = np.empty(part * size, dtype=dtype)
+                comm.Allgather(mine, expected)
+                out = np.full(part * size, np.nan, dtype=dtype)
+                coll.Allgather(mine, out)
+                assert np.array_equal(out, expected), (part, np.dtype(dtype).name)
+            for n in lengths(size):  # uneven parts: rank r holds elements [lo, hi) of arange(n)
+                counts = chunk_counts(n, size)
+                lo = sum(counts[:rank])
+                out = np.full(n, np.nan, dtype=dtype)
+                coll.Iallgather(np.arange(lo, lo + counts[rank], dtype=dtype), out).Wait()
+                assert np.array_equal(out, np.arange(n, dtype=dtype)), (n, np.dtype(dtype).name)
+                buf = np.full(n, np.nan, dtype=dtype)
+                buf[lo : lo + counts[rank]] = np.arange(lo, lo + counts[rank])
+                coll.Allgather(hc.IN_PLACE, buf)
+                assert np.array_equal(buf, np.arange(n, dtype=dtype)), (n, np.dtype(dtype).name, "in place")
+
+
+def check_reduce_every_root(comm: Communicator) -> None:
+    """Binomial reduce to every root equals MPI's Reduce; in place on the root too."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for root in range(size):
+            for n in (0, 1, size + 1, 100003):
+                for dtype in DTYPES:
+                    x = integer_values(rank, n, dtype)
+                    expected = np.empty_like(x) if rank == root else None
+                    comm.Reduce(x, expected, op=hc.SUM, root=root)
+                    out = np.full_like(x, np.nan) if rank == root else None
+                    coll.Reduce(x, out, root=root)
+                    buf = x.copy()
+                    coll.Ireduce(buf if rank == root else x, buf if rank == root else None, root=root).Wait()
+                    if rank == root:
+                        assert np.array_equal(out, expected), (root, n, np.dtype(dtype).name)
+                        assert np.array_equal(buf, expected), (root, n, np.dtype(dtype).name, "in place")
+            x = random_values(rank, 9, np.float64)
+            out = np.empty(9) if rank == root else None
+            coll.Reduce(x, out, op=hc.MIN, root=root)
+            if rank == root:
+                expected = np.empty(9)
+                comm.Reduce(x, expected, op=hc.MIN, root=root)
+                assert np.array_equal(out, expected)
+            else:
+                comm.Reduce(x, None, op=hc.MIN, root=root)
+
+
+def check_bcast_every_root(comm: Communicator) -> None:
+    """Binomial broadcast from every root equals MPI's Bcast."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for root in range(size):
+            for n in (0, 1, size + 1, 100003):
+                for dtype in DTYPES:
+                    expected = random_values(root, n, dtype) if rank == root else np.zeros(n, dtype)
+                    comm.Bcast(expected, root=root)
+                    buf = random_values(root, n, dtype) if rank == root else np.full(n, np.nan, dtype)
+                    coll.Bcast(buf, root=root)
+                    assert np.array_equal(buf, expected), (root, n, np.dtype(dtype).name)
+                    buf = random_values(root, n, dtype) if rank == root else np.full(n, np.nan, dtype)
+                    coll.Ibcast(buf.reshape(-1, 1) if n else buf, root=root).Wait()
+                    assert np.array_equal(buf, expected), (root, n, np.dtype(dtype).name, "nonblocking")
+
+
+# -- several in flight, with MPI's requests ------------------------------------------------------
+
+
+def _start_mixed(
+    comm: Communicator, coll: Collectives
+) -> tuple[list[hc.Request], list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """Start one allreduce per algorithm and length, a reduce, a bcast, and a ring of Isend/Irecv
+    on ``comm`` itself (user traffic with tag 0, like the collectives' first tag)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    reqs: list[hc.Request] = []
+    checks: list[tuple[np.ndarray, np.ndarray]] = []
+    for k, algorithm in enumerate([*ALGORITHMS, *ALGORITHMS]):
+        x = integer_values(rank + k, 1000 + 997 * k, np.float32)
+        expected = mpi_allreduce(comm, x)
+        reqs.append(coll.Iallreduce(x, x, algorithm=algorithm))
+        checks.append((x, expected))
+    got = np.full(5, -1.0)
+    reqs.append(comm.Irecv(got, source=(rank - 1) % size, tag=0))
+    bcast = np.arange(10.0) if rank == size - 1 else np.zeros(10)
+    reqs.append(coll.Ibcast(bcast, root=size - 1))
+    checks.append((bcast, np.arange(10.0)))
+    sent = np.full(5, float(rank))
+    reqs.append(comm.Isend(sent, dest=(rank + 1) % size, tag=0))
+    checks.append((got, np.full(5, float((rank - 1) % size))))
+    return reqs, checks, got, sent
+
+
+def check_concurrent_waitall(comm: Communicator) -> None:
+    """Nonblocking collectives in flight together, beside MPI requests, end with waitall."""
+    with Collectives(comm) as coll:
+        reqs, checks, _, _ = _start_mixed(comm, coll)
+        hc.waitall(reqs)
+        assert not any(reqs[i] for i in range(len(reqs))), reqs
+        for k, (got, expected) in enumerate(checks):
+            assert np.array_equal(got, expected), k
+        hc.waitall(reqs)  # all inactive now: returns at once
+
+
+def check_concurrent_waitany(comm: Communicator) -> None:
+    """A waitany loop completes each request once, in whatever order; then none is active."""
+    with Collectives(comm) as coll:
+        reqs, checks, _, _ = _start_mixed(comm, coll)
+        done = []
+        while (i := hc.waitany(reqs)) is not None:
+            done.append(i)
+            reqs[i] = None
+        assert sorted(done) == list(range(len(reqs))), done
+        for k, (got, expected) in enumerate(checks):
+            assert np.array_equal(got, expected), k
+
+
+def check_concurrent_reverse_order(comm: Communicator) -> None:
+    """Collectives started in one order may be completed in another (the last one first)."""
+    rank = comm.Get_rank()
+    with Collectives(comm) as coll:
+        bufs = [integer_values(rank + k, 5000 + k, np.float64) for k in range(6)]
+        expected = [mpi_allreduce(comm, b) for b in bufs]
+        algorithms = [*ALGORITHMS][::-1] * 2
+        reqs = [coll.Iallreduce(b, b, algorithm=a) for b, a in zip(bufs, algorithms)]
+        for req in reversed(reqs):
+            req.Wait()
+        for k, (b, e) in enumerate(zip(bufs, expected)):
+            assert np.array_equal(b, e), (k, algorithms[k])
+
+
+def check_isolated_from_user_traffic(comm: Communicator) -> None:
+    """A pending user receive on ``comm`` with ANY_SOURCE/ANY_TAG does not catch collective data."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    trap = np.full(3, -1.0)
+    req = comm.Irecv(trap, source=hc.ANY_SOURCE, tag=hc.ANY_TAG)
+    with Collectives(comm) as coll:
+        x = integer_values(rank, 3, np.float64)
+        out = np.empty(3)
+        for algorithm in ALGORITHMS:
+            coll.Allreduce(x, out, algorithm=algorithm)
+            assert np.array_equal(out, mpi_allreduce(comm, x)), algorithm
+    caught = req.Test()  # every collective message to this rank has arrived by now
+    comm.Barrier()  # and no rank sends to the trap before all have tested it
+    comm.Send(np.full(3, float(rank)), dest=(rank + 1) % size, tag=42)
+    req.Wait()
+    assert not caught, f"the user's receive caught collective traffic: {trap}"
+    assert np.array_equal(trap, np.full(3, float((rank - 1) % size)))
+
+
+# -- lifetime and misuse --------------------------------------------------------------------------
+
+
+def check_use_after_free(comm: Communicator) -> None:
+    """After free(), every operation raises CollectivesFreedError; a second free() does nothing."""
+    coll = Collectives(comm)
+    x = np.ones(4)
+    req = coll.Iallreduce(x, x)
+    if comm.Get_size() > 1:
+        with pytest.raises(RuntimeError, match="in flight"):
+            coll.free()
+    req.Wait()
+    coll.free()
+    coll.free()
+    assert "freed" in repr(coll)
+    for call in (
+        lambda: coll.Allreduce(x, x),
+        lambda: coll.Iallreduce(x, x, algorithm="mpi"),
+        lambda: coll.Allreduce(x, x, algorithm="mpi"),
+        lambda: coll.Bcast(x, 0),
+        lambda: coll.Reduce(x, x),
+        lambda: coll.Allgather(hc.IN_PLACE, x),
+        lambda: coll.Reduce_scatter(hc.IN_PLACE, x),
+    ):
+        with pytest.raises(CollectivesFreedError, match="freed"):
+            call()
+
+
+def check_bad_arguments(comm: Communicator) -> None:
+    """Misuse raises on every rank before any message is sent (the sequence stays aligned)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        x = np.ones(6)
+        with pytest.raises(ConfigError, match="unknown allreduce algorithm 'tree'"):
+            coll.Allreduce(x, x, algorithm="tree")
+        with pytest.raises(ConfigError, match="ring, doubling, rabenseifner, mpi"):
+            Collectives(comm, algorithm="auto")
+        with pytest.raises(ValueError, match="same size and dtype"):
+            coll.Allreduce(x, np.ones(5))
+        with pytest.raises(ValueError, match="same size and dtype"):
+            coll.Iallreduce(x, np.ones(6, dtype=np.float32))
+        with pytest.raises(ValueError, match="SUM, MAX or MIN"):
+            coll.Allreduce(x, x, op="prod")
+        with pytest.raises(ValueError, match="C-contiguous"):
+            coll.Allreduce(np.ones((4, 4))[:, 0], np.ones(4))
+        with pytest.raises(ValueError, match=r"root must be a rank in \[0, "):
+            coll.Bcast(x, root=size)
+        with pytest.raises(ValueError, match="chunk"):
+            coll.Reduce_scatter(x, np.ones(7))
+        with pytest.raises(TypeError, match="array"):
+            coll.Bcast([1.0, 2.0])
+        out = np.empty(6)
+        coll.Allreduce(x + rank, out)  # still in step after the errors
+        assert np.array_equal(out, mpi_allreduce(comm, x + rank))
+
+
+CHECKS: tuple[Callable[[Communicator], None], ...] = (
+    check_allreduce_exact,
+    check_allreduce_random,
+    check_allreduce_max_min,
+    check_allreduce_shapes,
+    check_reduce_scatter,
+    check_allgather,
+    check_reduce_every_root,
+    check_bcast_every_root,
+    check_concurrent_waitall,
+    check_concurrent_waitany,
+    check_concurrent_reverse_order,
+    check_isolated_from_user_traffic,
+    check_use_after_free,
+    check_bad_arguments,
+)
+
+world_of_one = pytest.mark.skipif(hc.world().Get_size() != 1, reason="world-of-one tests run without mpiexec")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+def test_collectives_mpi(check: Callable[[Communicator], None], comm: Communicator) -> None:
+    run_everywhere(check, comm)
+
+
+@world_of_one
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+def test_collectives_world_of_one(check: Callable[[Communicator], None], comm: Communicator) -> None:
+    check(comm)
