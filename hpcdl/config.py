@@ -89,7 +89,19 @@ SCHEMA: dict[str, Key] = {
         "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
         choices=("none", "linear", "sqrt"),
     ),
-    "exchange.name": Key(str, "allreduce", "gradient exchange under mpiexec", choices=tuple(EXCHANGES)),
+    "exchange.name": Key(
+        str,
+        "bucketed",
+        "gradient exchange under mpiexec: bucketed (overlaps backward) or allreduce (one flat)",
+        choices=tuple(EXCHANGES),
+    ),
+    "exchange.bucket_mb": Key(float, 25.0, "bucketed: bucket size in MiB (0: one bucket)", minimum=0.0),
+    "exchange.algorithm": Key(
+        str,
+        "ring",
+        "bucketed: allreduce algorithm (hpcdl's own, or mpi: the library's)",
+        choices=("ring", "doubling", "rabenseifner", "mpi"),
+    ),
     "exchange.debug": Key(
         bool, False, "check buffer sizes and finite gradients across ranks before exchange"
     ),

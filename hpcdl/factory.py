@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,11 +15,15 @@ from hpcdl.config import Config
 from hpcdl.data import Dataset, load_dataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
-from hpcdl.nn import Sequential, SoftmaxCrossEntropy
+from hpcdl.nn import LayerObserver, Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
+from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.rng import generator
 
-__all__ = ["make_optimizer", "make_schedule", "load_data", "build", "evaluate", "EVAL_BATCH"]
+__all__ = [
+    "make_optimizer", "make_schedule", "load_data", "build", "evaluate",
+    "exchange_for", "observers", "EVAL_BATCH",
+]  # fmt: skip
 
 EVAL_BATCH = 512
 
@@ -127,3 +133,24 @@ def evaluate(
     model.train()
     correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=ops.SUM)
     return float(correct / max(1, count)), float(loss_sum / max(1, count))
+
+
+def exchange_for(cfg: Config, comm: Communicator, model: Sequential) -> GradientExchange:
+    """The config's gradient exchange over the model's parameters."""
+    options: dict[str, Any] = {}
+    if cfg["exchange.name"] == "bucketed":
+        options = {"bucket_mb": cfg["exchange.bucket_mb"], "algorithm": cfg["exchange.algorithm"]}
+    return make_exchange(
+        cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"], **options
+    )
+
+
+@contextlib.contextmanager
+def observers(*candidates: Any) -> Iterator[None]:
+    """Activate every candidate that is a per-layer observer (profiler, overlapping exchange)."""
+    with contextlib.ExitStack() as stack:
+        for c in candidates:
+            if c is not None and hasattr(c, "after") and hasattr(c, "before"):
+                obs: LayerObserver = c
+                stack.enter_context(observe(obs))
+        yield

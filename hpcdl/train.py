@@ -20,10 +20,9 @@ from hpcdl.comm import Communicator, world, wtime
 from hpcdl.config import Config, load_config
 from hpcdl.data import DistributedSampler, gather_batch
 from hpcdl.errors import ConfigError, HpcdlError
-from hpcdl.factory import build, evaluate, load_data, make_optimizer, make_schedule
-from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.factory import build, evaluate, exchange_for, load_data, make_optimizer, make_schedule, observers
+from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy
 from hpcdl.optim import Optimizer
-from hpcdl.parallel import make_exchange
 from hpcdl.progress import Progress, choose_mode
 from hpcdl.resume import capture, restore
 from hpcdl.rng import generator
@@ -143,7 +142,7 @@ def run(
     total_steps = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
     schedule = make_schedule(cfg, size, steps_per_epoch, total_steps)
     optimizer = make_optimizer(cfg, model, schedule(0))
-    exchange = make_exchange(cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"])
+    exchange = exchange_for(cfg, comm, model)
     exchange.broadcast_parameters(root=0)
 
     # -- the run file and the checkpoint to continue from (rank 0 decides, all learn) --------
@@ -196,10 +195,7 @@ def run(
                 x, y = gather_batch(data.x_train, data.y_train, indices, xp)
                 x = x.astype(dtype, copy=False)
                 optimizer.lr = schedule(step)
-                if profiler is not None:
-                    with observe(profiler):
-                        local_loss, correct = _forward_backward(model, loss_fn, x, y)
-                else:
+                with observers(profiler, exchange):  # an overlapping exchange starts buckets in backward
                     local_loss, correct = _forward_backward(model, loss_fn, x, y)
                 comm_before = exchange.comm_time
                 exchange.exchange()

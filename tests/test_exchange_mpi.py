@@ -69,3 +69,43 @@ def test_debug_names_the_non_finite_gradient() -> None:
         assert "rank 1: gradient of 'p2' has 1 non-finite values" in str(info.value)
     else:
         assert "another rank" in str(info.value)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bucketed_exchange_starts_buckets_during_backward() -> None:
+    """Buckets fill from the last layer back and their allreduces start before backward ends."""
+    from hpcdl.models import build_model
+    from hpcdl.nn import SoftmaxCrossEntropy, observe
+    from hpcdl.parallel import BucketedExchange
+    from hpcdl.rng import generator
+
+    comm = world()
+    model = build_model("mlp", (64,), 10, rng=generator(0, "init"), depth=4, width=64)
+    ex = make_exchange("bucketed", comm, model.parameters(), bucket_mb=0.01, algorithm="ring")
+    assert isinstance(ex, BucketedExchange) and len(ex.buckets) > 2
+    assert ex.buckets.plan.buckets[0].arrays[-1] == len(model.parameters()) - 1  # bucket 0: the last layer
+    rng = np.random.default_rng(comm.Get_rank())
+    x, y = rng.standard_normal((8, 64)).astype(np.float32), rng.integers(0, 10, 8)
+    loss = SoftmaxCrossEntropy()
+    started = []
+
+    class Watch:
+        def before(self, phase, layer, x):
+            pass
+
+        def after(self, phase, layer, y):
+            if phase == "backward":
+                started.append(len(ex._reqs))
+
+    with observe(Watch()), observe(ex):  # ex inner: its after() runs first
+        loss.forward(model.forward(x), y)
+        model.backward(loss.backward())
+    assert started == sorted(started) and started[-1] == len(ex._reqs)
+    assert max(started[:-3]) >= 1  # buckets were in flight while three layers' backward remained
+    local = [p.grad.copy() for p in model.parameters()]
+    ex.exchange()
+    for p, g in zip(model.parameters(), local):
+        total = np.empty_like(g)
+        comm.Allreduce(g, total, op=SUM)
+        np.testing.assert_allclose(p.grad, total / comm.Get_size(), rtol=1e-5, atol=1e-7)
+    ex.free()

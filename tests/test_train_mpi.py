@@ -9,10 +9,18 @@ from hpcdl.comm import world
 from hpcdl.config import load_config
 from hpcdl.train import run
 
+EXCHANGES = [
+    ["exchange.name=allreduce"],
+    # several buckets (0.05 MiB holds ~6,500 float64), each of hpcdl's own algorithms, and MPI's
+    *[["exchange.name=bucketed", "exchange.bucket_mb=0.05", f"exchange.algorithm={a}"]
+      for a in ("ring", "doubling", "rabenseifner", "mpi")],
+]  # fmt: skip
+
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_data_parallel_equals_one_process_on_global_batches(optimizer: str) -> None:
+@pytest.mark.parametrize("exchange", EXCHANGES, ids=lambda e: e[-1].split("=")[1])
+def test_data_parallel_equals_one_process_on_global_batches(optimizer: str, exchange: list[str]) -> None:
     comm = world()
     n, batch = comm.Get_size(), 16
     common = [
@@ -24,7 +32,7 @@ def test_data_parallel_equals_one_process_on_global_batches(optimizer: str) -> N
         "schedule.name=cosine",
         "schedule.scale=none",  # the same lr as the single process with N x the batch
     ]
-    parallel = run(load_config("digits-mlp", [*common, f"data.batch_size={batch}"]), comm)
+    parallel = run(load_config("digits-mlp", [*common, *exchange, f"data.batch_size={batch}"]), comm)
     alone_comm = comm.Split(comm.Get_rank(), 0)  # a world of one on every rank
     try:
         alone = run(load_config("digits-mlp", [*common, f"data.batch_size={n * batch}"]), alone_comm)

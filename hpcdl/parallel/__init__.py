@@ -1,31 +1,42 @@
-"""Parallel strategies, picked by name: ``make_exchange("allreduce", comm, params)``."""
+"""Parallel strategies, picked by name: ``make_exchange("bucketed", comm, params)``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from hpcdl.comm import Communicator
 from hpcdl.nn.parameter import Parameter
+from hpcdl.parallel.bucketed import DEFAULT_BUCKET_MB, BucketedExchange
 from hpcdl.parallel.exchange import AllreduceExchange, ExchangeError, GradientExchange, LocalExchange
 
 __all__ = [
     "EXCHANGES",
+    "DEFAULT_BUCKET_MB",
     "make_exchange",
     "GradientExchange",
     "AllreduceExchange",
+    "BucketedExchange",
     "LocalExchange",
     "ExchangeError",
 ]
 
-EXCHANGES = {"allreduce": AllreduceExchange}
+#: exchange name -> class; "allreduce": one flat blocking Allreduce after backward,
+#: "bucketed": buckets reduced with hpcdl's collectives while backward runs
+EXCHANGES: dict[str, type] = {"allreduce": AllreduceExchange, "bucketed": BucketedExchange}
 
 
 def make_exchange(
-    name: str, comm: Communicator, params: Sequence[Parameter], *, debug: bool = False
+    name: str, comm: Communicator, params: Sequence[Parameter], *, debug: bool = False, **options: Any
 ) -> GradientExchange:
-    """The gradient exchange ``name`` over ``comm`` (a :class:`LocalExchange` on one rank)."""
+    """The gradient exchange ``name`` over ``comm`` (a :class:`LocalExchange` on one rank).
+
+    ``options`` go to the bucketed exchange (``bucket_mb``, ``algorithm``).
+    """
     if name not in EXCHANGES:
         raise ValueError(f"unknown exchange {name!r}; exchanges: {', '.join(EXCHANGES)}")
     if comm.Get_size() == 1:
         return LocalExchange(comm, params, debug=debug)
+    if name == "bucketed":
+        return BucketedExchange(comm, params, debug=debug, **options)
     return EXCHANGES[name](comm, params, debug=debug)

@@ -12,7 +12,7 @@ from hpcdl.comm.pack import Packer
 from hpcdl.errors import HpcdlError
 from hpcdl.nn.parameter import Parameter
 
-__all__ = ["GradientExchange", "LocalExchange", "AllreduceExchange", "ExchangeError"]
+__all__ = ["GradientExchange", "LocalExchange", "AllreduceExchange", "ExchangeError", "broadcast_parameters"]
 
 
 class ExchangeError(HpcdlError, RuntimeError):
@@ -51,7 +51,21 @@ class LocalExchange:
 
     def exchange(self) -> None:
         if self.debug:
-            _check_finite(self.params, self.comm.Get_rank())
+            self._check_ready()
+
+    def _check_ready(self) -> None:
+        """Check sizes agree across ranks and every gradient is finite (debug mode)."""
+        rank = self.comm.Get_rank()
+        mine = (sum(p.size for p in self.params), str(self.params[0].dtype))
+        every = self.comm.allgather(mine)
+        if any(e != every[0] for e in every):
+            detail = ", ".join(f"rank {r}: {n} {dt}" for r, (n, dt) in enumerate(every))
+            raise ExchangeError(
+                f"gradient buffers differ across ranks ({detail}): every rank must build the same model"
+            )
+        bad = _check_finite(self.params, rank, raise_error=False)
+        if self.comm.allreduce(int(bad is not None), op=ops.MAX):
+            raise ExchangeError(bad or "a gradient on another rank is not finite (see that rank's message)")
 
 
 class AllreduceExchange(LocalExchange):
@@ -68,16 +82,11 @@ class AllreduceExchange(LocalExchange):
         super().__init__(comm, params, debug)
         grads = [p.grad for p in self.params]
         self._grads = Packer(grads)
-        self._data = Packer([p.data for p in self.params])
         xp = get_array_module(grads[0])
         self._recv = xp.empty_like(self._grads.pack(grads))
 
     def broadcast_parameters(self, root: int = 0) -> None:
-        arrays = [p.data for p in self.params]
-        buf = self._data.pack(arrays)
-        synchronize(buf)
-        self.comm.Bcast(buf, root=root)
-        self._data.unpack(buf, arrays)
+        broadcast_parameters(self.comm, self.params, root)
 
     def exchange(self) -> None:
         if self.debug:
@@ -91,19 +100,15 @@ class AllreduceExchange(LocalExchange):
         self.comm_time += wtime() - t0
         self.bytes_sent += int(send.nbytes)
 
-    def _check_ready(self) -> None:
-        """Check sizes agree across ranks and every gradient is finite (debug mode)."""
-        rank = self.comm.Get_rank()
-        mine = (sum(p.size for p in self.params), str(self.params[0].dtype))
-        every = self.comm.allgather(mine)
-        if any(e != every[0] for e in every):
-            detail = ", ".join(f"rank {r}: {n} {dt}" for r, (n, dt) in enumerate(every))
-            raise ExchangeError(
-                f"gradient buffers differ across ranks ({detail}): every rank must build the same model"
-            )
-        bad = _check_finite(self.params, rank, raise_error=False)
-        if self.comm.allreduce(int(bad is not None), op=ops.MAX):
-            raise ExchangeError(bad or "a gradient on another rank is not finite (see that rank's message)")
+
+def broadcast_parameters(comm: Communicator, params: Sequence[Parameter], root: int = 0) -> None:
+    """Make every rank's parameters equal to ``root``'s: one packed ``Bcast``."""
+    arrays = [p.data for p in params]
+    packer = Packer(arrays)
+    buf = packer.pack(arrays)
+    synchronize(buf)
+    comm.Bcast(buf, root=root)
+    packer.unpack(buf, arrays)
 
 
 def _check_finite(params: Sequence[Parameter], rank: int, raise_error: bool = True) -> str | None:
