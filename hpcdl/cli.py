@@ -64,15 +64,24 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
     except BaseException as err:  # noqa: BLE001  (any failure must end every rank)
         if isinstance(err, SystemExit):
             raise
-        from hpcdl.comm import abort_on_exception
+        from hpcdl.comm.abort import format_rank_traceback
 
-        abort_on_exception(err)  # prints "[rank R] Traceback ..."; aborts the job if size > 1
-        sys.exit(1)
+        rank, size = _world_rank_size()
+        sys.stdout.flush()
+        sys.stderr.write(format_rank_traceback(err, rank))
+        sys.stderr.flush()
+        _end(1, size)
     sys.exit(code)
+
+
+#: seconds a rank waits after writing its last words and before MPI_Abort: the launcher
+#: forwards output asynchronously, and an abort that comes too soon can lose it
+DRAIN_S = 0.5
 
 
 def _end(code: int, size: int) -> NoReturn:
     if size > 1:
+        time.sleep(DRAIN_S)
         from hpcdl.comm import world
 
         world().Abort(code)
