@@ -69,10 +69,15 @@ def test_other_optimizers_and_schedules(sampler: str) -> None:
     assert result.history[-1]["lr"] == pytest.approx(0.002 * 0.1)
 
 
-def test_main_prints_summary(capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_prints_summary(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the default run file goes to ./runs/
     assert main(["--config", "digits-mlp", "--set", "train.steps=2", "--progress", "none"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("digits-mlp: test accuracy")
+    (run_file,) = [p for p in (tmp_path / "runs").glob("digits-mlp-*.h5") if ".ckpt-" not in p.name]
+    assert out[0].endswith(f"run file {Path('runs') / run_file.name}")
 
 
 def _run_cmd(*args: str, n: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -174,7 +179,10 @@ def test_exception_on_one_rank_ends_the_job(tmp_path: Path, n: int, bad: int) ->
 
 
 def test_data_parallel_command_runs(tmp_path: Path) -> None:
-    proc = _run_cmd("--config", "digits-mlp", "--set", "train.epochs=2", "--progress", "lines", n=2)
+    out = str(tmp_path / "r.h5")
+    proc = _run_cmd(
+        "--config", "digits-mlp", "--set", "train.epochs=2", "--progress", "lines", "--out", out, n=2
+    )
     assert proc.returncode == 0, proc.stderr
     assert "on 2 ranks" in proc.stdout and proc.stdout.count("test accuracy") == 1
     steps = 2 * (1437 // (2 * 32))  # per-rank batch 32: a global batch of 64
