@@ -214,7 +214,8 @@ def plot(runs: list[Run], names: list[str], out: Path) -> list[Path]:
         for ax, (run, name) in zip(axes[0], with_ranks):
             # comm_time includes wait_time (the part spent waiting for slower ranks): stack
             # compute, the rest of the communication, and the wait, so the bar is the step
-            parts = {k: 1e3 * _column_means(run.ranks[k]) for k in RANK_SERIES if k in run.ranks}
+            stacked = ("compute_time", "comm_time", "wait_time")  # exposed_comm_time is inside comm_time
+            parts = {k: 1e3 * _column_means(run.ranks[k]) for k in stacked if k in run.ranks}
             if "comm_time" in parts and "wait_time" in parts:
                 parts["comm_time"] = parts["comm_time"] - parts["wait_time"]
             labels = {"compute_time": "compute", "comm_time": "communication", "wait_time": "waiting"}

@@ -39,28 +39,33 @@ class RunLog:
         self.runfile = runfile  # only rank 0 has one
         self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
-        self._times: list[tuple[float, float]] = []
+        self._times: list[tuple[float, float, float]] = []
 
-    def record(self, row: dict[str, Any], compute_s: float, comm_s: float) -> None:
-        """Add this step's row (kept on rank 0) and this rank's timings; flush when due."""
+    def record(self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float) -> None:
+        """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
+
+        ``exposed_s`` is the part of ``comm_s`` the step spent waiting after backward.
+        """
         if self.runfile is not None:
             self._rows.append(row)
-        self._times.append((compute_s, comm_s))
+        self._times.append((compute_s, comm_s, exposed_s))
         if len(self._times) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
-        mine = np.array(self._times, dtype=np.float64).reshape(-1, 2)
+        mine = np.array(self._times, dtype=np.float64).reshape(-1, 3)
         every = self.comm.gather(mine, root=0)
         self._times = []
         if self.runfile is None:
             return
-        times = np.stack(every, axis=1)  # steps, ranks, 2
-        compute, comm_t = times[..., 0], times[..., 1]
+        times = np.stack(every, axis=1)  # steps, ranks, 3
+        compute, comm_t, exposed = times[..., 0], times[..., 1], times[..., 2]
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
         self.runfile.append_metrics(self._rows)
-        self.runfile.append_ranks({"compute_time": compute, "comm_time": comm_t, "wait_time": wait})
+        self.runfile.append_ranks(
+            {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed}
+        )
         self.runfile.flush()
         self._rows = []
 

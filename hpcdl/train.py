@@ -198,7 +198,9 @@ def run(
                 with observers(profiler, exchange):  # an overlapping exchange starts buckets in backward
                     local_loss, correct = _forward_backward(model, loss_fn, x, y)
                 comm_before = exchange.comm_time
-                exchange.exchange()
+                t_exchange = wtime()
+                exchange.exchange()  # with buckets in flight since backward: only the rest
+                exposed = wtime() - t_exchange
                 optimizer.step()
                 dt = wtime() - t0
                 step_comm = exchange.comm_time - comm_before
@@ -231,7 +233,7 @@ def run(
                         f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {test_loss:.4f}"
                     )
                 history.append(row)
-                log.record(row, dt - step_comm, step_comm)
+                log.record(row, dt - step_comm, step_comm, exposed)
                 bar.update(step, loss=loss, samples_per_s=global_batch * step / counters["train_s"])
                 if stop_votes:
                     stopped_by = stop.name or "a signal to another rank"

@@ -11,7 +11,8 @@ Layout (format version 1)::
     /metrics/<series>       1-D, one row per step: step, epoch, time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
                             evaluated), lr, step_time, samples_per_s, bytes_sent
-    /ranks/<series>         2-D (steps, ranks): compute_time, comm_time, wait_time
+    /ranks/<series>         2-D (steps, ranks): compute_time, comm_time, wait_time,
+                            exposed_comm_time (the part of comm_time after backward ended)
     /trace/<field>          1-D, one row per event: rank, kind, start, end, microbatch
     /profile/<column>       1-D, one row per layer (when profile.layers is on): layer, kind,
                             forward_s, backward_s, calls, output_bytes, output_shape
@@ -52,7 +53,7 @@ METRICS: dict[str, Any] = {
     "bytes_sent": np.int64,
 }
 #: the ranks/ series, each (steps, ranks)
-RANK_SERIES = ("compute_time", "comm_time", "wait_time")
+RANK_SERIES = ("compute_time", "comm_time", "wait_time", "exposed_comm_time")
 #: the trace/ fields
 TRACE_FIELDS: dict[str, Any] = {
     "rank": np.int32,
