@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import world, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
@@ -42,20 +43,7 @@ def _torch_stepper(model: Any, batch: int, shape: tuple[int, ...], classes: int,
     import torch
 
     torch.set_num_threads(threads)
-    layers: list[Any] = [torch.nn.Flatten()]
-    for layer in model.layers:
-        kind = type(layer).__name__
-        if kind == "Linear":
-            lin = torch.nn.Linear(layer.weight.shape[1], layer.weight.shape[0])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(np.asarray(layer.weight.data)))
-                lin.bias.copy_(torch.from_numpy(np.asarray(layer.bias.data)))
-            layers.append(lin)
-        elif kind == "ReLU":
-            layers.append(torch.nn.ReLU())
-        elif kind != "Flatten":
-            raise ConfigError(f"--vs torch supports Linear/ReLU models (mlp, mlp32); found {kind}")
-    net = torch.nn.Sequential(*layers)
+    net = torch_twin(model, "--vs torch")
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
     loss_fn = torch.nn.CrossEntropyLoss()
     rng = generator(seed, "bench-data")

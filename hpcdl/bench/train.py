@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops
+from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import Communicator, world, wtime
 from hpcdl.config import load_config
 from hpcdl.data import DistributedSampler, gather_batch
@@ -68,20 +69,7 @@ def _torch_ddp_stepper(model: Sequential, batch: Any, comm: Communicator, cfg: A
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(), world_size=comm.Get_size()
         )
-    layers: list[Any] = [torch.nn.Flatten()]
-    for layer in model.layers:
-        kind = type(layer).__name__
-        if kind == "Linear":
-            lin = torch.nn.Linear(layer.weight.shape[1], layer.weight.shape[0])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(np.asarray(layer.weight.data)))
-                lin.bias.copy_(torch.from_numpy(np.asarray(layer.bias.data)))
-            layers.append(lin)
-        elif kind == "ReLU":
-            layers.append(torch.nn.ReLU())
-        elif kind != "Flatten":
-            raise ConfigError(f"--vs torch-ddp supports Linear/ReLU models (mlp, mlp32); found {kind}")
-    net = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers))
+    net = torch.nn.parallel.DistributedDataParallel(torch_twin(model, "--vs torch-ddp"))
     opt = torch.optim.SGD(net.parameters(), lr=cfg["optimizer.lr"], momentum=cfg["optimizer.momentum"])
     loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.from_numpy(np.ascontiguousarray(batch[0], dtype=np.float32))

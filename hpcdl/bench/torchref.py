@@ -1,0 +1,37 @@
+"""The PyTorch twin of an hpcdl network, for benchmarks that run both side by side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcdl.errors import ConfigError
+from hpcdl.nn import Sequential
+
+__all__ = ["torch_twin"]
+
+
+def torch_twin(model: Sequential, flag: str) -> Any:
+    """A ``torch.nn.Sequential`` with the same Linear/ReLU layers and the same initial weights.
+
+    Raises:
+        ConfigError: the model has a layer other than Flatten, Linear and ReLU
+            (``flag`` names the option in the message).
+    """
+    import torch
+
+    layers: list[Any] = [torch.nn.Flatten()]
+    for layer in model.layers:
+        kind = type(layer).__name__
+        if kind == "Linear":
+            lin = torch.nn.Linear(layer.weight.shape[1], layer.weight.shape[0])
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(np.asarray(layer.weight.data)))
+                lin.bias.copy_(torch.from_numpy(np.asarray(layer.bias.data)))
+            layers.append(lin)
+        elif kind == "ReLU":
+            layers.append(torch.nn.ReLU())
+        elif kind != "Flatten":
+            raise ConfigError(f"{flag} supports Linear/ReLU models (mlp, mlp32); found {kind}")
+    return torch.nn.Sequential(*layers)
