@@ -98,9 +98,15 @@ SCHEMA: dict[str, Key] = {
     "exchange.bucket_mb": Key(float, 25.0, "bucketed: bucket size in MiB (0: one bucket)", minimum=0.0),
     "exchange.algorithm": Key(
         str,
-        "ring",
-        "bucketed: allreduce algorithm (hpcdl's own, or mpi: the library's)",
-        choices=("ring", "doubling", "rabenseifner", "mpi"),
+        "auto",
+        "bucketed: allreduce algorithm (hpcdl's own, mpi: the library's, auto: by size)",
+        choices=("auto", "ring", "doubling", "rabenseifner", "mpi"),
+    ),
+    "exchange.auto_threshold_kb": Key(
+        float,
+        512.0,
+        "auto: below this bucket size MPI's own allreduce, above it the ring (measured)",
+        minimum=0.0,
     ),
     "exchange.debug": Key(
         bool, False, "check buffer sizes and finite gradients across ranks before exchange"

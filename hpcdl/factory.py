@@ -139,7 +139,11 @@ def exchange_for(cfg: Config, comm: Communicator, model: Sequential) -> Gradient
     """The config's gradient exchange over the model's parameters."""
     options: dict[str, Any] = {}
     if cfg["exchange.name"] == "bucketed":
-        options = {"bucket_mb": cfg["exchange.bucket_mb"], "algorithm": cfg["exchange.algorithm"]}
+        options = {
+            "bucket_mb": cfg["exchange.bucket_mb"],
+            "algorithm": cfg["exchange.algorithm"],
+            "auto_threshold_kb": cfg["exchange.auto_threshold_kb"],
+        }
     return make_exchange(
         cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"], **options
     )

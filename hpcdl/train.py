@@ -177,7 +177,7 @@ def run(
             return None
         log.flush()
         meta = {"counters": {**counters, "elapsed_s": counters["elapsed_s"] + wtime() - t_segment},
-                "exchange": {"name": cfg["exchange.name"], "debug": cfg["exchange.debug"]}}  # fmt: skip
+                "exchange": {k: v for k, v in cfg.values.items() if k.startswith("exchange.")}}  # fmt: skip
         ckpt = capture(
             comm, model, optimizer, sampler, dropout_rng, cfg, step, meta, checkpoint_attrs(run_path)
         )

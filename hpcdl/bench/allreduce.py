@@ -49,7 +49,7 @@ def _time_per_call(comm: Communicator, call: Any, iters: int) -> float:
 def bench_allreduce(
     comm: Communicator,
     sizes: tuple[int, ...] = DEFAULT_SIZES,
-    algorithms: tuple[str, ...] = tuple(ALGORITHMS),
+    algorithms: tuple[str, ...] = (*ALGORITHMS, "auto"),
     repeat: int = 5,
     min_time: float = 0.02,
     dtype: str = "float32",
@@ -143,7 +143,7 @@ def add_parser(sub: Any) -> None:
     sizes_help = "message sizes: 4K, 16M, ... (default 4K to 64M, powers of 4)"
     p.add_argument("--sizes", nargs="+", type=parse_size, default=list(DEFAULT_SIZES), help=sizes_help)
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
-    names = list(ALGORITHMS)
+    names = [*ALGORITHMS, "auto"]
     p.add_argument("--algorithms", nargs="+", choices=names, default=names, help="algorithms to time")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per measurement, at least")

@@ -40,12 +40,13 @@ class BucketedExchange(LocalExchange):
         debug: bool = False,
         *,
         bucket_mb: float = DEFAULT_BUCKET_MB,
-        algorithm: str = "ring",
+        algorithm: str = "auto",
+        auto_threshold_kb: float = 512.0,
     ) -> None:
         super().__init__(comm, params, debug)
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.buckets = Buckets([p.grad for p in self.params], int(bucket_mb * 2**20) or None)
-        self.coll = Collectives(comm, algorithm)
+        self.coll = Collectives(comm, algorithm, auto_threshold=int(auto_threshold_kb * 1024))
         self.exposed_time = 0.0
         self._grads = [p.grad for p in self.params]
         self._layer_params: dict[int, list[int]] = {}

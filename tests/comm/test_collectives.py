@@ -342,8 +342,8 @@ def check_bad_arguments(comm: Communicator) -> None:
         x = np.ones(6)
         with pytest.raises(ConfigError, match="unknown allreduce algorithm 'tree'"):
             coll.Allreduce(x, x, algorithm="tree")
-        with pytest.raises(ConfigError, match="ring, doubling, rabenseifner, mpi"):
-            Collectives(comm, algorithm="auto")
+        with pytest.raises(ConfigError, match="ring, doubling, rabenseifner, mpi or auto"):
+            Collectives(comm, algorithm="fastest")
         with pytest.raises(ValueError, match="same size and dtype"):
             coll.Allreduce(x, np.ones(5))
         with pytest.raises(ValueError, match="same size and dtype"):
@@ -393,3 +393,24 @@ def test_collectives_mpi(check: Callable[[Communicator], None], comm: Communicat
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
 def test_collectives_world_of_one(check: Callable[[Communicator], None], comm: Communicator) -> None:
     check(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_matches_mpi_on_both_sides_of_its_threshold() -> None:
+    import numpy as np
+
+    from hpcdl.comm import SUM, world
+    from hpcdl.comm.collectives import Collectives
+
+    comm = world()
+    with Collectives(comm, "auto", auto_threshold=4000) as coll:
+        for n in (10, 999, 1001, 5000):  # float32: 40 B .. 20 KB, around the 4,000-byte threshold
+            x = np.arange(n, dtype=np.float32) + comm.Get_rank()
+            expected = np.empty_like(x)
+            comm.Allreduce(x, expected, op=SUM)
+            got = np.empty_like(x)
+            coll.Allreduce(x, got)
+            np.testing.assert_array_equal(got, expected)
+            req = coll.Iallreduce(x.copy(), got)
+            req.Wait()
+            np.testing.assert_array_equal(got, expected)

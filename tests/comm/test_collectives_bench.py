@@ -29,7 +29,7 @@ def test_allreduce_bench_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = ["allreduce", "--sizes", "4K", "64K", "--repeat", "2", "--min-time", "0.001", "--json", str(out)]
     assert main(argv) == 0
     rows = json.loads(out.read_text())
-    expected = [(s, a) for s in (4096, 65536) for a in ALGORITHMS]
+    expected = [(s, a) for s in (4096, 65536) for a in (*ALGORITHMS, "auto")]
     assert [(r["size_bytes"], r["algorithm"]) for r in rows] == expected
     for r in rows:
         assert KEYS <= set(r) and r["ranks"] == 1 and r["busbw_GBps"] == 0.0

@@ -7,6 +7,7 @@ from types import TracebackType
 from typing import Any
 
 from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree
+from hpcdl.comm.collectives.auto import DEFAULT_THRESHOLD_BYTES, choose
 from hpcdl.comm.collectives.buffers import check_pair, chunk_counts, flat, is_in_place, reduction
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
 from hpcdl.comm.contract import Communicator
@@ -54,14 +55,19 @@ class Collectives:
 
     Args:
         comm: the communicator whose ranks take part (duplicated once, collectively).
-        algorithm: the default allreduce algorithm, a key of :data:`ALGORITHMS`.
+        algorithm: the default allreduce algorithm, a key of :data:`ALGORITHMS`, or
+            ``"auto"``: by message size (:mod:`~hpcdl.comm.collectives.auto`).
+        auto_threshold: bytes below which ``auto`` takes the small-message algorithm.
 
     Raises:
         ConfigError: ``algorithm`` is unknown.
     """
 
-    def __init__(self, comm: Communicator, algorithm: str = "ring") -> None:
+    def __init__(
+        self, comm: Communicator, algorithm: str = "ring", auto_threshold: int = DEFAULT_THRESHOLD_BYTES
+    ) -> None:
         self.algorithm = _check_algorithm(algorithm)
+        self.auto_threshold = int(auto_threshold)
         self._comm: Communicator | None = comm.Dup()
         self._seq = 0
         self._inflight: list[CollRequest] = []
@@ -142,6 +148,8 @@ class Collectives:
         name = _check_algorithm(algorithm or self.algorithm)
         op = _op(op)
         src, dst = check_pair(sendbuf, recvbuf, "allreduce")
+        if name == "auto":
+            name = choose(dst.nbytes, self.auto_threshold)
         reduction(op, dst)
         schedule = ALGORITHMS[name]
         return self._start(f"allreduce[{name}]", lambda comm, tag: schedule(comm, src, dst, op, tag))
@@ -150,15 +158,19 @@ class Collectives:
         self, sendbuf: Any, recvbuf: Any, op: Any = None, algorithm: str | None = None
     ) -> None:
         """Allreduce, blocking: :meth:`Iallreduce` waited on (``"mpi"``: ``comm.Allreduce``)."""
-        if (algorithm or self.algorithm) == "mpi":
-            op = _op(op)
+        name = _check_algorithm(algorithm or self.algorithm)
+        if name in ("auto", "mpi"):
             src, dst = check_pair(sendbuf, recvbuf, "allreduce")
-            self._seq += 1
-            import hpcdl.comm as hc
+            if name == "auto":
+                name = choose(dst.nbytes, self.auto_threshold)
+            if name == "mpi":
+                op = _op(op)
+                self._seq += 1
+                import hpcdl.comm as hc
 
-            self.comm.Allreduce(hc.IN_PLACE if src is dst else src, dst, op=op)
-            return
-        self.Iallreduce(sendbuf, recvbuf, op, algorithm).Wait()
+                self.comm.Allreduce(hc.IN_PLACE if src is dst else src, dst, op=op)
+                return
+        self.Iallreduce(sendbuf, recvbuf, op, name).Wait()
 
     # -- reduce-scatter and allgather (ring) -----------------------------------------------------
 
@@ -289,8 +301,10 @@ class Collectives:
 
 
 def _check_algorithm(name: str) -> str:
-    if name not in ALGORITHMS:
-        raise ConfigError(f"unknown allreduce algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+    if name not in ALGORITHMS and name != "auto":
+        raise ConfigError(
+            f"unknown allreduce algorithm {name!r}: choose one of {', '.join(ALGORITHMS)} or auto"
+        )
     return name
 
 
