@@ -64,13 +64,10 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
     except BaseException as err:  # noqa: BLE001  (any failure must end every rank)
         if isinstance(err, SystemExit):
             raise
-        from hpcdl.comm.abort import format_rank_traceback
+        from hpcdl.comm import abort_on_exception
 
-        rank, size = _world_rank_size()
-        sys.stdout.flush()
-        sys.stderr.write(format_rank_traceback(err, rank))
-        sys.stderr.flush()
-        _end(1, size)
+        abort_on_exception(err, drain_s=DRAIN_S)  # "[rank R] Traceback ..."; aborts if size > 1
+        sys.exit(1)
     sys.exit(code)
 
 

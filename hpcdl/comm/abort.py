@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from typing import TextIO
 
@@ -20,7 +21,7 @@ def format_rank_traceback(exc: BaseException, rank: int | str) -> str:
 
 
 def abort_on_exception(
-    exc: BaseException, comm: Communicator | None = None, file: TextIO | None = None
+    exc: BaseException, comm: Communicator | None = None, file: TextIO | None = None, drain_s: float = 0.0
 ) -> None:
     """Report ``exc`` as this rank's failure and end the job if other ranks exist.
 
@@ -34,6 +35,8 @@ def abort_on_exception(
         exc: the exception that ended this rank's work.
         comm: communicator to abort; the current :func:`hpcdl.comm.world` by default.
         file: stream for the traceback; ``sys.stderr`` by default.
+        drain_s: seconds to wait between printing and aborting, so that the launcher
+            forwards the traceback before the job is torn down (entry points pass 0.5).
     """
     stream = sys.stderr if file is None else file
     try:
@@ -46,4 +49,6 @@ def abort_on_exception(
     stream.write(format_rank_traceback(exc, rank))
     stream.flush()
     if comm is not None and size > 1:
+        if drain_s > 0:
+            time.sleep(drain_s)  # the abort path only: the process ends right after
         comm.Abort(1)

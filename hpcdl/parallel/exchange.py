@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import get_array_module, synchronize, to_numpy
@@ -63,7 +63,7 @@ class LocalExchange:
             raise ExchangeError(
                 f"gradient buffers differ across ranks ({detail}): every rank must build the same model"
             )
-        bad = _check_finite(self.params, rank, raise_error=False)
+        bad = _non_finite(self.params, rank)
         if self.comm.allreduce(int(bad is not None), op=ops.MAX):
             raise ExchangeError(bad or "a gradient on another rank is not finite (see that rank's message)")
 
@@ -111,14 +111,11 @@ def broadcast_parameters(comm: Communicator, params: Sequence[Parameter], root: 
     packer.unpack(buf, arrays)
 
 
-def _check_finite(params: Sequence[Parameter], rank: int, raise_error: bool = True) -> str | None:
+def _non_finite(params: Sequence[Parameter], rank: int) -> str | None:
+    """A message naming the first parameter whose gradient has NaN or inf values, or None."""
     for p in params:
-        g: Any = p.grad
-        xp = get_array_module(g)
-        if not bool(xp.isfinite(g).all()):
-            n_bad = int((~xp.isfinite(to_numpy(g))).sum())
-            msg = f"rank {rank}: gradient of {p.name!r} has {n_bad} non-finite values (NaN or inf)"
-            if raise_error:
-                raise ExchangeError(msg)
-            return msg
+        finite = get_array_module(p.grad).isfinite(p.grad)
+        if not bool(finite.all()):
+            n_bad = int((~to_numpy(finite)).sum())
+            return f"rank {rank}: gradient of {p.name!r} has {n_bad} non-finite values (NaN or inf)"
     return None
