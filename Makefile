@@ -8,7 +8,7 @@ MPIEXEC   ?= $(VENV)/bin/mpiexec
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 
-SOURCES := setup.py pyproject.toml $(wildcard ext/*.pyx ext/*.pxd)
+SOURCES := setup.py pyproject.toml $(wildcard ext/*.pyx ext/*.pxd ext/*.h)
 
 .PHONY: demo test test-slow test-serial test-mpi lint bench install clean
 

@@ -15,6 +15,7 @@ extensions = [
         include_dirs=[numpy.get_include(), "ext"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"],
+        depends=[str(h) for h in sorted(Path("ext").glob("*.h"))],  # rebuild when a header changes
     )
     for pyx in sorted(Path("ext").glob("*.pyx"))
 ]

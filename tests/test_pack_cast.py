@@ -108,6 +108,100 @@ def test_packer_float16_round_trip(impl: str, dtype: type, scale: float) -> None
         assert np.array_equal(bits(o), bits(want))
 
 
+def float16_cases() -> np.ndarray:
+    """float32 over every exponent, the ties between neighbouring halves and their neighbours."""
+    rng = np.random.default_rng(6)
+    exps = np.repeat(np.arange(256, dtype=np.uint32), 32) << np.uint32(23)
+    every_exp = (exps | rng.integers(0, 2**23, exps.size).astype(np.uint32)).view(np.float32)
+    h = np.arange(0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)  # finite, >= 0
+    ties = ((h[:-1] + h[1:]) / 2).astype(np.float32)  # exact: 12 significant bits
+    ties = np.concatenate([ties, np.nextafter(ties, np.float32(0)), np.nextafter(ties, np.float32(np.inf))])
+    x = np.concatenate([special_values(np.float32), every_exp, ties, -ties])
+    return np.concatenate([x, -x])
+
+
+def float16_arrays(dtype: type) -> list[np.ndarray]:
+    """Lengths around the 8-lane blocks, at misaligned offsets, with NaNs in some blocks only."""
+    with np.errstate(over="ignore"):
+        pool = np.concatenate([float16_cases(), random_values(np.float32, 20_000)]).astype(dtype)
+    base = np.random.default_rng(7).permutation(pool)
+    base[np.isnan(base)] = 1.5  # NaNs only where placed below
+    nans = np.array([0x7F800001, 0xFFC00001, 0x7FA00000, 0x7FBFFFFF, 0x7FC02000, 0xFF800001], np.uint32)
+    base[[3, 40, 41, 1004, 1010, 5000]] = nans.view(np.float32).astype(dtype)
+    arrays, start = [], 0
+    for n in (0, 1, 7, 8, 9, 1001, 0, 8, 9, 7, 1):
+        arrays.append(base[start : start + n])  # contiguous slices at several offsets mod 8
+        start += n + 1
+    return [*arrays, base[start:]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_packer_float16_bit_exact_blocks_and_tails(impl: str, dtype: type, scale: float) -> None:
+    arrays = float16_arrays(dtype)
+    packer = Packer(arrays, impl=impl, mode="float16")
+    with np.errstate(over="ignore"):
+        ref = np.concatenate(arrays).astype(np.float16)
+    buf = packer.pack(arrays)
+    assert packer.last_impl == impl
+    bad = np.flatnonzero(bits(buf) != bits(ref))
+    assert bad.size == 0, [(i, hex(bits(buf)[i]), hex(bits(ref)[i])) for i in bad[:5]]
+    shifted = np.empty(buf.size + 3, np.float16)[3:]  # the received buffer at an odd offset
+    shifted[...] = buf
+    out = [np.full_like(a, 7.0) for a in arrays]
+    packer.unpack(shifted, out, scale=scale)
+    assert packer.last_impl == impl
+    for i, o in enumerate(out):
+        want = packer.slot(ref, i).astype(dtype)  # signalling NaNs kept: no product at scale 1
+        want = want if scale == 1.0 else want * dtype(scale)
+        assert np.array_equal(bits(o), bits(want)), i
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_packer_every_float16_round_trip(impl: str, dtype: type, scale: float) -> None:
+    h = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    wide = h.astype(dtype)  # NaN payloads kept, signalling NaNs too
+    arrays = [wide[:1001], wide[1001:1010], wide[1010:]]
+    packer = Packer(arrays, impl=impl, mode="float16")
+    assert np.array_equal(bits(packer.pack(arrays)), bits(h))
+    out = [np.empty_like(a) for a in arrays]
+    packer.unpack(h, out, scale=scale)
+    want = wide if scale == 1.0 else wide * dtype(scale)
+    assert np.array_equal(bits(np.concatenate(out)), bits(want))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float16_simd_and_software_paths_agree(dtype: type) -> None:
+    from hpcdl._ext import pack as kernel
+
+    with np.errstate(over="ignore"):
+        x = np.concatenate([float16_cases(), random_values(np.float32, 100_000, seed=8)]).astype(dtype)
+    got = {}
+    for simd in (True, False):
+        h = np.empty(x.size, np.uint16)
+        kernel.to_float16(x[1:], h[1:], simd=simd)
+        outs = []
+        for scale in (1.0, 0.5, 1 / 3):
+            o = np.empty(x.size, dtype)
+            kernel.from_float16(h[1:], o[1:], scale, simd=simd)
+            outs.append(bits(o[1:]))
+        got[simd] = (h[1:], *outs)
+    for a, b in zip(got[True], got[False]):
+        assert np.array_equal(a, b)
+
+
+@needs_ext
+def test_simd_paths_reported() -> None:
+    from hpcdl._ext import pack as kernel
+
+    paths = kernel.simd_paths()
+    assert set(paths) == {"float16", "bfloat16"} and all(isinstance(v, bool) for v in paths.values())
+
+
 # -- bfloat16 -----------------------------------------------------------------------------
 
 
@@ -145,6 +239,18 @@ def test_packer_bfloat16(impl: str, dtype: type) -> None:
     got = np.concatenate([o.ravel() for o in out])
     want = widened.astype(dtype) * dtype(0.25)
     assert np.array_equal(got[~nan], want[~nan]) and np.isnan(got[nan]).all()
+
+
+@needs_ext
+def test_bfloat16_simd_and_software_paths_agree() -> None:
+    from hpcdl._ext import pack as kernel
+
+    x = np.concatenate([special_values(np.float32), random_values(np.float32, 100_000, seed=9)])
+    for start, stop in ((0, x.size), (1, x.size - 3), (5, 20), (2, 2)):
+        got = [np.empty(stop - start, np.uint16) for _ in range(2)]
+        kernel.to_bfloat16(x[start:stop], got[0], simd=True)
+        kernel.to_bfloat16(x[start:stop], got[1], simd=False)
+        assert np.array_equal(got[0], got[1])
 
 
 # -- int32 --------------------------------------------------------------------------------
