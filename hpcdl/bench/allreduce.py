@@ -1,22 +1,41 @@
-"""``bench allreduce``: time and bus bandwidth of each allreduce algorithm beside MPI's own."""
+"""``bench allreduce``: time and bus bandwidth of each allreduce algorithm beside MPI's own.
+
+With ``--calibrate --table FILE`` it also measures which algorithm ``auto`` should pick:
+the segments found for this rank count replace that rank count's in ``FILE`` (others kept),
+which ``exchange.auto_table`` or ``--table`` then names.
+"""
 
 from __future__ import annotations
 
+import datetime
 import math
+import socket
 import statistics
 from typing import Any
 
 import numpy as np
 
+import hpcdl
 from hpcdl.comm import MAX, world, wtime
-from hpcdl.comm.collectives import ALGORITHMS, Collectives
+from hpcdl.comm.collectives import ALGORITHMS, AutoTable, Collectives
+from hpcdl.comm.collectives.auto import (
+    TOLERANCE,
+    format_bytes,
+    load_table_bcast,
+    merge,
+    save_table,
+    table_from_rows,
+    winners,
+)
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
 
-__all__ = ["DEFAULT_SIZES", "add_parser", "bench_allreduce", "run"]
+__all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce", "calibrate", "run"]
 
 #: 4 KB to 64 MB, powers of 4
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(8))
+#: 4 KB to 64 MB, powers of 2: ``--calibrate`` without ``--sizes``
+CALIBRATION_SIZES = tuple(4096 * 2**k for k in range(15))
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 
 
@@ -53,6 +72,7 @@ def bench_allreduce(
     repeat: int = 5,
     min_time: float = 0.02,
     dtype: str = "float32",
+    auto: AutoTable | None = None,
 ) -> list[dict[str, Any]]:
     """Allreduce time of each algorithm at each size, as medians of interleaved repetitions.
 
@@ -62,15 +82,20 @@ def bench_allreduce(
     ``iters`` calls of every algorithm in turn, after a barrier, taking the slowest rank's
     time. Buffers are out of place (``sendbuf`` is not ``recvbuf``).
 
+    Args:
+        auto: the table ``auto`` picks from (``None``: the packaged default); the same on
+            every rank.
+
     Returns:
-        One row per (size, algorithm): ``algorithm``, ``size_bytes``, ``ranks``, ``time_s``
+        One row per (size, algorithm): ``algorithm``, ``picked`` (the algorithm that ran:
+        ``auto``'s choice, else ``algorithm``), ``size_bytes``, ``ranks``, ``time_s``
         (median), ``iqr_s``, ``algbw_GBps`` (size / time), ``busbw_GBps`` (algbw
         · 2 (n - 1) / n, nccl-tests' definition), ``time_vs_mpi``, ``iters``, ``repeat``.
     """
     size_n = comm.Get_size()
     item = np.dtype(dtype).itemsize
     rows: list[dict[str, Any]] = []
-    with Collectives(comm) as coll:
+    with Collectives(comm, auto=auto) as coll:
         for nbytes in sizes:
             n = max(nbytes // item, 1)
             send = np.random.default_rng([0, comm.Get_rank()]).standard_normal(n).astype(dtype)
@@ -94,6 +119,7 @@ def bench_allreduce(
                 rows.append(
                     {
                         "algorithm": name,
+                        "picked": coll.auto.choose(n * item, size_n) if name == "auto" else name,
                         "size_bytes": n * item,
                         "ranks": size_n,
                         "time_s": t,
@@ -125,28 +151,137 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         "out of place; time/mpi < 1 is faster than MPI's Allreduce"
     )
     print(
-        f"{'size':>6} {'algorithm':<13}{'time us':>11}{'iqr us':>9}{'algbw GB/s':>12}"
+        f"{'size':>6} {'algorithm':<18}{'time us':>11}{'iqr us':>9}{'algbw GB/s':>12}"
         f"{'busbw GB/s':>12}{'time/mpi':>10}{'iters':>7}"
     )
     for r in rows:
         ratio = f"{r['time_vs_mpi']:.2f}" if r.get("time_vs_mpi") is not None else "-"
+        name = r["algorithm"] if r["picked"] == r["algorithm"] else f"{r['algorithm']}={r['picked']}"
         print(
-            f"{_fmt_size(r['size_bytes']):>6} {r['algorithm']:<13}{1e6 * r['time_s']:>11.1f}"
+            f"{_fmt_size(r['size_bytes']):>6} {name:<18}{1e6 * r['time_s']:>11.1f}"
             f"{1e6 * r['iqr_s']:>9.1f}{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}"
             f"{ratio:>10}{r['iters']:>7}"
         )
 
 
+def calibrate(
+    comm: Communicator,
+    table_path: str,
+    sizes: tuple[int, ...] = CALIBRATION_SIZES,
+    algorithms: tuple[str, ...] = tuple(ALGORITHMS),
+    repeat: int = 5,
+    min_time: float = 0.02,
+    dtype: str = "float32",
+    tolerance: float = TOLERANCE,
+) -> tuple[list[dict[str, Any]], AutoTable]:
+    """Time ``algorithms`` and store the segments ``auto`` should use at this rank count (collective).
+
+    The table at ``table_path`` (an empty one if the file does not exist) is read on rank
+    0 first, so that a damaged file stops the run before the timing; the segments of
+    :func:`~hpcdl.comm.collectives.auto.table_from_rows` replace this rank count's, with
+    their provenance (date, MPI library, host, settings, per-size winners and median
+    times in microseconds), and rank 0 writes the file atomically. Prints the rows, the
+    segments and the file written on rank 0.
+
+    Returns:
+        The rows of :func:`bench_allreduce` and the merged table (the same on every rank).
+
+    Raises:
+        ConfigError: one rank, a damaged table file, or the file cannot be written.
+    """
+    ranks = comm.Get_size()
+    if ranks < 2:
+        raise ConfigError(
+            "--calibrate measures a rank count of 2 or more: run it under mpiexec -n N "
+            "(once per rank count the runs will use)"
+        )
+    existing = load_table_bcast(comm, table_path, missing_ok=True)
+    rows = bench_allreduce(comm, sizes, algorithms, repeat, min_time, dtype)
+    segments = table_from_rows(rows, tolerance)
+    meta = _provenance(comm, rows, tolerance, dtype=dtype, min_time=min_time)
+    table = merge(existing, ranks, segments, meta)
+    error = None
+    if comm.Get_rank() == 0:
+        print_rows(rows)
+        print(f"auto at {ranks} ranks (previous winner kept within {100 * tolerance:g}% of the fastest):")
+        low: int | None = 0
+        for below, name in segments:
+            print(f"  {format_bytes(low):>8} <= size < {format_bytes(below):<8} {name}")
+            low = below
+        try:
+            save_table(table, table_path)
+        except ConfigError as err:
+            error = str(err)
+        else:
+            kept = [r for r in table.segments if r != ranks]
+            others = f"; kept {', '.join(map(str, kept))} ranks from before" if kept else ""
+            print(f"auto table for {ranks} ranks written to {table_path}{others}")
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        raise ConfigError(error)
+    return rows, table
+
+
+def _provenance(
+    comm: Communicator, rows: list[dict[str, Any]], tolerance: float, *, dtype: str, min_time: float
+) -> dict[str, Any]:
+    """What a calibration records beside its segments."""
+    try:
+        from hpcdl.comm.mpi import library_version
+
+        library = " ".join(library_version().split())
+    except ImportError:  # pragma: no cover  (mpi4py is a dependency)
+        library = ""
+    hosts = comm.allgather(socket.gethostname())
+    medians: dict[str, dict[str, float]] = {}
+    for r in rows:
+        medians.setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = round(1e6 * r["time_s"], 2)
+    r0 = rows[0]
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "mpi_library": library,
+        "host": hosts[0],
+        "nodes": len(set(hosts)),
+        "hpcdl_version": hpcdl.__version__,
+        "repeat": r0["repeat"],
+        "min_time_s": min_time,
+        "dtype": dtype,
+        "sizes": sorted({r["size_bytes"] for r in rows}),
+        "algorithms": list(dict.fromkeys(r["algorithm"] for r in rows)),
+        "tolerance": tolerance,
+        "winners": [[size, name, round(ratio, 4)] for size, name, ratio in winners(rows, tolerance)],
+        "median_us": medians,
+    }
+
+
 def add_parser(sub: Any) -> None:
     """Register ``allreduce`` and its options on the ``bench`` subparsers."""
     p = sub.add_parser("allreduce", help="allreduce time and bus bandwidth per algorithm, beside MPI's")
-    sizes_help = "message sizes: 4K, 16M, ... (default 4K to 64M, powers of 4)"
-    p.add_argument("--sizes", nargs="+", type=parse_size, default=list(DEFAULT_SIZES), help=sizes_help)
+    sizes_help = "message sizes: 4K, 16M, ... (default 4K to 64M, powers of 4; powers of 2 with --calibrate)"
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=None, help=sizes_help)
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
     names = [*ALGORITHMS, "auto"]
     p.add_argument("--algorithms", nargs="+", choices=names, default=names, help="algorithms to time")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per measurement, at least")
+    p.add_argument(
+        "--table",
+        default=None,
+        metavar="PATH",
+        help="auto's table (JSON; default: the packaged one); with --calibrate, the file to update",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="find the fastest algorithm per size at this rank count and store it in --table",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=TOLERANCE,
+        help=f"--calibrate keeps the previous size's winner while within this fraction of the fastest "
+        f"(default {TOLERANCE})",
+    )
 
 
 def run(args: Any) -> list[dict[str, Any]]:
@@ -154,9 +289,26 @@ def run(args: Any) -> list[dict[str, Any]]:
     if args.repeat < 1 or args.min_time <= 0:
         raise ConfigError("--repeat must be a positive integer and --min-time a positive number of seconds")
     comm = world()
-    rows = bench_allreduce(
-        comm, tuple(args.sizes), tuple(dict.fromkeys(args.algorithms)), args.repeat, args.min_time, args.dtype
-    )
+    algorithms = tuple(dict.fromkeys(args.algorithms))
+    if args.calibrate:
+        if not args.table:
+            raise ConfigError(
+                "--calibrate needs --table PATH: the JSON table to create or update "
+                "(then name it in exchange.auto_table)"
+            )
+        if args.tolerance < 0:
+            raise ConfigError(f"--tolerance must be a fraction of at least 0 (got {args.tolerance})")
+        timed = tuple(a for a in algorithms if a != "auto")
+        if not timed:
+            raise ConfigError("--calibrate needs at least one algorithm besides auto in --algorithms")
+        sizes = tuple(args.sizes or CALIBRATION_SIZES)
+        rows, _ = calibrate(
+            comm, args.table, sizes, timed, args.repeat, args.min_time, args.dtype, args.tolerance
+        )
+        return rows
+    table = load_table_bcast(comm, args.table)  # every rank the same, before any timing
+    sizes = tuple(args.sizes or DEFAULT_SIZES)
+    rows = bench_allreduce(comm, sizes, algorithms, args.repeat, args.min_time, args.dtype, table)
     if comm.Get_rank() == 0:
         print_rows(rows)
     return rows

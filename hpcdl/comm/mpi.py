@@ -68,11 +68,18 @@ def library_version() -> str:
 
 def all_requests(reqs: Sequence[Any]) -> bool:
     """True when every entry is an ``MPI.Request`` or ``None``."""
-    return all(r is None or isinstance(r, MPI.Request) for r in reqs)
+    request = MPI.Request
+    for r in reqs:  # a loop, not all(genexpr): this runs once per round of every collective
+        if r is not None and not isinstance(r, request):
+            return False
+    return True
 
 
-def _with_nulls(reqs: Sequence[MPI.Request | None]) -> list[MPI.Request]:
-    return [MPI.REQUEST_NULL if r is None else r for r in reqs]
+def _with_nulls(reqs: Sequence[MPI.Request | None]) -> Sequence[MPI.Request]:
+    for r in reqs:
+        if r is None:
+            return [MPI.REQUEST_NULL if r is None else r for r in reqs]
+    return reqs
 
 
 def waitall(reqs: Sequence[MPI.Request | None]) -> None:

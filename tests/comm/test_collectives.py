@@ -19,7 +19,14 @@ import pytest
 
 import hpcdl.comm as hc
 from hpcdl.comm import Communicator
-from hpcdl.comm.collectives import ALGORITHMS, Collectives, CollectivesFreedError, CollRequest, chunk_counts
+from hpcdl.comm.collectives import (
+    ALGORITHMS,
+    AutoTable,
+    Collectives,
+    CollectivesFreedError,
+    CollRequest,
+    chunk_counts,
+)
 from hpcdl.errors import ConfigError
 
 from .test_mpi_conformance import run_everywhere
@@ -344,6 +351,8 @@ def check_bad_arguments(comm: Communicator) -> None:
             coll.Allreduce(x, x, algorithm="tree")
         with pytest.raises(ConfigError, match="ring, doubling, rabenseifner, mpi or auto"):
             Collectives(comm, algorithm="fastest")
+        with pytest.raises(TypeError, match=r"AutoTable.threshold\(nbytes\)"):
+            Collectives(comm, "auto", 4000)  # type: ignore[arg-type]  (the old auto_threshold)
         with pytest.raises(ValueError, match="same size and dtype"):
             coll.Allreduce(x, np.ones(5))
         with pytest.raises(ValueError, match="same size and dtype"):
@@ -363,6 +372,33 @@ def check_bad_arguments(comm: Communicator) -> None:
         assert np.array_equal(out, mpi_allreduce(comm, x + rank))
 
 
+def check_auto_runs_what_its_table_says(comm: Communicator) -> None:
+    """A table forcing each algorithm, then one switching at 4,000 B: auto runs it, equal to MPI's."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    split = ((4000, "doubling"), (None, "rabenseifner"))
+    tables = [(AutoTable(fallback=((None, name),)), lambda nbytes, name=name: name) for name in ALGORITHMS]
+    tables.append(
+        (
+            AutoTable({size: split}, fallback=split),
+            lambda nbytes: "doubling" if nbytes < 4000 else "rabenseifner",
+        )
+    )
+    for table, expected_name in tables:
+        with Collectives(comm, "auto", auto=table) as coll:
+            for n in (0, 10, 999, 1000, 5000):  # float32: 0 B .. 20 KB, around the 4,000-byte bound
+                x = integer_values(rank, n, np.float32)
+                expected = mpi_allreduce(comm, x)
+                got = np.full_like(x, np.nan)
+                coll.Allreduce(x, got)
+                np.testing.assert_array_equal(got, expected)
+                got[:] = np.nan
+                req = coll.Iallreduce(x, got)
+                assert f"allreduce[{expected_name(x.nbytes)}]" in repr(req), (n, repr(req))
+                req.Wait()
+                np.testing.assert_array_equal(got, expected)
+                assert table.choose(x.nbytes, size) == expected_name(x.nbytes)
+
+
 CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_allreduce_exact,
     check_allreduce_random,
@@ -378,6 +414,7 @@ CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_isolated_from_user_traffic,
     check_use_after_free,
     check_bad_arguments,
+    check_auto_runs_what_its_table_says,
 )
 
 world_of_one = pytest.mark.skipif(hc.world().Get_size() != 1, reason="world-of-one tests run without mpiexec")
@@ -393,24 +430,3 @@ def test_collectives_mpi(check: Callable[[Communicator], None], comm: Communicat
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
 def test_collectives_world_of_one(check: Callable[[Communicator], None], comm: Communicator) -> None:
     check(comm)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_auto_matches_mpi_on_both_sides_of_its_threshold() -> None:
-    import numpy as np
-
-    from hpcdl.comm import SUM, world
-    from hpcdl.comm.collectives import Collectives
-
-    comm = world()
-    with Collectives(comm, "auto", auto_threshold=4000) as coll:
-        for n in (10, 999, 1001, 5000):  # float32: 40 B .. 20 KB, around the 4,000-byte threshold
-            x = np.arange(n, dtype=np.float32) + comm.Get_rank()
-            expected = np.empty_like(x)
-            comm.Allreduce(x, expected, op=SUM)
-            got = np.empty_like(x)
-            coll.Allreduce(x, got)
-            np.testing.assert_array_equal(got, expected)
-            req = coll.Iallreduce(x.copy(), got)
-            req.Wait()
-            np.testing.assert_array_equal(got, expected)

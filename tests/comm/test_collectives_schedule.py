@@ -199,12 +199,3 @@ def test_ring_tree_schedules_on_virtual_ranks(size: int) -> None:
         run_virtual(size, lambda c, root=root, bufs=bufs: tree.bcast(c, bufs[c.rank], root, 8))
         for b in bufs:
             assert np.array_equal(b, xs[root])
-
-
-def test_auto_picks_by_size() -> None:
-    from hpcdl.comm.collectives.auto import DEFAULT_THRESHOLD_BYTES, LARGE, SMALL, choose
-
-    assert choose(4096) == SMALL == "mpi"
-    assert choose(DEFAULT_THRESHOLD_BYTES - 1) == SMALL
-    assert choose(DEFAULT_THRESHOLD_BYTES) == LARGE == "ring"
-    assert choose(100, threshold_bytes=64) == LARGE and choose(100, threshold_bytes=1 << 30) == SMALL

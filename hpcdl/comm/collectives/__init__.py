@@ -2,9 +2,11 @@
 
 Allreduce by ring, recursive doubling and Rabenseifner (or the MPI library's own, ``"mpi"``),
 ring reduce-scatter and allgather, binomial-tree reduce and broadcast; for any rank count and
-length. Each is written once, as a resumable schedule of point-to-point rounds
-(:mod:`~hpcdl.comm.collectives.schedule`), so the nonblocking form is the same code as the
-blocking one and runs without threads, in MPI and in the simulator::
+length; ``"auto"`` picks among them by message size and rank count from a calibrated
+:class:`AutoTable` (:mod:`~hpcdl.comm.collectives.auto`). Each is written once, as a
+resumable schedule of point-to-point rounds (:mod:`~hpcdl.comm.collectives.schedule`), so
+the nonblocking form is the same code as the blocking one and runs without threads, in MPI
+and in the simulator::
 
     with Collectives(comm) as coll:
         coll.Allreduce(grad, grad, algorithm="rabenseifner")  # in place
@@ -15,15 +17,18 @@ blocking one and runs without threads, in MPI and in the simulator::
 from __future__ import annotations
 
 from hpcdl.comm.collectives.api import ALGORITHMS, TAG_SPAN, Collectives, CollectivesFreedError
+from hpcdl.comm.collectives.auto import AutoTable, load_table
 from hpcdl.comm.collectives.buffers import chunk_counts
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
 
 __all__ = [
     "ALGORITHMS",
     "TAG_SPAN",
+    "AutoTable",
     "CollRequest",
     "Collectives",
     "CollectivesFreedError",
     "Schedule",
     "chunk_counts",
+    "load_table",
 ]

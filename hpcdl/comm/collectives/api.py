@@ -6,9 +6,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree
-from hpcdl.comm.collectives.auto import DEFAULT_THRESHOLD_BYTES, choose
-from hpcdl.comm.collectives.buffers import check_pair, chunk_counts, flat, is_in_place, reduction
+from hpcdl.backend import get_array_module
+from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree, widening
+from hpcdl.comm.collectives.auto import AutoTable, load_table
+from hpcdl.comm.collectives.buffers import Reduction, check_pair, chunk_counts, flat, is_in_place
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
@@ -56,21 +57,37 @@ class Collectives:
     Args:
         comm: the communicator whose ranks take part (duplicated once, collectively).
         algorithm: the default allreduce algorithm, a key of :data:`ALGORITHMS`, or
-            ``"auto"``: by message size (:mod:`~hpcdl.comm.collectives.auto`).
-        auto_threshold: bytes below which ``auto`` takes the small-message algorithm.
+            ``"auto"``: by message size and rank count, from ``auto``.
+        auto: the table ``"auto"`` chooses from (:class:`~hpcdl.comm.collectives.auto.AutoTable`);
+            ``None``: the packaged default (:func:`~hpcdl.comm.collectives.auto.load_table`).
+            Every rank must pass the same table.
 
     Raises:
-        ConfigError: ``algorithm`` is unknown.
+        ConfigError: ``algorithm`` is unknown, or the packaged table cannot be read.
     """
 
-    def __init__(
-        self, comm: Communicator, algorithm: str = "ring", auto_threshold: int = DEFAULT_THRESHOLD_BYTES
-    ) -> None:
+    def __init__(self, comm: Communicator, algorithm: str = "ring", auto: AutoTable | None = None) -> None:
         self.algorithm = _check_algorithm(algorithm)
-        self.auto_threshold = int(auto_threshold)
+        if auto is not None and not isinstance(auto, AutoTable):
+            raise TypeError(
+                f"auto must be an AutoTable or None (got {type(auto).__name__}): for a byte threshold "
+                "pass AutoTable.threshold(nbytes)"
+            )
+        self._auto = auto if auto is not None else load_table(None)
         self._comm: Communicator | None = comm.Dup()
+        self._auto_choose = self._auto.chooser(self._comm.Get_size())
         self._seq = 0
         self._inflight: list[CollRequest] = []
+        import hpcdl.comm as hc  # MPI's constants, resolved once: small messages feel each microsecond
+
+        self._in_place = hc.IN_PLACE
+        self._sum = hc.SUM
+        self._ops = ((hc.SUM, "add"), (hc.MAX, "maximum"), (hc.MIN, "minimum"))
+
+    @property
+    def auto(self) -> AutoTable:
+        """The table ``"auto"`` chooses from (fixed at construction, like the rank count)."""
+        return self._auto
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -119,15 +136,22 @@ class Collectives:
         tag = self._seq % TAG_SPAN
         self._seq += 1
         req = CollRequest(make(comm, tag), name)
-        self._inflight = [r for r in self._inflight if not r.finished]
         if not req.finished:
+            if len(self._inflight) >= 64:  # forget the completed ones now and then
+                self._inflight = [r for r in self._inflight if not r.finished]
             self._inflight.append(req)
         return req
 
     # -- allreduce ------------------------------------------------------------------------------
 
     def Iallreduce(  # noqa: N802  (MPI's name)
-        self, sendbuf: Any, recvbuf: Any, op: Any = None, algorithm: str | None = None
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: Any = None,
+        algorithm: str | None = None,
+        *,
+        narrow: str | None = None,
     ) -> CollRequest:
         """Start an allreduce of every rank's ``sendbuf`` into every rank's ``recvbuf``.
 
@@ -137,40 +161,73 @@ class Collectives:
             recvbuf: the result, same size and dtype as ``sendbuf``.
             op: ``hpcdl.comm.SUM`` (default), ``MAX`` or ``MIN``.
             algorithm: a key of :data:`ALGORITHMS`; default: this object's ``algorithm``.
+            narrow: ``"float16"`` or ``"bfloat16"``: the buffers hold 2-byte floats
+                (float16, or bfloat16 bits in uint16) to be summed in float32 and rounded
+                once (:mod:`~hpcdl.comm.collectives.widening`, whatever ``algorithm``).
 
         Returns:
             The request of the operation.
 
         Raises:
             ConfigError: ``algorithm`` is unknown.
-            ValueError: the buffers do not match, or ``op`` is not supported.
+            ValueError: the buffers do not match, ``op`` is not supported, or ``narrow``
+                is unknown, its buffers are not of its dtype, or ``op`` is not SUM.
         """
         name = _check_algorithm(algorithm or self.algorithm)
-        op = _op(op)
         src, dst = check_pair(sendbuf, recvbuf, "allreduce")
+        if narrow is not None:
+            return self._start_widening(src, dst, op, narrow)
+        red = self._reduction(op, dst)
         if name == "auto":
-            name = choose(dst.nbytes, self.auto_threshold)
-        reduction(op, dst)
+            name = self._auto_choose(dst.nbytes)
         schedule = ALGORITHMS[name]
-        return self._start(f"allreduce[{name}]", lambda comm, tag: schedule(comm, src, dst, op, tag))
+        return self._start(f"allreduce[{name}]", lambda comm, tag: schedule(comm, src, dst, red, tag))
 
     def Allreduce(  # noqa: N802  (MPI's name)
-        self, sendbuf: Any, recvbuf: Any, op: Any = None, algorithm: str | None = None
+        self,
+        sendbuf: Any,
+        recvbuf: Any,
+        op: Any = None,
+        algorithm: str | None = None,
+        *,
+        narrow: str | None = None,
     ) -> None:
         """Allreduce, blocking: :meth:`Iallreduce` waited on (``"mpi"``: ``comm.Allreduce``)."""
         name = _check_algorithm(algorithm or self.algorithm)
-        if name in ("auto", "mpi"):
+        if narrow is None and name in ("auto", "mpi"):
             src, dst = check_pair(sendbuf, recvbuf, "allreduce")
             if name == "auto":
-                name = choose(dst.nbytes, self.auto_threshold)
+                name = self._auto_choose(dst.nbytes)
             if name == "mpi":
-                op = _op(op)
+                red = self._reduction(op, dst)
                 self._seq += 1
-                import hpcdl.comm as hc
-
-                self.comm.Allreduce(hc.IN_PLACE if src is dst else src, dst, op=op)
+                self.comm.Allreduce(self._in_place if src is dst else src, dst, op=red.op)
                 return
-        self.Iallreduce(sendbuf, recvbuf, op, name).Wait()
+        self.Iallreduce(sendbuf, recvbuf, op, name, narrow=narrow).Wait()
+
+    def _start_widening(self, src: Any, dst: Any, op: Any, wire: str) -> CollRequest:
+        want = widening.WIRE_FORMATS.get(wire)
+        if want is None:
+            raise ValueError(f"narrow must be one of {tuple(widening.WIRE_FORMATS)} (got {wire!r})")
+        if dst.dtype != want:
+            raise ValueError(f"narrow={wire!r} needs buffers of {want} (got {dst.dtype})")
+        if op is not None and op is not self._sum:
+            raise ValueError(f"narrow={wire!r} sums (op=hpcdl.comm.SUM); got {op!r}")
+        name = f"allreduce[widening {wire}]"
+        return self._start(name, lambda c, tag: widening.allreduce(c, src, dst, tag, wire))
+
+    def _reduction(self, op: Any, buf: Any) -> Reduction:
+        """``op`` (None: SUM) with its ufunc for ``buf``'s array module.
+
+        Raises:
+            ValueError: ``op`` is not SUM, MAX or MIN.
+        """
+        if op is None:
+            op = self._sum
+        for mpi, ufunc in self._ops:
+            if op is mpi:
+                return Reduction(op, getattr(get_array_module(buf), ufunc))
+        raise ValueError(f"collectives reduce with hpcdl.comm.SUM, MAX or MIN (got {op!r})")
 
     # -- reduce-scatter and allgather (ring) -----------------------------------------------------
 
@@ -195,7 +252,6 @@ class Collectives:
             ValueError: ``recvbuf`` is not the size of this rank's chunk, the dtypes differ,
                 or ``op`` is not supported.
         """
-        op = _op(op)
         comm = self.comm
         dst = flat(recvbuf, "reduce_scatter recvbuf")
         src = dst if is_in_place(sendbuf, recvbuf) else flat(sendbuf, "reduce_scatter sendbuf")
@@ -208,8 +264,8 @@ class Collectives:
                 f"{comm.Get_rank()}'s chunk of sendbuf: {count} x {src.dtype} "
                 f"({src.size} elements over {comm.Get_size()} ranks)"
             )
-        reduction(op, src)
-        return self._start("reduce_scatter", lambda c, tag: ring.reduce_scatter(c, src, dst, op, tag))
+        red = self._reduction(op, src)
+        return self._start("reduce_scatter", lambda c, tag: ring.reduce_scatter(c, src, dst, red, tag))
 
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:  # noqa: N802
         """Reduce-scatter, blocking: :meth:`Ireduce_scatter` waited on."""
@@ -270,15 +326,14 @@ class Collectives:
             ValueError: ``root`` is out of range, the buffers do not match, or ``op`` is
                 not supported.
         """
-        op = _op(op)
         comm = self.comm
         root = _check_root(root, comm)
         if comm.Get_rank() == root:
             src, dst = check_pair(sendbuf, recvbuf, "reduce")
         else:
             src, dst = flat(sendbuf, "reduce sendbuf"), None
-        reduction(op, src)
-        return self._start(f"reduce[root={root}]", lambda c, tag: tree.reduce(c, src, dst, op, root, tag))
+        red = self._reduction(op, src)
+        return self._start(f"reduce[root={root}]", lambda c, tag: tree.reduce(c, src, dst, red, root, tag))
 
     def Reduce(self, sendbuf: Any, recvbuf: Any | None, op: Any = None, root: int = 0) -> None:  # noqa: N802
         """Reduce, blocking: :meth:`Ireduce` waited on."""
@@ -313,11 +368,3 @@ def _check_root(root: int, comm: Communicator) -> int:
     if not 0 <= root < size:
         raise ValueError(f"root must be a rank in [0, {size}) (got {root})")
     return int(root)
-
-
-def _op(op: Any) -> Any:
-    if op is None:
-        import hpcdl.comm as hc
-
-        return hc.SUM
-    return op

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Any
+from typing import Any, NamedTuple
 
 from hpcdl.backend import get_array_module
 
-__all__ = ["check_pair", "chunk_counts", "chunk_offsets", "flat", "is_in_place", "reduction", "scratch"]
+__all__ = [
+    "Reduction", "check_pair", "chunk_counts", "chunk_offsets", "flat", "is_in_place", "mpi_op", "reduction",
+    "scratch",
+]  # fmt: skip
 
 #: MPI's reduction operations, by the name of the ufunc that applies them elementwise.
 _UFUNCS = {"SUM": "add", "MAX": "maximum", "MIN": "minimum"}
@@ -65,18 +68,39 @@ def is_in_place(sendbuf: Any, recvbuf: Any) -> bool:
     return sendbuf is hc.IN_PLACE
 
 
+class Reduction(NamedTuple):
+    """An MPI reduction operation resolved once for an operation's buffers.
+
+    :class:`~hpcdl.comm.collectives.Collectives` passes one to the schedules as their
+    ``op``: resolving ``hpcdl.comm.SUM`` and the array module costs microseconds, which
+    matter for small messages.
+    """
+
+    #: the MPI operation (``hpcdl.comm.SUM``, ``MAX`` or ``MIN``), for the library's own calls
+    op: Any
+    #: the elementwise ufunc applying it (``xp.add``, ``xp.maximum``, ``xp.minimum``)
+    ufunc: Any
+
+
 def reduction(op: Any, buf: Any) -> Any:
-    """The ufunc applying ``op`` (``hpcdl.comm.SUM``, ``MAX`` or ``MIN``) to arrays like ``buf``.
+    """The ufunc applying ``op`` (``hpcdl.comm.SUM``, ``MAX``, ``MIN`` or a :class:`Reduction`).
 
     Raises:
         ValueError: ``op`` is another operation.
     """
+    if type(op) is Reduction:
+        return op.ufunc
     import hpcdl.comm as hc
 
     for name, ufunc in _UFUNCS.items():
         if op is getattr(hc, name):
             return getattr(get_array_module(buf), ufunc)
     raise ValueError(f"collectives reduce with hpcdl.comm.SUM, MAX or MIN (got {op!r})")
+
+
+def mpi_op(op: Any) -> Any:
+    """The MPI operation of ``op`` (itself, or a :class:`Reduction`'s)."""
+    return op.op if type(op) is Reduction else op
 
 
 def check_pair(sendbuf: Any, recvbuf: Any, what: str) -> tuple[Any, Any]:

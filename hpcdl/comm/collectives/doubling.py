@@ -26,7 +26,7 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
         return
     reduce = reduction(op, dst)
     pof2, rem = split_pof2(size)
-    cur = yield from fold_in(comm, src, dst, reduce, tag)
+    cur = (yield from fold_in(comm, src, dst, reduce, tag)) if rem else src  # no fold: no generator
     if cur is not None:
         newrank = new_rank(rank, rem)
         theirs = scratch(dst, dst.size)
@@ -37,4 +37,5 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
             reduce(cur, theirs, out=dst)
             cur = dst
             mask <<= 1
-    yield from fold_out(comm, dst, tag)
+    if rem:
+        yield from fold_out(comm, dst, tag)

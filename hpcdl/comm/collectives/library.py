@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpcdl.comm.collectives.buffers import mpi_op
 from hpcdl.comm.collectives.schedule import Schedule
 from hpcdl.comm.contract import Communicator
 
@@ -20,4 +21,4 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
         import hpcdl.comm as hc
 
         src = hc.IN_PLACE
-    yield [comm.Iallreduce(src, dst, op=op)]
+    yield [comm.Iallreduce(src, dst, op=mpi_op(op))]

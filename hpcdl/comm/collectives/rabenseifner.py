@@ -30,7 +30,7 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
         return
     reduce = reduction(op, dst)
     pof2, rem = split_pof2(size)
-    cur = yield from fold_in(comm, src, dst, reduce, tag)
+    cur = (yield from fold_in(comm, src, dst, reduce, tag)) if rem else src  # no fold: no generator
     if cur is not None:
         newrank = new_rank(rank, rem)
         off = chunk_offsets(chunk_counts(dst.size, pof2))
@@ -64,4 +64,5 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
                 tag,
             )
             mask <<= 1
-    yield from fold_out(comm, dst, tag)
+    if rem:
+        yield from fold_out(comm, dst, tag)

@@ -1,0 +1,94 @@
+"""Allreduce of a compressed buffer (float16, or bfloat16 bits) with the sum accumulated in float32.
+
+A compressed gradient exchange sends 2-byte values, but summing them in 2-byte arithmetic
+rounds once per hop: a ring allreduce over N ranks rounds each element N - 1 times and the
+error grows with N. Here each rank owns one chunk and adds every rank's contribution to it
+in a **float32 accumulator**, then rounds once:
+
+1. reduce-scatter by pairwise exchange: in round k = 1 .. N-1, rank r sends its chunk
+   (r + k) % N, in wire format, to rank (r + k) % N and receives its own chunk r from rank
+   (r - k) % N, widens it and adds it to its float32 accumulator (which started as its own
+   chunk, widened). Each round is a permutation: no rank receives from two at once.
+2. the sum, rounded once to the wire format, is allgathered around the ring.
+
+So the result is ``round(sum over ranks of round(g_r))``, exactly what an exact sum of the
+compressed values followed by one rounding gives (up to float32's own summation order), at
+the ring's cost: each rank sends and receives ``2 (N - 1) / N`` of the vector, in
+``2 (N - 1)`` rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import get_array_module
+from hpcdl.comm.collectives.buffers import chunk_counts, chunk_offsets, scratch
+from hpcdl.comm.collectives.ring import _ring_allgather
+from hpcdl.comm.collectives.schedule import Schedule, sendrecv
+from hpcdl.comm.contract import Communicator
+
+__all__ = ["WIRE_FORMATS", "allreduce", "narrow", "widen"]
+
+#: compressed formats this allreduce sums, and the dtype of their buffers
+WIRE_FORMATS: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+
+def widen(wire: str, chunk: Any, out: Any) -> Any:
+    """``out[...] = chunk`` as float32 values (``chunk`` in ``wire`` format); returns ``out``."""
+    if wire == "bfloat16":
+        out.view(np.uint32)[...] = chunk
+        out.view(np.uint32)[...] <<= np.uint32(16)
+    else:
+        out[...] = chunk
+    return out
+
+
+def narrow(wire: str, values: Any, out: Any) -> Any:
+    """``out[...] =`` the float32 ``values`` rounded to nearest even in ``wire`` format."""
+    if wire == "bfloat16":
+        from hpcdl.comm.pack import _bfloat16_bits
+
+        out[...] = _bfloat16_bits(get_array_module(values), values)
+    else:
+        with np.errstate(over="ignore"):  # beyond float16's range: inf, as the pack kernel gives
+            out[...] = values
+    return out
+
+
+def _add_widened(wire: str, acc: Any, chunk: Any, tmp: Any) -> None:
+    if wire == "bfloat16":
+        acc += widen(wire, chunk, tmp)
+    else:
+        acc += chunk  # NumPy/CuPy widen float16 to float32 exactly inside the add
+
+
+def allreduce(comm: Communicator, src: Any, dst: Any, tag: int, wire: str = "float16") -> Schedule:
+    """Sum of every rank's flat ``src`` into the flat ``dst``, accumulated in float32.
+
+    Args:
+        comm: the communicator.
+        src: this rank's values in ``wire`` format (``src is dst``: in place).
+        dst: the result, same size and dtype.
+        tag: the tag of this operation's messages.
+        wire: ``"float16"`` (buffers of ``float16``) or ``"bfloat16"`` (its bits in ``uint16``).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1 or dst.size == 0:
+        if src is not dst:
+            dst[...] = src
+        return
+    counts = chunk_counts(dst.size, size)
+    off = chunk_offsets(counts)
+    mine = slice(off[rank], off[rank + 1])
+    xp = get_array_module(dst)
+    acc = widen(wire, src[mine], xp.empty(counts[rank], dtype=np.float32))
+    tmp = xp.empty(counts[rank], dtype=np.float32) if wire == "bfloat16" else None
+    inbox = scratch(src, counts[rank])
+    for k in range(1, size):
+        dest, source = (rank + k) % size, (rank - k) % size
+        yield sendrecv(comm, src[off[dest] : off[dest + 1]], dest, inbox, source, tag)
+        _add_widened(wire, acc, inbox, tmp)
+    narrow(wire, acc, dst[mine])  # src is read no more: in place is safe from here
+    yield from _ring_allgather(comm, dst, tag, counts)
