@@ -102,11 +102,28 @@ SCHEMA: dict[str, Key] = {
         "bucketed: allreduce algorithm (hpcdl's own, mpi: the library's, auto: by size)",
         choices=("auto", "ring", "doubling", "rabenseifner", "mpi"),
     ),
+    "exchange.auto_table": Key(
+        str,
+        "",
+        "auto: the table of algorithms by size and rank count (bench allreduce --calibrate); '': packaged",
+    ),
     "exchange.auto_threshold_kb": Key(
         float,
-        512.0,
-        "auto: below this bucket size MPI's own allreduce, above it the ring (measured)",
+        0.0,
+        "auto: if > 0, MPI's own allreduce below this bucket size and the ring above, not the table",
         minimum=0.0,
+    ),
+    "exchange.compression": Key(
+        str,
+        "none",
+        "bucketed: gradients on the wire as float16/bfloat16 (summed in float32) or int32 (global-max scale)",
+        choices=("none", "float16", "bfloat16", "int32"),
+    ),
+    "exchange.accumulate": Key(
+        int,
+        1,
+        "micro-steps of data.batch_size per optimizer step, one exchange each (gradient accumulation)",
+        minimum=1,
     ),
     "exchange.debug": Key(
         bool, False, "check buffer sizes and finite gradients across ranks before exchange"

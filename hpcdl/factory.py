@@ -11,6 +11,7 @@ import numpy as np
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator
+from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
 from hpcdl.config import Config
 from hpcdl.data import Dataset, load_dataset
 from hpcdl.errors import ConfigError
@@ -22,7 +23,7 @@ from hpcdl.rng import generator
 
 __all__ = [
     "make_optimizer", "make_schedule", "load_data", "build", "evaluate",
-    "exchange_for", "observers", "EVAL_BATCH",
+    "exchange_for", "observers", "auto_table", "EVAL_BATCH",
 ]  # fmt: skip
 
 EVAL_BATCH = 512
@@ -49,9 +50,14 @@ def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
 
 
 def make_schedule(cfg: Config, ranks: int, steps_per_epoch: int, total_steps: int) -> Schedule:
-    """The learning-rate schedule, with the rank-count scaling rule applied."""
+    """The learning-rate schedule, with the scaling rule applied to the global batch.
+
+    The global batch is ``ranks * exchange.accumulate`` times ``data.batch_size``, so the
+    rule (``schedule.scale``) scales by that factor: accumulating k micro-steps on one rank
+    is treated as k ranks.
+    """
     base = cfg["optimizer.lr"]
-    peak = scaled_lr(base, ranks, cfg["schedule.scale"])
+    peak = scaled_lr(base, ranks * cfg["exchange.accumulate"], cfg["schedule.scale"])
     return Schedule(
         peak_lr=peak,
         total_steps=total_steps,
@@ -142,11 +148,27 @@ def exchange_for(cfg: Config, comm: Communicator, model: Sequential) -> Gradient
         options = {
             "bucket_mb": cfg["exchange.bucket_mb"],
             "algorithm": cfg["exchange.algorithm"],
-            "auto_threshold_kb": cfg["exchange.auto_threshold_kb"],
+            "auto": auto_table(cfg, comm),
+            "compression": cfg["exchange.compression"],
         }
+    elif cfg["exchange.compression"] != "none" and comm.Get_size() > 1:
+        raise ConfigError(
+            f"exchange.compression = {cfg['exchange.compression']!r} needs exchange.name = 'bucketed' "
+            f"(the flat {cfg['exchange.name']!r} exchange sends the gradients' own dtype)"
+        )
     return make_exchange(
         cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"], **options
     )
+
+
+def auto_table(cfg: Config, comm: Communicator) -> AutoTable:
+    """The table ``exchange.algorithm = "auto"`` chooses from: the threshold rule, a file, or packaged.
+
+    Rank 0 reads the file and broadcasts it (collective), so every rank chooses alike.
+    """
+    if cfg["exchange.auto_threshold_kb"] > 0:
+        return AutoTable.threshold(round(cfg["exchange.auto_threshold_kb"] * 1024))
+    return load_table_bcast(comm, cfg["exchange.auto_table"] or None)
 
 
 @contextlib.contextmanager

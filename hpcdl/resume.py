@@ -27,7 +27,7 @@ __all__ = ["capture", "restore", "check_fits", "find_resume", "FIT_KEYS"]
 FIT_KEYS = (
     "seed", "dtype", "model.name", "model.depth", "model.width", "model.width_mult", "model.channels",
     "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
-    "data.train_size", "data.test_size",
+    "data.train_size", "data.test_size", "exchange.accumulate",
 )  # fmt: skip
 
 

@@ -133,8 +133,14 @@ def run(
     seed = cfg["seed"]
 
     data = load_data(cfg)
+    micro_steps = cfg["exchange.accumulate"]  # a step draws micro_steps batches of data.batch_size
     sampler = DistributedSampler(
-        len(data.y_train), cfg["data.batch_size"], rank, size, seed=seed, kind=cfg["data.sampler"]
+        len(data.y_train),
+        cfg["data.batch_size"] * micro_steps,
+        rank,
+        size,
+        seed=seed,
+        kind=cfg["data.sampler"],
     )
     dropout_rng = generator(seed, rank, "dropout")
     model = build(cfg, data, rank, dtype, xp, dropout_rng)
@@ -166,7 +172,7 @@ def run(
 
     history: list[dict[str, float]] = []
     acc, test_loss = float("nan"), float("nan")
-    global_batch = size * cfg["data.batch_size"]
+    global_batch = size * micro_steps * cfg["data.batch_size"]
     agree = np.zeros(6)  # [loss, correct, stop] in, the sums over the ranks out
     stopped_by = ""
     t_segment = wtime()
@@ -178,6 +184,8 @@ def run(
         log.flush()
         meta = {"counters": {**counters, "elapsed_s": counters["elapsed_s"] + wtime() - t_segment},
                 "exchange": {k: v for k, v in cfg.values.items() if k.startswith("exchange.")}}  # fmt: skip
+        if getattr(exchange, "auto", None) is not None:  # the algorithm table auto chose from
+            meta["exchange"]["auto_table_used"] = exchange.auto.to_dict()
         ckpt = capture(
             comm, model, optimizer, sampler, dropout_rng, cfg, step, meta, checkpoint_attrs(run_path)
         )
@@ -192,11 +200,18 @@ def run(
             epoch = sampler.epoch
             for i_batch, indices in sampler:  # the sampler keeps its position (for resume)
                 t0 = wtime()
-                x, y = gather_batch(data.x_train, data.y_train, indices, xp)
-                x = x.astype(dtype, copy=False)
                 optimizer.lr = schedule(step)
-                with observers(profiler, exchange):  # an overlapping exchange starts buckets in backward
-                    local_loss, correct = _forward_backward(model, loss_fn, x, y)
+                local_loss, correct = 0.0, 0
+                for m, part in enumerate(np.split(indices, micro_steps)):
+                    x, y = gather_batch(data.x_train, data.y_train, part, xp)
+                    x = x.astype(dtype, copy=False)
+                    last = m == micro_steps - 1  # the exchange observes only the last backward
+                    with observers(profiler, exchange if last else None):  # buckets start in backward
+                        micro_loss, micro_correct = _forward_backward(model, loss_fn, x, y)
+                    if not last:
+                        exchange.accumulate()
+                    local_loss += micro_loss / micro_steps
+                    correct += micro_correct
                 comm_before = exchange.comm_time
                 t_exchange = wtime()
                 exchange.exchange()  # with buckets in flight since backward: only the rest

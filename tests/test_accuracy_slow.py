@@ -16,9 +16,9 @@ from hpcdl.train import run
 TARGETS = {"digits-mlp": 0.97, "digits-cnn": 0.98}
 
 
-def _train_and_check(preset: str) -> None:
+def _train_and_check(preset: str, sets: tuple[str, ...] = ()) -> None:
     comm = world()
-    result = run(load_config(preset), comm)
+    result = run(load_config(preset, list(sets)), comm)
     if comm.Get_rank() == 0:
         print(f"\n{result.summary()}")
     assert result.test_accuracy >= TARGETS[preset], result.summary()
@@ -35,3 +35,17 @@ def test_preset_reaches_target_single_process(preset: str) -> None:
 @pytest.mark.parametrize("preset", sorted(TARGETS))
 def test_preset_reaches_target_data_parallel(preset: str) -> None:
     _train_and_check(preset)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compression", ["float16", "int32"])
+def test_compressed_exchange_reaches_target(compression: str) -> None:
+    """Gradients on the wire in 2 bytes (summed in float32) or quantized int32 still reach the target."""
+    _train_and_check("digits-mlp", (f'exchange.compression="{compression}"',))
+
+
+@pytest.mark.slow
+def test_accumulation_reaches_target_single_process() -> None:
+    """Two micro-steps of 16 per step (global batch 32, as the preset): the same target."""
+    _train_and_check("digits-mlp", ("data.batch_size=16", "exchange.accumulate=2"))

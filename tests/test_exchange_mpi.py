@@ -109,3 +109,109 @@ def test_bucketed_exchange_starts_buckets_during_backward() -> None:
         comm.Allreduce(g, total, op=SUM)
         np.testing.assert_allclose(p.grad, total / comm.Get_size(), rtol=1e-5, atol=1e-7)
     ex.free()
+
+
+def _mean_over_ranks(comm, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    out = []
+    for a in arrays:
+        total = np.empty_like(a, dtype=np.float64)
+        comm.Allreduce(a.astype(np.float64), total, op=SUM)
+        out.append(total / comm.Get_size())
+    return out
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", ["allreduce", "bucketed"])
+def test_accumulation_averages_over_ranks_and_micro_steps(name: str) -> None:
+    """Three micro-steps: the exchange gives the mean of all 3 N gradients, and then starts afresh."""
+    comm = world()
+    params = _params(comm.Get_rank(), (5, 0, 300, 7))
+    rng = np.random.default_rng([11, comm.Get_rank()])
+    micro = [[rng.standard_normal(p.grad.shape).astype(np.float32) for p in params] for _ in range(3)]
+    ex = make_exchange(name, comm, params, **({"bucket_mb": 0.0005} if name == "bucketed" else {}))
+    for m, grads in enumerate(micro):
+        for p, g in zip(params, grads):
+            p.grad[...] = g
+        if m < 2:
+            ex.accumulate()
+    ex.exchange()
+    expected = _mean_over_ranks(comm, [sum(gs[i] for gs in micro) / 3 for i in range(len(params))])
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.grad, e, rtol=1e-5, atol=1e-6)
+    for p, g in zip(params, micro[0]):  # the next step has no micro-steps left over
+        p.grad[...] = g
+    ex.exchange()
+    for p, e in zip(params, _mean_over_ranks(comm, micro[0])):
+        np.testing.assert_allclose(p.grad, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compression", ["float16", "bfloat16"])
+def test_bucketed_compression_rounds_once_after_a_float32_sum(compression: str) -> None:
+    """The mean of N 2-byte gradients, summed in float32 and rounded once, over several buckets."""
+    from hpcdl.comm.collectives.widening import narrow
+
+    comm = world()
+    size = comm.Get_size()
+    params = _params(comm.Get_rank(), (5, 0, 300, 7, 1))
+    ex = make_exchange("bucketed", comm, params, bucket_mb=0.0005, compression=compression)
+    assert len(ex.buckets) >= 2 and ex.buckets.wire_dtype.itemsize == 2
+    local = [p.grad.copy() for p in params]
+    ex.exchange()
+    wire = np.float16 if compression == "float16" else np.uint16
+    for p, g in zip(params, local):
+        w = narrow(compression, g, np.empty(g.shape, wire))  # this rank's wire values
+        every = comm.allgather(w)
+        exact = np.zeros(g.shape, np.float32)
+        for e in every:  # widen exactly, then sum
+            exact += (
+                e.astype(np.float32)
+                if compression == "float16"
+                else (e.astype(np.uint32) << 16).view(np.float32)
+            )
+        summed = narrow(compression, exact, np.empty(g.shape, wire))
+        wide = (
+            summed.astype(np.float32)
+            if compression == "float16"
+            else (summed.astype(np.uint32) << 16).view(np.float32)
+        )
+        ulp = 2.0**-10 if compression == "float16" else 2.0**-7
+        np.testing.assert_allclose(p.grad, wide / size, rtol=ulp, atol=2.0**-24)
+        exact_mean = _mean_over_ranks(comm, [g])[0]
+        np.testing.assert_allclose(p.grad, exact_mean, rtol=4 * ulp, atol=4 * ulp)
+    assert ex.bytes_sent == 2 * sum(p.size for p in params)
+    ex.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bucketed_int32_compression_quantizes_with_the_global_max() -> None:
+    """The mean is sum(rint(g q)) / (N q), q = int32_scale(global max |g|, N): exact in float64."""
+    from hpcdl.comm import MAX
+    from hpcdl.comm.pack import int32_scale
+
+    comm = world()
+    size = comm.Get_size()
+    params = _params(comm.Get_rank(), (5, 0, 300, 7, 1))
+    params[2].grad[7] = 1e4 * (comm.Get_rank() + 1)  # the global max comes from the last rank
+    ex = make_exchange("bucketed", comm, params, bucket_mb=0.0, compression="int32")  # one bucket
+    local = [p.grad.copy() for p in params]
+    ex.exchange()
+    q = int32_scale(comm.allreduce(max(float(np.abs(g).max(initial=0)) for g in local), op=MAX), size)
+    assert q == int32_scale(1e4 * size, size)
+    for p, g in zip(params, local):
+        total = np.empty(g.shape, np.float64)
+        comm.Allreduce(np.rint(g.astype(np.float64) * q), total, op=SUM)
+        np.testing.assert_allclose(p.grad, (total / (size * q)).astype(np.float32), rtol=1e-6)
+    assert ex.bytes_sent == 4 * sum(p.size for p in params)
+    ex.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_int32_compression_refuses_a_non_finite_gradient_on_every_rank() -> None:
+    comm = world()
+    params = _params(comm.Get_rank())
+    if comm.Get_rank() == comm.Get_size() - 1:
+        params[2].grad[1] = np.inf
+    ex = make_exchange("bucketed", comm, params, compression="int32")
+    with pytest.raises(ExchangeError, match="not finite on some rank"):
+        ex.exchange()

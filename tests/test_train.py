@@ -38,6 +38,27 @@ def test_same_seed_same_result() -> None:
         np.testing.assert_array_equal(p.data, q.data)
 
 
+def test_accumulation_equals_the_whole_batch_at_once() -> None:
+    """Micro-steps 4 x 8 accumulate to the gradient of the batch of 32 (mean loss, no dropout)."""
+    common = ["train.steps=8", "dtype=float64", "optimizer.lr=0.05", "schedule.scale=none"]
+    micro = run(load_config("digits-mlp", [*common, "data.batch_size=8", "exchange.accumulate=4"]))
+    whole = run(load_config("digits-mlp", [*common, "data.batch_size=32"]))
+    assert micro.steps == whole.steps == 8
+    for p, q in zip(micro.model.parameters(), whole.model.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-10, atol=1e-13, err_msg=p.name)
+    np.testing.assert_allclose(
+        [r["loss"] for r in micro.history], [r["loss"] for r in whole.history], rtol=1e-10
+    )
+    assert micro.samples_per_s > 0 and micro.epochs == whole.epochs
+
+
+def test_accumulation_scales_the_learning_rate_by_the_global_batch() -> None:
+    from hpcdl.factory import make_schedule
+
+    cfg = load_config("digits-mlp", ["exchange.accumulate=4", "schedule.warmup_epochs=0"])
+    assert make_schedule(cfg, 2, 10, 100)(0) == pytest.approx(cfg["optimizer.lr"] * 8)
+
+
 def test_profiler_table() -> None:
     cfg = load_config("digits-cnn", ["train.steps=3", "model.channels=4", "profile.layers=true"])
     result = run(cfg)

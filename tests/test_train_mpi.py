@@ -47,6 +47,49 @@ def test_data_parallel_equals_one_process_on_global_batches(optimizer: str, exch
     np.testing.assert_array_equal(mine, theirs)
 
 
+COMMON = ["optimizer.lr=0.01", "train.steps=6", "dtype=float64", "schedule.scale=none"]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("exchange", ["allreduce", "bucketed"])
+def test_accumulation_equals_one_process_on_the_whole_global_batch(exchange: str) -> None:
+    """N ranks x 3 micro-steps of 8 = one process with batches of 24 N: the same trajectory."""
+    comm = world()
+    n = comm.Get_size()
+    sets = [*COMMON, f"exchange.name={exchange}", "exchange.bucket_mb=0.05"]
+    parallel = run(load_config("digits-mlp", [*sets, "data.batch_size=8", "exchange.accumulate=3"]), comm)
+    alone_comm = comm.Split(comm.Get_rank(), 0)
+    try:
+        alone = run(load_config("digits-mlp", [*COMMON, f"data.batch_size={24 * n}"]), alone_comm)
+    finally:
+        alone_comm.Free()
+    assert parallel.steps == alone.steps == 6
+    assert parallel.history[0]["samples_per_s"] > 0 and parallel.samples_per_s > 0
+    for p, q in zip(parallel.model.parameters(), alone.model.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=1e-9, atol=1e-12, err_msg=p.name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compressed_runs_send_half_the_bytes_and_stay_close() -> None:
+    comm = world()
+    sets = [*COMMON, "dtype=float32"]
+    plain = run(load_config("digits-mlp", sets), comm)
+    half = run(load_config("digits-mlp", [*sets, 'exchange.compression="float16"']), comm)
+    assert half.history[-1]["bytes_sent"] * 2 == plain.history[-1]["bytes_sent"] > 0
+    for p, q in zip(half.model.parameters(), plain.model.parameters()):
+        np.testing.assert_allclose(p.data, q.data, rtol=0, atol=2e-3, err_msg=p.name)
+        assert not np.array_equal(p.data, q.data) or p.name.endswith("bias")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compression_needs_the_bucketed_exchange() -> None:
+    from hpcdl.errors import ConfigError
+
+    cfg = load_config("digits-mlp", ["exchange.name=allreduce", 'exchange.compression="int32"'])
+    with pytest.raises(ConfigError, match="needs exchange.name = 'bucketed'"):
+        run(cfg, world())
+
+
 @pytest.mark.mpi(min_size=2)
 def test_weights_broadcast_from_rank_0() -> None:
     """Even if the ranks' seeds differ, rank 0's initial weights win (train.steps=0 is not allowed,

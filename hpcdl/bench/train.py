@@ -22,6 +22,7 @@ __all__ = ["add_parser", "run", "bench_train"]
 
 
 def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Sequential, Callable[[], dict[str, float]], Any]:
+    """One optimizer step of the config's training (``exchange.accumulate`` micro-steps on one batch)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     data = load_data(cfg)
     sampler = DistributedSampler(
@@ -35,13 +36,18 @@ def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Sequential, Callable[[
     loss_fn = SoftmaxCrossEntropy()
     x, y = gather_batch(data.x_train, data.y_train, sampler.indices(0, 0))
     x = x.astype(dtype, copy=False)
+    micro_steps = cfg["exchange.accumulate"]
 
     def step() -> dict[str, float]:
         comm_before = exchange.comm_time
         t0 = wtime()
-        with observers(exchange):  # a bucketed exchange reduces buckets during backward
-            loss_fn.forward(model.forward(x), y)
-            model.backward(loss_fn.backward())
+        for m in range(micro_steps):
+            last = m == micro_steps - 1
+            with observers(exchange if last else None):  # buckets are reduced during the last backward
+                loss_fn.forward(model.forward(x), y)
+                model.backward(loss_fn.backward())
+            if not last:
+                exchange.accumulate()
         t1 = wtime()
         exchange.exchange()  # what is left to wait for after backward: exposed
         t2 = wtime()
@@ -96,19 +102,46 @@ def _measure(comm: Communicator, step: Callable[[], dict], steps: int) -> dict[s
 
 
 def bench_train(
-    config: str, sets: list[str], vs: str | None, repeat: int, steps: int
+    config: str,
+    sets: list[str],
+    vs: str | None,
+    repeat: int,
+    steps: int,
+    compressions: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Global samples/s of hpcdl (and PyTorch DDP) on the same network and batch, interleaved."""
+    """Global samples/s of hpcdl (and PyTorch DDP) on the same network and batch, interleaved.
+
+    Args:
+        config: a preset or TOML file.
+        sets: ``KEY=VALUE`` overrides.
+        vs: ``"torch-ddp"`` to train the same network with PyTorch DDP in the same job.
+        repeat: interleaved repetitions (the median is reported).
+        steps: steps per repetition.
+        compressions: one hpcdl run per ``exchange.compression`` value, interleaved
+            (default: the config's).
+
+    Returns:
+        One row per implementation, as the module describes.
+    """
     comm = world()
     cfg = load_config(config, sets)
-    model, hp_step, batch = _hpcdl_stepper(cfg, comm)
-    impls: dict[str, Callable[[], dict]] = {"hpcdl": hp_step}
+    impls: dict[str, Callable[[], dict]] = {}
+    variants: dict[str, Any] = {}
+    model = batch = None
+    for comp in dict.fromkeys(compressions or [cfg["exchange.compression"]]):
+        variant = load_config(config, [*sets, f'exchange.compression="{comp}"'])
+        name = "hpcdl" if comp == "none" else f"hpcdl-{comp}"
+        m, impls[name], b = _hpcdl_stepper(variant, comm)
+        variants[name] = variant
+        if model is None:
+            model, batch = m, b
     if vs == "torch-ddp":
         try:
             import torch  # noqa: F401
         except ImportError:
             raise ConfigError("--vs torch-ddp needs PyTorch: pip install torch==2.13.0") from None
         impls["torch-ddp"] = _torch_ddp_stepper(model, batch, comm, cfg)
+        variants["torch-ddp"] = cfg
     for step in impls.values():
         _measure(comm, step, 3)  # warm-up
     results: dict[str, list[dict[str, float]]] = {k: [] for k in impls}
@@ -119,19 +152,21 @@ def bench_train(
     rows = []
     for name, reps in results.items():
         step_s = statistics.median(r["step_s"] for r in reps)
+        micro = variants[name]["exchange.accumulate"] if name != "torch-ddp" else 1
         rows.append(
             {
                 "impl": name,
                 "config": cfg["name"],
                 "ranks": size,
                 "batch_per_rank": batch_size,
-                "samples_per_s": size * batch_size / step_s,
+                "micro_steps": micro,
+                "samples_per_s": size * batch_size * micro / step_s,
                 "step_s": step_s,
                 "compute_s": statistics.median(r["compute_s"] for r in reps),
                 "comm_s": statistics.median(r["comm_s"] for r in reps),
                 "exposed_comm_s": statistics.median(r["exposed_comm_s"] for r in reps),
-                "compression": "none",
-                "exchange": cfg["exchange.name"],
+                "compression": variants[name]["exchange.compression"] if name != "torch-ddp" else "none",
+                "exchange": cfg["exchange.name"] if name != "torch-ddp" else "ddp",
                 "repeat": repeat,
             }
         )
@@ -144,7 +179,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"bench train: {r0['config']}, {r0['ranks']} ranks x batch {r0['batch_per_rank']}, "
           f"median of {r0['repeat']} interleaved repetitions")  # fmt: skip
     head = ("impl", "samples/s", "step ms", "compute ms", "comm ms", "exposed", "vs ddp")
-    widths = (10, 11, 9, 12, 9, 9, 8)
+    widths = (16, 11, 9, 12, 9, 9, 8)
     print(head[0].ljust(widths[0]) + "".join(h.rjust(w) for h, w in zip(head[1:], widths[1:])))
     for r in rows:
         ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
@@ -152,7 +187,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             k: (f"{1e3 * r[k]:.2f}" if np.isfinite(r[k]) else "-")
             for k in ("compute_s", "comm_s", "exposed_comm_s")
         }
-        print(f"{r['impl']:<10}{r['samples_per_s']:>11.0f}{1e3 * r['step_s']:>9.2f}{ms['compute_s']:>12}"
+        print(f"{r['impl']:<16}{r['samples_per_s']:>11.0f}{1e3 * r['step_s']:>9.2f}{ms['compute_s']:>12}"
               f"{ms['comm_s']:>9}{ms['exposed_comm_s']:>9}{ratio:>8}")  # fmt: skip
 
 
@@ -164,13 +199,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--vs", choices=("torch-ddp",), default=None, help="also train with PyTorch DDP (gloo)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="steps per repetition")
+    p.add_argument(
+        "--compression",
+        nargs="+",
+        choices=("none", "float16", "bfloat16", "int32"),
+        default=None,
+        help="one hpcdl run per wire format, interleaved (default: the config's exchange.compression)",
+    )
 
 
 def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench train``; prints on rank 0 and returns the rows."""
     if args.repeat < 1 or args.steps < 1:
         raise ConfigError("--repeat and --steps must be positive integers")
-    rows = bench_train(args.config, args.sets, args.vs, args.repeat, args.steps)
+    rows = bench_train(args.config, args.sets, args.vs, args.repeat, args.steps, args.compression)
     if world().Get_rank() == 0:
         print_rows(rows)
     return rows

@@ -25,6 +25,8 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "int32_scale",
     "local_maxabs",
+    "narrow_into",
+    "widen_into",
     "wire_dtype",
 ]
 
@@ -118,6 +120,55 @@ def local_maxabs(arrays: Sequence[Any]) -> float:
             return math.nan
         m = max(m, v)
     return m
+
+
+def widen_into(wire: str, src: Any, out: Any) -> Any:
+    """``out[...] = src`` as float values, ``src`` 1-D in ``wire`` format (``float16`` or ``bfloat16`` bits).
+
+    Exact (every 2-byte value is a float32). Contiguous NumPy arrays go through the kernel
+    (F16C where the CPU has it); others through NumPy/CuPy casts.
+
+    Returns:
+        ``out``.
+    """
+    if _kernel_applies(src, out):
+        kernel = _kernel.from_float16 if wire == "float16" else _kernel.from_bfloat16
+        kernel(src.view(np.uint16), out)
+    elif wire == "bfloat16":
+        out[...] = (src.astype(np.uint32) << 16).view(np.float32)
+    else:
+        out[...] = src
+    return out
+
+
+def narrow_into(wire: str, src: Any, out: Any) -> Any:
+    """``out[...] =`` the float values ``src`` rounded to nearest even in ``wire`` format.
+
+    Bit for bit what packing in that mode gives (beyond float16's range: inf).
+
+    Returns:
+        ``out``.
+    """
+    if _kernel_applies(src, out):
+        kernel = _kernel.to_float16 if wire == "float16" else _kernel.to_bfloat16
+        kernel(src, out.view(np.uint16))
+    elif wire == "bfloat16":
+        out[...] = _bfloat16_bits(get_array_module(src), src)
+    else:
+        with np.errstate(over="ignore"):
+            out[...] = src
+    return out
+
+
+def _kernel_applies(*arrays: Any) -> bool:
+    return (
+        HAVE_EXT
+        and all(
+            isinstance(a, np.ndarray) and a.ndim == 1 and a.flags.c_contiguous and a.flags.aligned
+            for a in arrays
+        )
+        and arrays[-1].flags.writeable
+    )
 
 
 def _shape_of(item: Any) -> tuple[int, ...]:

@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
 from hpcdl.backend import synchronize
 from hpcdl.comm import Communicator, waitall, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives, CollRequest
+from hpcdl.comm.collectives.auto import AutoTable
+from hpcdl.comm.pack import int32_scale
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.parameter import Parameter
-from hpcdl.parallel.exchange import LocalExchange, broadcast_parameters
+from hpcdl.parallel.exchange import ExchangeError, LocalExchange, broadcast_parameters
 
-__all__ = ["BucketedExchange", "DEFAULT_BUCKET_MB"]
+__all__ = ["BucketedExchange", "COMPRESSIONS", "DEFAULT_BUCKET_MB"]
 
 #: bucket size in MiB when the config does not say (PyTorch DDP's default is 25)
 DEFAULT_BUCKET_MB = 25.0
+
+#: wire formats of the buckets: ``none`` (the gradients' dtype), ``float16`` and
+#: ``bfloat16`` (2 bytes, summed in float32), ``int32`` (quantized with a shared scale)
+COMPRESSIONS: tuple[str, ...] = ("none", "float16", "bfloat16", "int32")
 
 
 class BucketedExchange(LocalExchange):
@@ -31,6 +41,22 @@ class BucketedExchange(LocalExchange):
 
     Buckets are released in bucket order on every rank (:meth:`Buckets.mark_ready`),
     so all ranks start their collectives in the same order, as MPI requires.
+
+    ``compression`` sets the buckets' wire format (:data:`COMPRESSIONS`):
+
+    - ``float16``/``bfloat16``: gradients are rounded to 2 bytes while packing, and each
+      bucket is summed with :mod:`~hpcdl.comm.collectives.widening` (every contribution
+      added in float32 on the rank that owns a chunk, one rounding, then an allgather),
+      whatever ``algorithm`` says. Values beyond float16's range (65504) become inf, which
+      the training loop reports as a non-finite loss.
+    - ``int32``: when a bucket is complete, one small blocking MAX allreduce gives the
+      global ``max |g|`` of its gradients, hence the scale (:func:`int32_scale`) at which
+      a sum over the ranks cannot overflow; the quantized bucket is then summed exactly in
+      int32 (the form a switch aggregates, for in-network aggregation).
+
+    With gradient accumulation (:meth:`accumulate` after each micro-step but the last),
+    the observer must be active only in the last micro-step's backward: the exchange adds
+    the kept sum to each gradient just before packing it.
     """
 
     def __init__(
@@ -41,12 +67,21 @@ class BucketedExchange(LocalExchange):
         *,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         algorithm: str = "auto",
-        auto_threshold_kb: float = 512.0,
+        auto: AutoTable | None = None,
+        compression: str = "none",
     ) -> None:
         super().__init__(comm, params, debug)
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS} (got {compression!r})")
+        self.compression = compression
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.buckets = Buckets([p.grad for p in self.params], int(bucket_mb * 2**20) or None)
-        self.coll = Collectives(comm, algorithm, auto_threshold=int(auto_threshold_kb * 1024))
+        mode = "plain" if compression == "none" else compression
+        self.buckets = Buckets([p.grad for p in self.params], int(bucket_mb * 2**20) or None, mode=mode)
+        self._qscales: list[float | None] = [None] * len(self.buckets)
+        self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place
+        self.coll = Collectives(comm, algorithm, auto=auto)
+        #: the table ``algorithm="auto"`` chooses from (recorded in checkpoints)
+        self.auto: AutoTable = self.coll.auto
         self.exposed_time = 0.0
         self._grads = [p.grad for p in self.params]
         self._layer_params: dict[int, list[int]] = {}
@@ -65,6 +100,7 @@ class BucketedExchange(LocalExchange):
             return
         t0 = wtime()
         for i in self._indices(layer):
+            self._fold(i)
             self._marked.add(i)
             for b in self.buckets.mark_ready(i):
                 self._start(b)
@@ -82,10 +118,34 @@ class BucketedExchange(LocalExchange):
         return found
 
     def _start(self, b: int) -> None:
-        buf = self.buckets.pack_bucket(b, self._grads)
+        """Pack bucket ``b`` in the wire format and start its allreduce."""
+        qscale = self._int32_scale(b) if self.compression == "int32" else None
+        self._qscales[b] = qscale
+        buf = self.buckets.pack_bucket(b, self._grads, qscale=qscale)
         synchronize(buf)
-        self._reqs.append(self.coll.Iallreduce(buf, buf))
+        narrow = self.compression if self.compression in ("float16", "bfloat16") else None
+        self._reqs.append(self.coll.Iallreduce(buf, buf, narrow=narrow))
         self.bytes_sent += int(buf.nbytes)
+
+    def _int32_scale(self, b: int) -> float:
+        """The quantization scale of bucket ``b``: from its global max |g| (a MAX allreduce).
+
+        Raises:
+            ExchangeError: a gradient of the bucket is NaN or infinite on some rank (the
+                same on every rank, since they all see the same maximum).
+        """
+        members = self.buckets.plan.buckets[b].arrays
+        self._maxabs[0] = self.buckets.packer(b).maxabs([self._grads[i] for i in members])
+        self.coll.Allreduce(self._maxabs, self._maxabs, op=ops.MAX, algorithm="mpi")
+        gmax = float(self._maxabs[0])
+        if not math.isfinite(gmax):
+            names = ", ".join(self.params[i].name for i in members[:3])
+            raise ExchangeError(
+                f"a gradient in the bucket of {names}{', ...' * (len(members) > 3)} is not finite on some "
+                "rank: int32 compression cannot quantize it (lower optimizer.lr; exchange.debug = true "
+                "names the parameter and rank)"
+            )
+        return int32_scale(gmax, self.comm.Get_size())
 
     # -- after backward ------------------------------------------------------------------
     def exchange(self) -> None:
@@ -95,12 +155,15 @@ class BucketedExchange(LocalExchange):
         t0 = wtime()
         for i in range(len(self.params)):  # parameters no observed layer reported (e.g. unused)
             if i not in self._marked:
+                self._fold(i)
                 for b in self.buckets.mark_ready(i):
                     self._start(b)
         waitall(self._reqs)
-        scale = 1.0 / self.comm.Get_size()
+        scale = self._average_scale()
+        self._accumulated = 0
         for b in range(len(self.buckets)):
-            self.buckets.unpack_bucket(b, self.buckets.buffer(b), self._grads, scale=scale)
+            buf = self.buckets.buffer(b)
+            self.buckets.unpack_bucket(b, buf, self._grads, scale=scale, qscale=self._qscales[b])
         self._reqs = []
         self._marked.clear()
         self.buckets.reset()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import get_array_module, synchronize, to_numpy
@@ -32,12 +32,23 @@ class GradientExchange(Protocol):
     def broadcast_parameters(self, root: int = 0) -> None:
         """Make every rank's parameters equal to those of ``root``."""
 
+    def accumulate(self) -> None:
+        """Keep this micro-step's gradients, to be averaged in by the next :meth:`exchange`."""
+
     def exchange(self) -> None:
-        """Replace every parameter's ``.grad`` by its average over the ranks."""
+        """Replace every parameter's ``.grad`` by its average over the ranks (and micro-steps)."""
 
 
 class LocalExchange:
-    """One process: gradients are already the average; nothing to send."""
+    """One process: gradients are already the average; nothing to send.
+
+    Also the base of the multi-rank exchanges, holding **gradient accumulation**: after
+    each micro-step but the last of an optimizer step, the training loop calls
+    :meth:`accumulate` (layers overwrite ``.grad`` in backward, so the sum is kept here);
+    the exchange after the last micro-step adds the sum back (:meth:`_fold`) and averages
+    over ranks and micro-steps (:meth:`_average_scale`). Nothing is communicated for the
+    earlier micro-steps, as with PyTorch DDP's ``no_sync()``.
+    """
 
     def __init__(self, comm: Communicator, params: Sequence[Parameter], debug: bool = False) -> None:
         self.comm = comm
@@ -45,13 +56,42 @@ class LocalExchange:
         self.debug = debug
         self.comm_time = 0.0
         self.bytes_sent = 0
+        self._acc: list[Any] | None = None
+        self._accumulated = 0  # micro-steps held in _acc
 
     def broadcast_parameters(self, root: int = 0) -> None:
         return None
 
+    def accumulate(self) -> None:
+        """Keep this micro-step's gradients; the next :meth:`exchange` averages them in."""
+        if self._acc is None:
+            self._acc = [get_array_module(p.grad).empty_like(p.grad) for p in self.params]
+        for a, p in zip(self._acc, self.params):
+            if self._accumulated:
+                a += p.grad
+            else:
+                get_array_module(a).copyto(a, p.grad)
+        self._accumulated += 1
+
+    def _fold(self, i: int) -> None:
+        """Add the accumulated gradients of parameter ``i`` to its ``.grad`` (before sending)."""
+        if self._accumulated:
+            assert self._acc is not None
+            self.params[i].grad += self._acc[i]
+
+    def _average_scale(self) -> float:
+        """The factor turning the sum over ranks and micro-steps into the mean."""
+        return 1.0 / (self.comm.Get_size() * (self._accumulated + 1))
+
     def exchange(self) -> None:
         if self.debug:
             self._check_ready()
+        if self._accumulated:
+            scale = self._average_scale()
+            for i, p in enumerate(self.params):
+                self._fold(i)
+                p.grad *= p.grad.dtype.type(scale)
+            self._accumulated = 0
 
     def _check_ready(self) -> None:
         """Check sizes agree across ranks and every gradient is finite (debug mode)."""
@@ -92,11 +132,15 @@ class AllreduceExchange(LocalExchange):
         if self.debug:
             self._check_ready()
         t0 = wtime()
+        for i in range(len(self.params)):
+            self._fold(i)
+        scale = self._average_scale()
+        self._accumulated = 0
         grads = [p.grad for p in self.params]
         send = self._grads.pack(grads)
         synchronize(send)
         self.comm.Allreduce(send, self._recv, op=ops.SUM)
-        self._grads.unpack(self._recv, grads, scale=1.0 / self.comm.Get_size())
+        self._grads.unpack(self._recv, grads, scale=scale)
         self.comm_time += wtime() - t0
         self.bytes_sent += int(send.nbytes)
 

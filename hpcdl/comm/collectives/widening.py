@@ -28,6 +28,7 @@ from hpcdl.comm.collectives.buffers import chunk_counts, chunk_offsets, scratch
 from hpcdl.comm.collectives.ring import _ring_allgather
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
+from hpcdl.comm.pack import narrow_into, widen_into
 
 __all__ = ["WIRE_FORMATS", "allreduce", "narrow", "widen"]
 
@@ -37,31 +38,12 @@ WIRE_FORMATS: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "bfloat16"
 
 def widen(wire: str, chunk: Any, out: Any) -> Any:
     """``out[...] = chunk`` as float32 values (``chunk`` in ``wire`` format); returns ``out``."""
-    if wire == "bfloat16":
-        out.view(np.uint32)[...] = chunk
-        out.view(np.uint32)[...] <<= np.uint32(16)
-    else:
-        out[...] = chunk
-    return out
+    return widen_into(wire, chunk, out)
 
 
 def narrow(wire: str, values: Any, out: Any) -> Any:
     """``out[...] =`` the float32 ``values`` rounded to nearest even in ``wire`` format."""
-    if wire == "bfloat16":
-        from hpcdl.comm.pack import _bfloat16_bits
-
-        out[...] = _bfloat16_bits(get_array_module(values), values)
-    else:
-        with np.errstate(over="ignore"):  # beyond float16's range: inf, as the pack kernel gives
-            out[...] = values
-    return out
-
-
-def _add_widened(wire: str, acc: Any, chunk: Any, tmp: Any) -> None:
-    if wire == "bfloat16":
-        acc += widen(wire, chunk, tmp)
-    else:
-        acc += chunk  # NumPy/CuPy widen float16 to float32 exactly inside the add
+    return narrow_into(wire, values, out)
 
 
 def allreduce(comm: Communicator, src: Any, dst: Any, tag: int, wire: str = "float16") -> Schedule:
@@ -84,11 +66,11 @@ def allreduce(comm: Communicator, src: Any, dst: Any, tag: int, wire: str = "flo
     mine = slice(off[rank], off[rank + 1])
     xp = get_array_module(dst)
     acc = widen(wire, src[mine], xp.empty(counts[rank], dtype=np.float32))
-    tmp = xp.empty(counts[rank], dtype=np.float32) if wire == "bfloat16" else None
+    tmp = xp.empty(counts[rank], dtype=np.float32)
     inbox = scratch(src, counts[rank])
     for k in range(1, size):
         dest, source = (rank + k) % size, (rank - k) % size
         yield sendrecv(comm, src[off[dest] : off[dest + 1]], dest, inbox, source, tag)
-        _add_widened(wire, acc, inbox, tmp)
+        acc += widen(wire, inbox, tmp)
     narrow(wire, acc, dst[mine])  # src is read no more: in place is safe from here
     yield from _ring_allgather(comm, dst, tag, counts)
