@@ -199,3 +199,44 @@ def test_ring_tree_schedules_on_virtual_ranks(size: int) -> None:
         run_virtual(size, lambda c, root=root, bufs=bufs: tree.bcast(c, bufs[c.rank], root, 8))
         for b in bufs:
             assert np.array_equal(b, xs[root])
+
+
+def test_workspace_reuses_and_bounds_its_buffers() -> None:
+    from hpcdl.comm.collectives.buffers import Workspace
+
+    ws = Workspace(keep=2)
+    a, b = ws.lease(), ws.lease()
+    x = a(np.zeros(3, np.float32), 1000)  # 4,000 bytes
+    y = b(np.zeros(3, np.float64), 10, np.float32)
+    assert x.dtype == np.float32 and x.size == 1000 and y.dtype == np.float32 and y.size == 10
+    assert not np.shares_memory(x, y)
+    a.release()
+    assert ws.nbytes == 4000
+    c = ws.lease()
+    z = c(np.zeros(1, np.float64), 100)  # 800 bytes fit in the freed 4,000
+    assert ws.nbytes == 0 and np.shares_memory(z, x)
+    c.release(), b.release()
+    for n in (10_000, 20_000):  # beyond keep=2 the smallest is dropped
+        d = ws.lease()
+        d(np.zeros(1, np.uint8), n)
+        d.release()
+    assert ws.nbytes == 20_000 + 10_000
+
+
+def test_a_failed_schedule_keeps_its_buffers_out_of_the_pool() -> None:
+    from hpcdl.comm.collectives.api import _leased
+    from hpcdl.comm.collectives.buffers import Workspace
+
+    ws = Workspace()
+    lease = ws.lease()
+
+    def failing():
+        lease(np.zeros(1), 100)
+        yield []
+        raise ZeroDivisionError("in the reduction")
+
+    gen = _leased(failing(), lease)
+    next(gen)
+    with pytest.raises(ZeroDivisionError):
+        next(gen)
+    assert ws.nbytes == 0  # a receive might still write there: not reused

@@ -9,7 +9,16 @@ from typing import Any
 from hpcdl.backend import get_array_module
 from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree, widening
 from hpcdl.comm.collectives.auto import AutoTable, load_table
-from hpcdl.comm.collectives.buffers import Reduction, check_pair, chunk_counts, flat, is_in_place
+from hpcdl.comm.collectives.buffers import (
+    Alloc,
+    Lease,
+    Reduction,
+    Workspace,
+    check_pair,
+    chunk_counts,
+    flat,
+    is_in_place,
+)
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
@@ -78,6 +87,7 @@ class Collectives:
         self._auto_choose = self._auto.chooser(self._comm.Get_size())
         self._seq = 0
         self._inflight: list[CollRequest] = []
+        self._workspace = Workspace()  # scratch buffers reused across operations
         import hpcdl.comm as hc  # MPI's constants, resolved once: small messages feel each microsecond
 
         self._in_place = hc.IN_PLACE
@@ -131,11 +141,12 @@ class Collectives:
             return "<Collectives (freed)>"
         return f"<Collectives size={self._comm.Get_size()} algorithm={self.algorithm!r} started={self._seq}>"
 
-    def _start(self, name: str, make: Callable[[Communicator, int], Schedule]) -> CollRequest:
+    def _start(self, name: str, make: Callable[[Communicator, int, Alloc], Schedule]) -> CollRequest:
         comm = self.comm
         tag = self._seq % TAG_SPAN
         self._seq += 1
-        req = CollRequest(make(comm, tag), name)
+        lease = self._workspace.lease()
+        req = CollRequest(_leased(make(comm, tag, lease), lease), name)
         if not req.finished:
             if len(self._inflight) >= 64:  # forget the completed ones now and then
                 self._inflight = [r for r in self._inflight if not r.finished]
@@ -181,7 +192,9 @@ class Collectives:
         if name == "auto":
             name = self._auto_choose(dst.nbytes)
         schedule = ALGORITHMS[name]
-        return self._start(f"allreduce[{name}]", lambda comm, tag: schedule(comm, src, dst, red, tag))
+        return self._start(
+            f"allreduce[{name}]", lambda comm, tag, alloc: schedule(comm, src, dst, red, tag, alloc=alloc)
+        )
 
     def Allreduce(  # noqa: N802  (MPI's name)
         self,
@@ -214,7 +227,9 @@ class Collectives:
         if op is not None and op is not self._sum:
             raise ValueError(f"narrow={wire!r} sums (op=hpcdl.comm.SUM); got {op!r}")
         name = f"allreduce[widening {wire}]"
-        return self._start(name, lambda c, tag: widening.allreduce(c, src, dst, tag, wire))
+        return self._start(
+            name, lambda c, tag, alloc: widening.allreduce(c, src, dst, tag, wire, alloc=alloc)
+        )
 
     def _reduction(self, op: Any, buf: Any) -> Reduction:
         """``op`` (None: SUM) with its ufunc for ``buf``'s array module.
@@ -265,7 +280,9 @@ class Collectives:
                 f"({src.size} elements over {comm.Get_size()} ranks)"
             )
         red = self._reduction(op, src)
-        return self._start("reduce_scatter", lambda c, tag: ring.reduce_scatter(c, src, dst, red, tag))
+        return self._start(
+            "reduce_scatter", lambda c, tag, alloc: ring.reduce_scatter(c, src, dst, red, tag, alloc=alloc)
+        )
 
     def Reduce_scatter(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:  # noqa: N802
         """Reduce-scatter, blocking: :meth:`Ireduce_scatter` waited on."""
@@ -300,7 +317,7 @@ class Collectives:
                     f"{comm.Get_rank()}'s part of recvbuf: {count} x {dst.dtype} "
                     f"({dst.size} elements over {comm.Get_size()} ranks)"
                 )
-        return self._start("allgather", lambda c, tag: ring.allgather(c, mine, dst, tag))
+        return self._start("allgather", lambda c, tag, alloc: ring.allgather(c, mine, dst, tag))
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:  # noqa: N802
         """Allgather, blocking: :meth:`Iallgather` waited on."""
@@ -333,7 +350,10 @@ class Collectives:
         else:
             src, dst = flat(sendbuf, "reduce sendbuf"), None
         red = self._reduction(op, src)
-        return self._start(f"reduce[root={root}]", lambda c, tag: tree.reduce(c, src, dst, red, root, tag))
+        return self._start(
+            f"reduce[root={root}]",
+            lambda c, tag, alloc: tree.reduce(c, src, dst, red, root, tag, alloc=alloc),
+        )
 
     def Reduce(self, sendbuf: Any, recvbuf: Any | None, op: Any = None, root: int = 0) -> None:  # noqa: N802
         """Reduce, blocking: :meth:`Ireduce` waited on."""
@@ -348,7 +368,7 @@ class Collectives:
         comm = self.comm
         root = _check_root(root, comm)
         view = flat(buf, "bcast buf")
-        return self._start(f"bcast[root={root}]", lambda c, tag: tree.bcast(c, view, root, tag))
+        return self._start(f"bcast[root={root}]", lambda c, tag, alloc: tree.bcast(c, view, root, tag))
 
     def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
         """Broadcast, blocking: :meth:`Ibcast` waited on."""
@@ -368,3 +388,9 @@ def _check_root(root: int, comm: Communicator) -> int:
     if not 0 <= root < size:
         raise ValueError(f"root must be a rank in [0, {size}) (got {root})")
     return int(root)
+
+
+def _leased(schedule: Schedule, lease: Lease) -> Schedule:
+    """Run ``schedule``, then give its scratch buffers back (not after an error: see Workspace)."""
+    yield from schedule
+    lease.release()

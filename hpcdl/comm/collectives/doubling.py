@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import reduction, scratch
+from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
 from hpcdl.comm.collectives.fold import fold_in, fold_out, new_rank, old_rank, split_pof2
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
@@ -17,7 +17,9 @@ from hpcdl.comm.contract import Communicator
 __all__ = ["allreduce"]
 
 
-def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Schedule:
+def allreduce(
+    comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Alloc = scratch
+) -> Schedule:
     """Recursive-doubling allreduce of the flat ``src`` into the flat ``dst`` (in place if same)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1 or dst.size == 0:
@@ -26,10 +28,10 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
         return
     reduce = reduction(op, dst)
     pof2, rem = split_pof2(size)
-    cur = (yield from fold_in(comm, src, dst, reduce, tag)) if rem else src  # no fold: no generator
+    cur = (yield from fold_in(comm, src, dst, reduce, tag, alloc)) if rem else src  # no fold: no generator
     if cur is not None:
         newrank = new_rank(rank, rem)
-        theirs = scratch(dst, dst.size)
+        theirs = alloc(dst, dst.size)
         mask = 1
         while mask < pof2:
             partner = old_rank(newrank ^ mask, rem)

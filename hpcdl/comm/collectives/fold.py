@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import scratch
+from hpcdl.comm.collectives.buffers import Alloc, scratch
 from hpcdl.comm.collectives.schedule import Schedule
 from hpcdl.comm.contract import Communicator, Request
 
@@ -38,7 +38,7 @@ def old_rank(newrank: int, rem: int) -> int:
 
 
 def fold_in(
-    comm: Communicator, src: Any, dst: Any, reduce: Any, tag: int
+    comm: Communicator, src: Any, dst: Any, reduce: Any, tag: int, alloc: Alloc = scratch
 ) -> Generator[Sequence[Request], None, Any]:
     """Fold the extra ranks in: even ranks below ``2 * rem`` hand their ``src`` to ``rank + 1``.
 
@@ -54,7 +54,7 @@ def fold_in(
     if rank % 2 == 0:
         yield [comm.Isend(src, dest=rank + 1, tag=tag)]
         return None
-    theirs = scratch(dst, dst.size)
+    theirs = alloc(dst, dst.size)
     yield [comm.Irecv(theirs, source=rank - 1, tag=tag)]
     reduce(src, theirs, out=dst)
     return dst

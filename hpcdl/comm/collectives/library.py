@@ -11,8 +11,8 @@ from hpcdl.comm.contract import Communicator
 __all__ = ["allreduce"]
 
 
-def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Schedule:
-    """``comm.Iallreduce`` of ``src`` into ``dst`` (``src is dst``: ``IN_PLACE``); ``tag`` is unused.
+def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Any = None) -> Schedule:
+    """``comm.Iallreduce`` of ``src`` into ``dst`` (``src is dst``: ``IN_PLACE``); ``tag``, ``alloc`` unused.
 
     The blocking :meth:`Collectives.allreduce` calls ``comm.Allreduce`` instead, since MPI
     libraries pick their blocking and nonblocking algorithms separately.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import chunk_counts, chunk_offsets, reduction, scratch
+from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, reduction, scratch
 from hpcdl.comm.collectives.fold import fold_in, fold_out, new_rank, old_rank, split_pof2
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
@@ -21,7 +21,9 @@ from hpcdl.comm.contract import Communicator
 __all__ = ["allreduce"]
 
 
-def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Schedule:
+def allreduce(
+    comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Alloc = scratch
+) -> Schedule:
     """Rabenseifner's allreduce of the flat ``src`` into the flat ``dst`` (in place if same)."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1 or dst.size == 0:
@@ -30,11 +32,11 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
         return
     reduce = reduction(op, dst)
     pof2, rem = split_pof2(size)
-    cur = (yield from fold_in(comm, src, dst, reduce, tag)) if rem else src  # no fold: no generator
+    cur = (yield from fold_in(comm, src, dst, reduce, tag, alloc)) if rem else src  # no fold: no generator
     if cur is not None:
         newrank = new_rank(rank, rem)
         off = chunk_offsets(chunk_counts(dst.size, pof2))
-        theirs = scratch(dst, off[pof2 // 2])  # the larger half: the first blocks are longer
+        theirs = alloc(dst, off[pof2 // 2])  # the larger half: the first blocks are longer
         # reduce-scatter by recursive halving: keep [lo, hi), a range of blocks halved each step
         lo, hi = 0, pof2
         mask = pof2 >> 1

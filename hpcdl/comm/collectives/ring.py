@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import chunk_counts, chunk_offsets, reduction, scratch
+from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, reduction, scratch
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
 
@@ -27,6 +27,7 @@ def _ring_reduce_scatter(
     tag: int,
     counts: list[int],
     target: Callable[[int, int], Any],
+    alloc: Alloc = scratch,
 ) -> Schedule:
     """The rounds of a ring reduce-scatter of ``src``; rank r ends with chunk r in ``target``.
 
@@ -38,7 +39,7 @@ def _ring_reduce_scatter(
     rank, size = comm.Get_rank(), comm.Get_size()
     source, dest = (rank - 1) % size, (rank + 1) % size
     off = chunk_offsets(counts)
-    inbox = scratch(src, max(counts))
+    inbox = alloc(src, max(counts))
     send_chunk = (rank - 1) % size
     outgoing = src[off[send_chunk] : off[send_chunk + 1]]
     for step in range(size - 1):
@@ -71,7 +72,9 @@ def _ring_allgather(comm: Communicator, dst: Any, tag: int, counts: list[int]) -
         )
 
 
-def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Schedule:
+def allreduce(
+    comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Alloc = scratch
+) -> Schedule:
     """Ring allreduce of the flat ``src`` into the flat ``dst`` (``src is dst``: in place)."""
     size = comm.Get_size()
     if size == 1 or dst.size == 0:
@@ -84,11 +87,13 @@ def allreduce(comm: Communicator, src: Any, dst: Any, op: Any, tag: int) -> Sche
     def in_dst(step: int, chunk: int) -> Any:
         return dst[off[chunk] : off[chunk + 1]]
 
-    yield from _ring_reduce_scatter(comm, src, reduction(op, dst), tag, counts, in_dst)
+    yield from _ring_reduce_scatter(comm, src, reduction(op, dst), tag, counts, in_dst, alloc)
     yield from _ring_allgather(comm, dst, tag, counts)
 
 
-def reduce_scatter(comm: Communicator, src: Any, out: Any, op: Any, tag: int) -> Schedule:
+def reduce_scatter(
+    comm: Communicator, src: Any, out: Any, op: Any, tag: int, *, alloc: Alloc = scratch
+) -> Schedule:
     """Ring reduce-scatter: chunk ``rank`` of the reduction of every rank's ``src`` into ``out``.
 
     ``out`` may overlap ``src`` only as MPI's in-place reduce-scatter does (``out`` is the
@@ -102,12 +107,12 @@ def reduce_scatter(comm: Communicator, src: Any, out: Any, op: Any, tag: int) ->
         if out is not src:
             out[...] = src[off[rank] : off[rank + 1]]
         return
-    acc = scratch(src, max(counts))
+    acc = alloc(src, max(counts))
 
     def partial(step: int, chunk: int) -> Any:
         return out if step == size - 2 else acc[: counts[chunk]]
 
-    yield from _ring_reduce_scatter(comm, src, reduction(op, src), tag, counts, partial)
+    yield from _ring_reduce_scatter(comm, src, reduction(op, src), tag, counts, partial, alloc)
 
 
 def allgather(comm: Communicator, mine: Any, dst: Any, tag: int) -> Schedule:

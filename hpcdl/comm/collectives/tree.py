@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import reduction, scratch
+from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
 from hpcdl.comm.collectives.schedule import Schedule
 from hpcdl.comm.contract import Communicator, Request
 
 __all__ = ["bcast", "reduce"]
 
 
-def reduce(comm: Communicator, src: Any, dst: Any | None, op: Any, root: int, tag: int) -> Schedule:
+def reduce(
+    comm: Communicator, src: Any, dst: Any | None, op: Any, root: int, tag: int, *, alloc: Alloc = scratch
+) -> Schedule:
     """Reduce every rank's flat ``src`` into ``root``'s flat ``dst`` (``None`` elsewhere).
 
     ``src is dst`` on the root: in place.
@@ -39,8 +41,8 @@ def reduce(comm: Communicator, src: Any, dst: Any | None, op: Any, root: int, ta
             break
         if vrank + mask < size:
             if theirs is None:
-                theirs = scratch(src, src.size)
-                acc = dst if vrank == 0 else scratch(src, src.size)
+                theirs = alloc(src, src.size)
+                acc = dst if vrank == 0 else alloc(src, src.size)
             yield [comm.Irecv(theirs, source=(rank + mask) % size, tag=tag)]
             combine(cur, theirs, out=acc)
             cur = acc

@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.backend import get_array_module
-from hpcdl.comm.collectives.buffers import chunk_counts, chunk_offsets, scratch
+from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, scratch
 from hpcdl.comm.collectives.ring import _ring_allgather
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
@@ -46,7 +45,9 @@ def narrow(wire: str, values: Any, out: Any) -> Any:
     return narrow_into(wire, values, out)
 
 
-def allreduce(comm: Communicator, src: Any, dst: Any, tag: int, wire: str = "float16") -> Schedule:
+def allreduce(
+    comm: Communicator, src: Any, dst: Any, tag: int, wire: str = "float16", *, alloc: Alloc = scratch
+) -> Schedule:
     """Sum of every rank's flat ``src`` into the flat ``dst``, accumulated in float32.
 
     Args:
@@ -64,10 +65,9 @@ def allreduce(comm: Communicator, src: Any, dst: Any, tag: int, wire: str = "flo
     counts = chunk_counts(dst.size, size)
     off = chunk_offsets(counts)
     mine = slice(off[rank], off[rank + 1])
-    xp = get_array_module(dst)
-    acc = widen(wire, src[mine], xp.empty(counts[rank], dtype=np.float32))
-    tmp = xp.empty(counts[rank], dtype=np.float32)
-    inbox = scratch(src, counts[rank])
+    acc = widen(wire, src[mine], alloc(src, counts[rank], np.float32))
+    tmp = alloc(src, counts[rank], np.float32)
+    inbox = alloc(src, counts[rank])
     for k in range(1, size):
         dest, source = (rank + k) % size, (rank - k) % size
         yield sendrecv(comm, src[off[dest] : off[dest + 1]], dest, inbox, source, tag)
