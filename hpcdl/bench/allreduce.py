@@ -8,9 +8,12 @@ which ``exchange.auto_table`` or ``--table`` then names.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import socket
 import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -173,8 +176,15 @@ def calibrate(
     min_time: float = 0.02,
     dtype: str = "float32",
     tolerance: float = TOLERANCE,
+    runs: int = 1,
+    also: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[list[dict[str, Any]], AutoTable]:
     """Time ``algorithms`` and store the segments ``auto`` should use at this rank count (collective).
+
+    With ``runs > 1`` every size is measured in ``runs`` separate passes, and ``also``
+    adds rows of earlier jobs (``--json`` files) of the same rank count: the choice per
+    size is the one whose worst ratio to the fastest over all passes is lowest
+    (:func:`~hpcdl.comm.collectives.auto.winners`).
 
     The table at ``table_path`` (an empty one if the file does not exist) is read on rank
     0 first, so that a damaged file stops the run before the timing; the segments of
@@ -196,9 +206,13 @@ def calibrate(
             "(once per rank count the runs will use)"
         )
     existing = load_table_bcast(comm, table_path, missing_ok=True)
-    rows = bench_allreduce(comm, sizes, algorithms, repeat, min_time, dtype)
-    segments = table_from_rows(rows, tolerance)
-    meta = _provenance(comm, rows, tolerance, dtype=dtype, min_time=min_time)
+    rows: list[dict[str, Any]] = []
+    for run in range(runs):  # passes over every size at different times: the machine drifts
+        for row in bench_allreduce(comm, sizes, algorithms, repeat, min_time, dtype):
+            rows.append({**row, "run": run})
+    earlier = [{**r, "run": runs + int(r.get("run", 0))} for r in also if r.get("ranks") == ranks]
+    segments = table_from_rows([*rows, *earlier], tolerance)
+    meta = _provenance(comm, [*rows, *earlier], tolerance, dtype=dtype, min_time=min_time)
     table = merge(existing, ranks, segments, meta)
     error = None
     if comm.Get_rank() == 0:
@@ -276,6 +290,16 @@ def add_parser(sub: Any) -> None:
         help="find the fastest algorithm per size at this rank count and store it in --table",
     )
     p.add_argument(
+        "--runs", type=int, default=1, help="--calibrate: passes over all sizes in this job (default 1)"
+    )
+    p.add_argument(
+        "--also",
+        nargs="+",
+        default=[],
+        metavar="ROWS.json",
+        help="--calibrate: also weigh these earlier --json outputs (rows of this rank count)",
+    )
+    p.add_argument(
         "--tolerance",
         type=float,
         default=TOLERANCE,
@@ -301,14 +325,36 @@ def run(args: Any) -> list[dict[str, Any]]:
         timed = tuple(a for a in algorithms if a != "auto")
         if not timed:
             raise ConfigError("--calibrate needs at least one algorithm besides auto in --algorithms")
+        if args.runs < 1:
+            raise ConfigError(f"--runs must be a positive integer (got {args.runs})")
         sizes = tuple(args.sizes or CALIBRATION_SIZES)
+        also = _read_rows(args.also) if comm.Get_rank() == 0 else None
+        also = comm.bcast(also, root=0)
+        if isinstance(also, str):
+            raise ConfigError(also)
         rows, _ = calibrate(
-            comm, args.table, sizes, timed, args.repeat, args.min_time, args.dtype, args.tolerance
-        )
+            comm, args.table, sizes, timed, args.repeat, args.min_time, args.dtype, args.tolerance,
+            args.runs, also,
+        )  # fmt: skip
         return rows
     table = load_table_bcast(comm, args.table)  # every rank the same, before any timing
     sizes = tuple(args.sizes or DEFAULT_SIZES)
     rows = bench_allreduce(comm, sizes, algorithms, args.repeat, args.min_time, args.dtype, table)
     if comm.Get_rank() == 0:
         print_rows(rows)
+    return rows
+
+
+def _read_rows(paths: Sequence[str]) -> list[dict[str, Any]] | str:
+    """The rows of earlier ``--json`` outputs, each file a run of its own; an error message if unreadable."""
+    rows: list[dict[str, Any]] = []
+    for k, path in enumerate(paths):
+        try:
+            data = json.loads(Path(path).read_text())
+            if not isinstance(data, list) or not all(isinstance(r, dict) and "time_s" in r for r in data):
+                raise ValueError("not a list of bench allreduce rows")
+        except (OSError, ValueError) as err:
+            return f"--also {path}: cannot use it ({err}): give the --json output of bench allreduce"
+        base = 1000 * (k + 1)  # keep each file's passes apart from the others'
+        rows.extend({**r, "run": base + int(r.get("run", 0))} for r in data)
     return rows

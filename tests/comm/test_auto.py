@@ -274,3 +274,19 @@ def test_chooser_agrees_with_choose() -> None:
         for ranks in (1, 2, 3, 5, 6, 8, 100):
             pick = table.chooser(ranks)
             assert [pick(n) for n in sizes] == [table.choose(n, ranks) for n in sizes]
+
+
+def test_several_runs_pick_the_algorithm_never_far_from_the_best() -> None:
+    """Run 0 favours ring slightly, run 1 favours doubling a lot: minimax picks doubling."""
+    run0 = rows({1 << 20: {"ring": 1.0, "doubling": 1.05, "mpi": 1.3}})
+    run1 = rows({1 << 20: {"ring": 1.6, "doubling": 1.0, "mpi": 2.0}})
+    both = [*run0, *({**r, "run": 1} for r in run1)]
+    assert winners(run0) == [(1 << 20, "ring", 1.0)]
+    assert winners(both) == [(1 << 20, "doubling", pytest.approx(1.05))]
+    assert winners([*run0, *run1]) == winners(run1)  # without run numbers the later rows replace
+
+
+def test_an_algorithm_missing_from_a_run_is_scored_on_the_runs_that_have_it() -> None:
+    run0 = rows({4096: {"mpi": 1.0, "doubling": 2.0}})
+    run1 = [{**r, "run": 1} for r in rows({4096: {"doubling": 1.0, "ring": 3.0}})]
+    assert winners([*run0, *run1]) == [(4096, "mpi", 1.0)]

@@ -118,3 +118,24 @@ def _run(argv: list[str]) -> list[dict[str, Any]]:
     """The rows of a ``python -m hpcdl.bench`` command line, run in this process."""
     args = build_parser().parse_args(argv)
     return SUBCOMMANDS[args.command].run(args)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calibrate_weighs_several_passes_and_earlier_jobs() -> None:
+    comm = hc.world()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcdl-auto-") if rank == 0 else None, root=0))
+    tiny = ["--sizes", "4K", "--repeat", "1", "--min-time", "0.0005", "--algorithms", "ring", "mpi"]
+    earlier = _run(["allreduce", "--calibrate", "--table", str(tmp / "a.json"), *tiny])
+    if rank == 0:
+        (tmp / "earlier.json").write_text(json.dumps(earlier))
+        (tmp / "broken.json").write_text("[{")
+    comm.Barrier()
+    argv = ["allreduce", "--calibrate", "--table", str(tmp / "b.json"), "--runs", "2", *tiny]
+    rows = _run([*argv, "--also", str(tmp / "earlier.json")])
+    assert sorted({r["run"] for r in rows}) == [0, 1] and len(rows) == 4
+    meta = load_table(tmp / "b.json").meta[size]
+    combined = [*rows, *({**r, "run": 1000} for r in earlier)]
+    assert [list(w[:2]) for w in meta["winners"]] == [list(w[:2]) for w in winners(combined)]
+    with pytest.raises(ConfigError, match="--also .*broken.json: cannot use it"):
+        _run([*argv, "--also", str(tmp / "broken.json")])

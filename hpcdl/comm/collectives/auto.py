@@ -255,41 +255,52 @@ def merge(
 
 
 def winners(rows: Iterable[Mapping[str, Any]], tolerance: float = TOLERANCE) -> list[tuple[int, str, float]]:
-    """Per measured size, the algorithm a calibration picks, and its time over the fastest.
+    """Per measured size, the algorithm a calibration picks, and its worst time over the fastest.
 
-    At each size (increasing), the fastest median ``time_s`` wins, unless the previous
-    size's winner was measured here too and is within ``tolerance`` of the fastest: then
-    it stays (against flapping between near-equal algorithms). Rows of ``auto`` are ignored.
+    Rows may come from several runs (a ``run`` field; rows without one are run 0). At each
+    size, an algorithm's **score** is the largest, over the runs, of its time over that
+    run's fastest: the algorithm with the lowest score is never far from the best in any
+    run (one run: the fastest wins with score 1). On a shared or noisy machine the runs
+    disagree; this minimax choice is the robust one. At each size (increasing) the lowest
+    score wins, unless the previous size's winner was measured here too and its score is
+    within ``tolerance`` of the lowest: then it stays (against flapping between near-equal
+    algorithms). Rows of ``auto`` are ignored.
 
     Args:
         rows: :func:`hpcdl.bench.allreduce.bench_allreduce` rows of one rank count.
-        tolerance: fraction by which the previous winner may be slower and still stay.
+        tolerance: fraction by which the previous winner's score may exceed the lowest.
 
     Returns:
-        ``(size_bytes, algorithm, time / fastest time)`` per size.
+        ``(size_bytes, algorithm, score)`` per size.
 
     Raises:
         ValueError: no rows besides ``auto``, or rows of several rank counts.
     """
-    by_size: dict[int, dict[str, float]] = {}
+    runs: dict[tuple[int, int], dict[str, float]] = {}  # (size, run) -> algorithm -> time
     ranks = set()
     for r in rows:
         if r["algorithm"] == "auto":
             continue
         ranks.add(r["ranks"])
-        by_size.setdefault(int(r["size_bytes"]), {})[r["algorithm"]] = float(r["time_s"])
-    if not by_size:
+        runs.setdefault((int(r["size_bytes"]), int(r.get("run", 0))), {})[r["algorithm"]] = float(r["time_s"])
+    if not runs:
         raise ValueError("no benchmark rows to calibrate from (auto's own rows do not count)")
     if len(ranks) > 1:
         raise ValueError(f"rows of one rank count expected (got {sorted(ranks)})")
+    scores: dict[int, dict[str, float]] = {}
+    for (size, _), times in runs.items():
+        best = min(times.values())
+        for name, t in times.items():
+            ratio = t / best if best > 0 else 1.0
+            per = scores.setdefault(size, {})
+            per[name] = max(per.get(name, 0.0), ratio)
     out: list[tuple[int, str, float]] = []
     prev = None
-    for size in sorted(by_size):
-        times = by_size[size]
-        fastest = min(times, key=times.__getitem__)
-        best = times[fastest]
-        name = prev if prev in times and times[prev] <= (1 + tolerance) * best else fastest
-        out.append((size, name, times[name] / best if best > 0 else 1.0))
+    for size in sorted(scores):
+        score = scores[size]
+        lowest = min(score, key=score.__getitem__)
+        name = prev if prev in score and score[prev] <= (1 + tolerance) * score[lowest] else lowest
+        out.append((size, name, score[name]))
         prev = name
     return out
 
