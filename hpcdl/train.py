@@ -19,7 +19,7 @@ from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import Communicator, world, wtime
 from hpcdl.config import Config, load_config
 from hpcdl.data import DistributedSampler, gather_batch
-from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.errors import ConfigError, DataError, HpcdlError
 from hpcdl.factory import build, evaluate, exchange_for, load_data, make_optimizer, make_schedule, observers
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy
 from hpcdl.optim import Optimizer
@@ -134,14 +134,22 @@ def run(
 
     data = load_data(cfg)
     micro_steps = cfg["exchange.accumulate"]  # a step draws micro_steps batches of data.batch_size
-    sampler = DistributedSampler(
-        len(data.y_train),
-        cfg["data.batch_size"] * micro_steps,
-        rank,
-        size,
-        seed=seed,
-        kind=cfg["data.sampler"],
-    )
+    try:
+        sampler = DistributedSampler(
+            len(data.y_train),
+            cfg["data.batch_size"] * micro_steps,
+            rank,
+            size,
+            seed=seed,
+            kind=cfg["data.sampler"],
+        )
+    except DataError as err:
+        if micro_steps == 1:
+            raise
+        raise DataError(
+            f"{err} (with exchange.accumulate = {micro_steps}, a rank's batch per step is "
+            f"{micro_steps} x data.batch_size {cfg['data.batch_size']})"
+        ) from None
     dropout_rng = generator(seed, rank, "dropout")
     model = build(cfg, data, rank, dtype, xp, dropout_rng)
     steps_per_epoch = sampler.steps_per_epoch

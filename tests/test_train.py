@@ -52,6 +52,16 @@ def test_accumulation_equals_the_whole_batch_at_once() -> None:
     assert micro.samples_per_s > 0 and micro.epochs == whole.epochs
 
 
+def test_accumulation_names_itself_when_the_batch_does_not_fit() -> None:
+    from hpcdl.errors import DataError
+
+    cfg = load_config("digits-mlp", ["data.batch_size=500", "exchange.accumulate=4"])
+    with pytest.raises(
+        DataError, match=r"exchange.accumulate = 4, a rank's batch per step is 4 x data.batch_size 500"
+    ):
+        run(cfg)
+
+
 def test_accumulation_scales_the_learning_rate_by_the_global_batch() -> None:
     from hpcdl.factory import make_schedule
 
