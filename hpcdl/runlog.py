@@ -129,14 +129,19 @@ def open_run(
 
 def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
     """The root attributes of a new run file."""
-    from hpcdl.comm.mpi import library_version
+    sim = getattr(comm, "sim_attrs", None)  # a simulated world says what it simulates
+    if sim is not None:
+        library = ""
+    else:
+        from hpcdl.comm.mpi import library_version
 
-    return {
+        library = library_version().splitlines()[0].strip()
+    attrs = {
         "name": cfg["name"],
         "config": cfg.toml(),
         "hpcdl_version": __version__,
         "git_commit": _git_commit(),
-        "mpi_library": library_version().splitlines()[0].strip(),
+        "mpi_library": library,
         "ranks": comm.Get_size(),
         "world": "mpi",
         "network": "",
@@ -144,16 +149,35 @@ def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
         "start_time": now(),
         "argv": " ".join(sys.argv),
     }
+    if sim is not None:
+        attrs.update(sim())
+    return attrs
 
 
 def checkpoint_attrs(run_path: Path | None) -> dict[str, Any]:
-    from hpcdl.comm.mpi import library_version
+    from hpcdl.comm import world
 
+    if getattr(world(), "sim_attrs", None) is not None:
+        library = "hpcdl.sim (virtual ranks)"
+    else:
+        from hpcdl.comm.mpi import library_version
+
+        library = library_version().splitlines()[0].strip()
     return {
         "hpcdl_version": __version__,
-        "mpi_library": library_version().splitlines()[0].strip(),
+        "mpi_library": library,
         "run_file": run_path.name if run_path is not None else "",
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far, in MiB (``getrusage``; 0 where unavailable)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover  (not on Windows)
+        return 0.0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
 
 def _git_commit() -> str:

@@ -26,7 +26,7 @@ from hpcdl.optim import Optimizer
 from hpcdl.progress import Progress, choose_mode
 from hpcdl.resume import capture, restore
 from hpcdl.rng import generator
-from hpcdl.runlog import RunLog, checkpoint_attrs, now, open_run
+from hpcdl.runlog import RunLog, checkpoint_attrs, now, open_run, peak_rss_mb
 from hpcdl.signals import current_stop_request
 from hpcdl.store.checkpoint import (
     checkpoint_path,
@@ -286,6 +286,7 @@ def run(
         wall_s=counters["elapsed_s"],
         final_test_accuracy=acc,
         samples_per_s=samples_per_s,
+        peak_rss_mb=peak_rss_mb(),  # the process's: all virtual ranks of a simulation together
     )
     return RunResult(
         config=cfg,

@@ -14,14 +14,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from hpcdl.bench import allreduce, pack, step, train
+from hpcdl.bench import allreduce, calibrate, pack, step, train
 from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import world
 
 __all__ = ["main", "SUBCOMMANDS"]
 
 #: subcommand name -> module with add_parser(sub) and run(args) -> rows
-SUBCOMMANDS: dict[str, ModuleType] = {"step": step, "train": train, "pack": pack, "allreduce": allreduce}
+SUBCOMMANDS: dict[str, ModuleType] = {
+    "step": step,
+    "train": train,
+    "pack": pack,
+    "allreduce": allreduce,
+    "calibrate": calibrate,
+}
 
 
 def build_parser() -> ArgumentParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar, Token
+from typing import Any
 
 from hpcdl.comm.contract import Communicator, Request
 from hpcdl.comm.contract import Status as StatusLike
@@ -102,6 +103,12 @@ def Status() -> StatusLike:  # noqa: N802  (named like the mpi4py class it creat
     return mpi.new_status()
 
 
+def _world_hook(name: str) -> Any:
+    """The current world's optional hook ``name`` (:class:`~hpcdl.comm.contract.WorldHooks`), or None."""
+    comm = _WORLD.get()
+    return getattr(comm, name, None) if comm is not None else None
+
+
 def _active(reqs: Sequence[Request | None]) -> list[int]:
     return [i for i, r in enumerate(reqs) if r is not None and r]
 
@@ -116,11 +123,16 @@ def waitall(reqs: Sequence[Request | None]) -> None:
     Args:
         reqs: requests; ``None`` and inactive (falsy) entries are skipped.
     """
-    from hpcdl.comm import mpi
+    hook = _world_hook("waitall")
+    if hook is not None:
+        if hook(reqs):  # a simulated world blocks in virtual time when it can
+            return
+    else:
+        from hpcdl.comm import mpi
 
-    if mpi.all_requests(reqs):
-        mpi.waitall(reqs)
-        return
+        if mpi.all_requests(reqs):
+            mpi.waitall(reqs)
+            return
     pending = [reqs[i] for i in _active(reqs)]
     while len(pending) > 1:
         pending = [r for r in pending if not r.Test()]
@@ -143,10 +155,16 @@ def waitany(reqs: Sequence[Request | None], status: StatusLike | None = None) ->
     Returns:
         The index of a completed request, or ``None`` when no request is active.
     """
-    from hpcdl.comm import mpi
+    hook = _world_hook("waitany")
+    if hook is not None:
+        handled, index = hook(reqs, status)
+        if handled:
+            return index
+    else:
+        from hpcdl.comm import mpi
 
-    if mpi.all_requests(reqs):
-        return mpi.waitany(reqs, status)
+        if mpi.all_requests(reqs):
+            return mpi.waitany(reqs, status)
     active = _active(reqs)
     if not active:
         return None

@@ -193,7 +193,10 @@ class WorldHooks(Protocol):
     * ``wtime()``: the rank's clock, used by :func:`hpcdl.comm.wtime` (virtual time);
     * ``new_status()``: a fresh status object, used by :func:`hpcdl.comm.Status`;
     * ``subcomm(ranks)``: the sub-communicator of ``ranks``, used by
-      :func:`hpcdl.comm.subcomm` (on any communicator, not only the world).
+      :func:`hpcdl.comm.subcomm` (on any communicator, not only the world);
+    * ``waitall(reqs) -> bool`` and ``waitany(reqs, status) -> (bool, index)``: block on
+      the world's own requests in :func:`hpcdl.comm.waitall`/:func:`~hpcdl.comm.waitany`
+      (False: some request is not the world's own; the caller polls them all).
     """
 
     def wtime(self) -> float:

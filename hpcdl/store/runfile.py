@@ -6,8 +6,11 @@ Layout (format version 1)::
                                    git_commit, mpi_library, ranks, world ("mpi" | "sim"),
                                    network, compute, start_time (ISO 8601, UTC), status
                                    ("running" | "finished" | "stopped" | "failed"), end_time,
-                                   wall_s, final_test_accuracy, samples_per_s, resumed_at
-                                   (steps resumed from), rows_cut (rows dropped by resumes)
+                                   wall_s, final_test_accuracy, samples_per_s, peak_rss_mb
+                                   (the process's peak resident set: in a simulation, all
+                                   virtual ranks together), resumed_at (steps resumed
+                                   from), rows_cut (rows dropped by resumes); in a
+                                   simulation network and compute are JSON (the models)
     /metrics/<series>       1-D, one row per step: step, epoch, time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
                             evaluated), lr, step_time, samples_per_s, bytes_sent

@@ -1,0 +1,370 @@
+"""``bench calibrate``: ping-pong latency and bandwidth of this system, written as a simulator network file.
+
+Run under mpiexec with 2 or more ranks. Rank 0 ping-pongs with the first rank on its own
+host (the intra-node pair: shared memory) and with the first rank on another host (the
+inter-node pair), when there is one; every size is timed as ``repeat`` samples of enough
+round trips to last ``min_time``, and the one-way time is half a round trip, median over
+the samples. The fit is Hockney's ``T(S) = alpha + S / B``: alpha is the median one-way time of the
+tiny sizes (up to 1 KiB), and ``1 / B`` the slope through ``(0, alpha)`` that minimises the
+*relative* residuals of the larger sizes (so that medium and large messages count alike).
+Rank 0 prints the fit and the residual per size, and writes a TOML file that
+``python -m hpcdl.simulate --network FILE`` loads (:func:`hpcdl.sim.network.load_network`):
+``ranks_per_node`` from the host names (0 when every rank is on one host), ``[intra]`` and
+``[inter]`` as measured, the date, hosts and MPI library in ``source``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl.bench.allreduce import parse_size
+from hpcdl.comm import Communicator, world, wtime
+from hpcdl.errors import ConfigError
+from hpcdl.sim.network import load_network, network_toml, parse_network
+
+__all__ = ["DEFAULT_SIZES", "TINY", "add_parser", "calibrate", "fit", "placement", "pingpong", "run"]
+
+#: 8 bytes to 16 MiB, powers of 8 and 4 (gradient buckets reach megabytes): the default ``--sizes``
+DEFAULT_SIZES: tuple[int, ...] = (8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20)
+#: sizes up to this many bytes are "tiny": alpha is the median of their one-way times
+TINY = 1024
+#: the smallest size may not exceed this (alpha is measured on it when no size is tiny)
+MAX_LATENCY_SIZE = 4096
+_TAG = 77
+
+
+def placement(hosts: Sequence[str]) -> tuple[int, int | None, int | None, str | None]:
+    """Where the ranks are, from each rank's host name.
+
+    Args:
+        hosts: the host name of every world rank.
+
+    Returns:
+        ``(ranks_per_node, intra_peer, inter_peer, note)``: ranks per node as the simulator
+        counts them (0: every rank on one host; otherwise the number of ranks on rank 0's
+        host), the first rank sharing rank 0's host and the first on another host (None
+        when there is none), and a note when the ranks are not in consecutive blocks of
+        equal size per host (the simulator's layout), else None.
+    """
+    n = len(hosts)
+    h0 = hosts[0]
+    intra = next((r for r in range(1, n) if hosts[r] == h0), None)
+    inter = next((r for r in range(1, n) if hosts[r] != h0), None)
+    if inter is None:
+        return 0, intra, None, None
+    k = hosts.count(h0)
+    blocks = [hosts[b : b + k] for b in range(0, n, k)]
+    if all(len(set(b)) == 1 for b in blocks) and len({b[0] for b in blocks}) == len(blocks):
+        return k, intra, inter, None
+    note = (
+        f"the ranks are not in consecutive blocks of {k} per host (hosts by rank: "
+        f"{', '.join(hosts[:8])}{', ...' if n > 8 else ''}); the simulator puts ranks r with the "
+        f"same r // {k} on one node"
+    )
+    return k, intra, inter, note
+
+
+def pingpong(
+    comm: Communicator, peer: int, sizes: Sequence[int], repeat: int, min_time: float
+) -> list[dict[str, Any]]:
+    """One-way times between rank 0 and ``peer`` (collective: the other ranks only wait).
+
+    Each size: two warm-up round trips; rank 0 times three more and picks the number of
+    round trips per sample (at least ``min_time`` seconds, 1 to 100,000), which it sends to
+    ``peer``; then ``repeat`` samples.
+
+    Returns:
+        One row per size (the same on every rank): ``size_bytes``, ``one_way_s`` (median of
+        the samples), ``min_s``, ``max_s``, ``round_trips`` per sample, ``repeat``.
+    """
+    rank = comm.Get_rank()
+    rows: list[dict[str, Any]] = []
+    if rank in (0, peer):
+        other = peer if rank == 0 else 0
+        count = np.zeros(1, dtype=np.int64)
+        for nbytes in sizes:
+            buf = np.zeros(nbytes, dtype=np.uint8)
+
+            def round_trips(n: int, buf: np.ndarray = buf) -> None:
+                for _ in range(n):
+                    if rank == 0:
+                        comm.Send(buf, other, _TAG)
+                        comm.Recv(buf, other, _TAG)
+                    else:
+                        comm.Recv(buf, other, _TAG)
+                        comm.Send(buf, other, _TAG)
+
+            round_trips(2)
+            t0 = wtime()
+            round_trips(3)
+            if rank == 0:
+                per = max((wtime() - t0) / 3, 1e-9)
+                count[0] = min(100_000, max(1, math.ceil(min_time / per)))
+                comm.Send(count, other, _TAG)
+            else:
+                comm.Recv(count, 0, _TAG)
+            inner = int(count[0])
+            samples = []
+            for _ in range(repeat):
+                t0 = wtime()
+                round_trips(inner)
+                samples.append((wtime() - t0) / (2 * inner))
+            rows.append(
+                {
+                    "size_bytes": nbytes,
+                    "one_way_s": statistics.median(samples),
+                    "min_s": min(samples),
+                    "max_s": max(samples),
+                    "round_trips": inner,
+                    "repeat": repeat,
+                }
+            )
+    return comm.bcast(rows if rank == 0 else None, root=0)
+
+
+def fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """Hockney's ``T(S) = alpha + S / B`` through measured one-way times.
+
+    ``alpha`` is the median time of the tiny sizes (up to :data:`TINY` bytes; the smallest
+    size when none is that small): one noisy sample does not set it. ``1 / B`` is the slope
+    through ``(0, alpha)`` that minimises the relative residuals
+    ``sum(((T - alpha - S / B) / T) ** 2)`` of the other sizes.
+
+    Args:
+        sizes: message sizes in bytes (a tiny one and larger ones).
+        times: one-way seconds per size.
+
+    Returns:
+        ``(alpha_s, bandwidth_Bps)``: seconds and bytes per second, both positive.
+
+    Raises:
+        ConfigError: a smallest size above :data:`MAX_LATENCY_SIZE`, no size above the
+            tiny ones, or times that do not grow with the size.
+    """
+    pairs = sorted(zip(sizes, times))
+    s0 = pairs[0][0]
+    if s0 > MAX_LATENCY_SIZE:
+        raise ConfigError(
+            f"the smallest of --sizes is {s0} bytes; alpha is the time of a tiny message: "
+            f"add a size of at most {MAX_LATENCY_SIZE} bytes, e.g. 8"
+        )
+    tiny = [t for s, t in pairs if s <= max(s0, TINY)]
+    rest = [(s, t) for s, t in pairs if s > max(s0, TINY)]
+    if not rest:
+        raise ConfigError(
+            f"--sizes needs sizes above {max(s0, TINY)} bytes too (B is fitted on them), e.g. 64K 1M 4M"
+        )
+    alpha = statistics.median(tiny)
+    num = den = 0.0
+    for s, t in rest:
+        x, y = s / t, (t - alpha) / t
+        num += x * y
+        den += x * x
+    if alpha <= 0 or num <= 0:
+        raise ConfigError(
+            "the one-way times do not grow with the size (no bandwidth to fit): "
+            "add larger --sizes (e.g. 1M 4M) or raise --repeat"
+        )
+    return alpha, den / num
+
+
+def _check_out(out: Path) -> str | None:
+    """Why ``out`` cannot be written, or None."""
+    if out.is_dir():
+        return f"--out {out} is a directory: give a file name such as {out / 'net.toml'}"
+    if not out.parent.is_dir():
+        return f"--out {out}: directory {out.parent} does not exist: create it or give another path"
+    if out.suffix != ".toml":
+        return f"--out {out} should end in .toml (the simulator's --network reads TOML files)"
+    return None
+
+
+def _write(text: str, out: Path) -> None:
+    """Write ``text`` to ``out`` atomically (a temporary file beside it, then a rename)."""
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(
+            f"cannot write the network file {out} ({err.strerror or err}): give an --out path in a "
+            "writable directory"
+        ) from None
+
+
+def calibrate(
+    comm: Communicator,
+    out: Path,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeat: int = 15,
+    min_time: float = 0.005,
+    name: str | None = None,
+) -> list[dict[str, Any]]:
+    """Measure alpha and B of this system's links and write them as a network file (collective).
+
+    Args:
+        comm: the world (2 ranks or more).
+        out: the TOML file to write (rank 0 writes it atomically).
+        sizes: message sizes in bytes; the smallest gives alpha.
+        repeat: samples per size (the median is used).
+        min_time: seconds per sample, at least.
+        name: the model's name (default: the file's stem).
+
+    Returns:
+        One row per (link, size) with the fit (the same on every rank).
+
+    Raises:
+        ConfigError: one rank, a bad size list, an unwritable ``out``, or a failed fit (on
+            every rank).
+    """
+    size = comm.Get_size()
+    if size < 2:
+        raise ConfigError(
+            "bench calibrate measures ping-pong between two ranks: run it under mpiexec -n 2 or more "
+            "(on a cluster, with ranks on two nodes to measure the network too)"
+        )
+    problem = _check_out(out) if comm.Get_rank() == 0 else None
+    problem = comm.bcast(problem, root=0)
+    if problem is not None:
+        raise ConfigError(problem)
+    hosts = comm.allgather(socket.gethostname())
+    rpn, intra_peer, inter_peer, note = placement(hosts)
+    rows: list[dict[str, Any]] = []
+    links: dict[str, dict[str, float]] = {}
+    error = None
+    for link, peer in (("intra", intra_peer), ("inter", inter_peer)):
+        if peer is None:
+            continue
+        measured = pingpong(comm, peer, sorted(set(sizes)), repeat, min_time)
+        try:
+            alpha, bandwidth = fit([r["size_bytes"] for r in measured], [r["one_way_s"] for r in measured])
+        except ConfigError as err:
+            error = str(err)
+            break
+        links[link] = {"latency_us": round(alpha * 1e6, 4), "bandwidth_GBps": round(bandwidth / 1e9, 4)}
+        for r in measured:
+            model = alpha + r["size_bytes"] / bandwidth
+            rows.append(
+                {
+                    "link": link,
+                    "peer": peer,
+                    **r,
+                    "model_s": model,
+                    "residual_s": r["one_way_s"] - model,
+                    "latency_us": alpha * 1e6,
+                    "bandwidth_GBps": bandwidth / 1e9,
+                }
+            )
+    if error is not None:
+        raise ConfigError(error)
+    if comm.Get_rank() == 0:
+        error = _report(rows, links, out, name, rpn, hosts, note)
+    error = comm.bcast(error, root=0)
+    if error is not None:
+        raise ConfigError(error)
+    return rows
+
+
+def _report(
+    rows: list[dict[str, Any]],
+    links: dict[str, dict[str, float]],
+    out: Path,
+    name: str | None,
+    rpn: int,
+    hosts: list[str],
+    note: str | None,
+) -> str | None:
+    """Print the fit, write ``out`` (rank 0); returns an error message or None."""
+    try:
+        from hpcdl.comm.mpi import library_version
+
+        library = " ".join(library_version().split())
+    except ImportError:  # pragma: no cover  (mpi4py is a dependency)
+        library = "unknown MPI library"
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    nodes = sorted(set(hosts))
+    r0 = rows[0]
+    lines = []
+    for link, values in links.items():
+        peer = next(r["peer"] for r in rows if r["link"] == link)
+        print(
+            f"bench calibrate: {link}-node ping-pong, rank 0 <-> rank {peer}, median of {r0['repeat']} "
+            "samples per size"
+        )
+        print(f"{'size':>10}{'one-way us':>12}{'model us':>11}{'residual us':>13}{'residual':>10}")
+        for r in (r for r in rows if r["link"] == link):
+            rel = r["residual_s"] / r["one_way_s"]
+            line = (
+                f"{r['size_bytes']:>10}{1e6 * r['one_way_s']:>12.3f}{1e6 * r['model_s']:>11.3f}"
+                f"{1e6 * r['residual_s']:>13.3f}{100 * rel:>9.1f}%"
+            )
+            print(line)
+            lines.append(f"{link}: {line}")
+        print(f"{link}: alpha = {values['latency_us']:.4g} us, B = {values['bandwidth_GBps']:.4g} GB/s")
+    shown = ", ".join(nodes[:4]) + (", ..." if len(nodes) > 4 else "")
+    where = f"{len(hosts)} ranks on {len(nodes)} host(s) ({shown})"
+    measured = " and ".join(f"{k}-node" for k in links)
+    data: dict[str, Any] = {
+        "name": name or out.stem,
+        "source": (
+            f"measured by python -m hpcdl.bench calibrate on {date}: {where}, {library}; {measured} "
+            f"ping-pong from rank 0, one-way time = half a round trip, median of {r0['repeat']} samples "
+            "per size; alpha = median time of the sizes up to 1 KiB, 1/B = relative least-squares slope"
+        ),
+        "ranks_per_node": rpn,
+        **links,
+        "topology": {"kind": "switch"},
+    }
+    comments = [
+        f"written by `python -m hpcdl.bench calibrate` on {date}; load it with --network {out}",
+        "fit per size: size, one-way us, model us, residual us, residual",
+        *lines,
+    ]
+    if rpn == 0:
+        comments.append("ranks_per_node = 0: every rank was on one host, so all ranks are on one node")
+    if note:
+        comments.append(f"note: {note}")
+        print(f"note: {note}")
+    try:
+        parse_network(data, out.stem, where=f"network file {out}")  # what we write must load
+        _write(network_toml(data, comments), out)
+        load_network(out)
+    except ConfigError as err:
+        return str(err)
+    print(f"network written to {out} (ranks_per_node = {rpn})")
+    return None
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``calibrate`` and its options on the ``bench`` subparsers."""
+    p = sub.add_parser(
+        "calibrate", help="measure ping-pong alpha and B; write a network file for the simulator"
+    )
+    p.add_argument("--out", type=Path, required=True, metavar="NET.toml", help="the network file to write")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        type=parse_size,
+        default=list(DEFAULT_SIZES),
+        help="message sizes: 8, 4K, 1M, ... (the smallest gives alpha; default 8 to 16M)",
+    )
+    p.add_argument("--repeat", type=int, default=15, help="samples per size (median used)")
+    p.add_argument("--min-time", type=float, default=0.005, help="seconds per sample, at least")
+    p.add_argument("--name", default=None, help="the model's name (default: the file's stem)")
+
+
+def run(args: Any) -> list[dict[str, Any]]:
+    """Run ``bench calibrate`` with parsed ``args``; returns the rows."""
+    if args.repeat < 1 or not args.min_time > 0:
+        raise ConfigError("--repeat must be a positive integer and --min-time a positive number of seconds")
+    return calibrate(world(), args.out, args.sizes, args.repeat, args.min_time, args.name)

@@ -1,0 +1,1 @@
+"""The hybrid simulator: N virtual ranks in one process, real compute, virtual time."""

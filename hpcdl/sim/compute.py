@@ -1,0 +1,523 @@
+"""Compute-time models: how many virtual ticks a rank's compute costs (measured, none, or a cost table).
+
+Between two communicator calls a virtual rank's code runs for real (a *compute segment*);
+the engine measures its wall time and asks the model for the ticks to charge
+(:meth:`ComputeModel.segment`). A cost-table model charges nothing there and instead
+charges each layer's tabled cost through the per-layer hook of :mod:`hpcdl.nn.hooks`
+(:meth:`ComputeModel.layer_observer`).
+
+Modes (:func:`make_compute`):
+
+* ``measured``: ``ticks(measured_s / speed * straggler[rank] * jitter)``. The reductions
+  inside collectives run in the segments, so they count as compute here.
+* ``none``: compute takes no virtual time (pure communication studies).
+* ``table:FILE``: per-layer forward/backward costs (``/ speed * straggler[rank] * jitter``),
+  charged as each outermost layer starts; everything outside layers (loss, optimizer
+  step, packing, the reductions inside collectives) costs 0. ``FILE`` is a run file
+  (``.h5``) with a ``profile/`` group (``profile.layers = true``), or a TOML or CSV table
+  (:func:`load_cost_table` documents the formats).
+
+Jitter is a lognormal factor with mean 1 and relative standard deviation ``jitter``
+(``sigma^2 = ln(1 + jitter^2)``, ``mu = -sigma^2 / 2``), one draw per segment (measured)
+or per layer call (table), from the rank's own stream ``generator(seed, rank, "sim-jitter")``.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hpcdl.errors import ConfigError
+from hpcdl.rng import generator
+from hpcdl.sim.ticks import TICKS_PER_SECOND
+
+if TYPE_CHECKING:
+    from hpcdl.nn.hooks import LayerObserver
+    from hpcdl.nn.layer import Layer
+
+__all__ = [
+    "ComputeModel",
+    "CostTableError",
+    "LayerCost",
+    "MeasuredCompute",
+    "NoCompute",
+    "TableCompute",
+    "load_cost_table",
+    "make_compute",
+    "parse_stragglers",
+]
+
+MODES = ("measured", "none", "table:FILE")
+
+
+class CostTableError(ConfigError):
+    """A cost table cannot be read, or has no row for a layer the model runs."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's row of a cost table.
+
+    Attributes:
+        forward_s: seconds of one forward call at ``batch`` samples.
+        backward_s: seconds of one backward call at ``batch`` samples.
+        batch: the batch size the costs were measured at (``None``: do not scale by batch).
+        kind: the layer's class name (``None``: not checked).
+    """
+
+    forward_s: float
+    backward_s: float
+    batch: int | None = None
+    kind: str | None = None
+
+
+# -- the models -------------------------------------------------------------------------------
+
+
+class ComputeModel:
+    """Turns a rank's compute into virtual ticks; the base of the three modes.
+
+    Args:
+        speed: device speed factor; ``> 1`` stands for a faster device (costs are divided by it).
+        seed: seed of the per-rank jitter streams.
+        jitter: relative standard deviation of the lognormal jitter factor (0: none).
+        stragglers: slow-down factor by rank, e.g. ``{3: 2.0}`` (rank 3 twice as slow).
+
+    Attributes:
+        name: the mode as given: ``"measured"``, ``"none"`` or ``"table:<path>"``.
+    """
+
+    name = ""
+
+    def __init__(
+        self,
+        *,
+        speed: float = 1.0,
+        seed: int = 0,
+        jitter: float = 0.0,
+        stragglers: Mapping[int, float] | None = None,
+    ) -> None:
+        self.speed = _check_speed(speed)
+        self.seed = _check_seed(seed)
+        self.jitter = _check_jitter(jitter)
+        self.stragglers = _check_stragglers(stragglers)
+        self._sigma = math.sqrt(math.log1p(self.jitter**2))
+        self._mu = -0.5 * self._sigma**2
+        self._rngs: dict[int, np.random.Generator] = {}  # per rank, created on first use
+
+    def segment(self, rank: int, measured_s: float) -> int:
+        """Ticks to charge ``rank`` for a compute segment that took ``measured_s`` wall seconds."""
+        return 0
+
+    def layer_observer(self, rank: int, charge: Callable[[int], None]) -> LayerObserver | None:
+        """An observer for :mod:`hpcdl.nn`'s per-layer hook on ``rank`` (``None``: not used).
+
+        Args:
+            rank: the virtual rank (world rank) the observer is for.
+            charge: adds ticks to the rank's virtual clock.
+        """
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """The model's settings, JSON-able (for the run file's attributes)."""
+        return {
+            "mode": self.name,
+            "speed": self.speed,
+            "seed": self.seed,
+            "jitter": self.jitter,
+            "jitter_distribution": "lognormal(mean 1, relative std = jitter)",
+            "stragglers": {str(r): f for r, f in sorted(self.stragglers.items())},
+        }
+
+    def scale(self, rank: int) -> float:
+        """The factor for one charge on ``rank``: ``straggler / speed`` times a jitter draw."""
+        factor = self.stragglers.get(rank, 1.0) / self.speed
+        if self.jitter > 0.0:
+            rng = self._rngs.get(rank)
+            if rng is None:
+                rng = self._rngs[rank] = generator(self.seed, rank, "sim-jitter")
+            factor *= float(rng.lognormal(self._mu, self._sigma))
+        return factor
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, speed={self.speed}, jitter={self.jitter})"
+
+
+class MeasuredCompute(ComputeModel):
+    """Charges each segment its measured wall time ``/ speed * straggler * jitter``."""
+
+    name = "measured"
+
+    def segment(self, rank: int, measured_s: float) -> int:
+        if measured_s <= 0.0:
+            return 0
+        return round(measured_s * self.scale(rank) * TICKS_PER_SECOND)
+
+
+class NoCompute(ComputeModel):
+    """Compute takes no virtual time: only communication moves the clocks."""
+
+    name = "none"
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.name}
+
+
+class TableCompute(ComputeModel):
+    """Charges each layer's tabled forward/backward cost; segments cost 0.
+
+    A layer's cost is charged when its forward or backward *starts* (in ``before``), so
+    every other observer's ``after`` for that layer (an overlapping exchange starting a
+    bucket) already sees it, however the observers are nested. Only outermost layers are
+    charged: a layer run inside another (a residual block's projection shortcut) is part
+    of its parent's measured time, and the table may omit it. A cost measured at batch
+    ``b`` is scaled by ``n / b`` for an input of ``n`` samples (evaluation batches,
+    pipeline micro-batches); that linear rule ignores fixed per-call overheads.
+
+    Args:
+        path: the table file (shown in errors and in :meth:`describe`).
+        rows: the table, by layer name (:func:`load_cost_table`).
+        **kwargs: as :class:`ComputeModel`.
+    """
+
+    def __init__(self, path: str | Path, rows: Mapping[str, LayerCost], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.path = str(path)
+        self.name = f"table:{self.path}"
+        self.rows = dict(rows)
+        # base costs in ticks: exact sums when nothing scales them
+        self._ticks = {
+            name: (round(c.forward_s * TICKS_PER_SECOND), round(c.backward_s * TICKS_PER_SECOND))
+            for name, c in self.rows.items()
+        }
+        self._sha256 = hashlib.sha256(Path(path).read_bytes()).hexdigest() if Path(path).is_file() else ""
+
+    def layer_observer(self, rank: int, charge: Callable[[int], None]) -> _TableObserver:
+        return _TableObserver(self, rank, charge)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "table": self.path,
+            "table_sha256": self._sha256,
+            "layers": len(self.rows),
+        }
+
+    def cost(self, rank: int, phase: str, layer: Layer, x: Any) -> int:
+        """Ticks for one ``phase`` call of ``layer`` on ``rank`` with input (or output gradient) ``x``.
+
+        Raises:
+            CostTableError: the table has no row for the layer, or the row is of another kind.
+        """
+        name = layer.name
+        base = self._ticks.get(name)
+        if base is None:
+            raise CostTableError(
+                f"compute table {self.path} has no row for layer {name!r} ({type(layer).__name__}); "
+                "profile this model (a run with profile.layers = true) or add the row"
+            )
+        row = self.rows[name]
+        if row.kind is not None and row.kind != type(layer).__name__:
+            raise CostTableError(
+                f"layer {name!r} is a {type(layer).__name__} here but a {row.kind} in compute table "
+                f"{self.path}; the table was made for another model: profile this one"
+            )
+        t = base[0] if phase == "forward" else base[1]
+        factor = self.scale(rank)
+        shape = getattr(x, "shape", None)
+        if row.batch and shape:
+            factor *= shape[0] / row.batch
+        return t if factor == 1.0 else round(t * factor)
+
+
+class _TableObserver:
+    """One rank's per-layer observer for :class:`TableCompute` (holds its nesting stack)."""
+
+    def __init__(self, model: TableCompute, rank: int, charge: Callable[[int], None]) -> None:
+        self.model, self.rank, self.charge = model, rank, charge
+        self._open: list[tuple[str, int]] = []  # (phase, id(layer)) of the layers running
+
+    def before(self, phase: str, layer: Layer, x: Any) -> None:
+        if not self._open:
+            self.charge(self.model.cost(self.rank, phase, layer, x))
+        self._open.append((phase, id(layer)))
+
+    def after(self, phase: str, layer: Layer, y: Any) -> None:
+        key = (phase, id(layer))
+        while self._open:  # pops to the matching entry (a layer that raised leaves no trace)
+            if self._open.pop() == key:
+                break
+
+
+# -- the factory ------------------------------------------------------------------------------
+
+
+def make_compute(
+    spec: str,
+    *,
+    speed: float = 1.0,
+    seed: int = 0,
+    jitter: float = 0.0,
+    stragglers: Mapping[int, float] | None = None,
+) -> ComputeModel:
+    """The compute model named by ``spec``: ``"measured"``, ``"none"`` or ``"table:FILE"``.
+
+    Args:
+        spec: the mode (``--compute``).
+        speed: device speed factor (``> 1``: faster); ignored by ``none``.
+        seed: seed of the per-rank jitter streams.
+        jitter: relative standard deviation of the lognormal jitter factor (0: none).
+        stragglers: slow-down factor by rank (``{3: 2.0}``: rank 3 twice as slow).
+
+    Returns:
+        A :class:`ComputeModel`.
+
+    Raises:
+        ConfigError: unknown mode, invalid speed/jitter/stragglers, or a table file that is
+            missing or malformed (:class:`CostTableError`).
+    """
+    kwargs: dict[str, Any] = {"speed": speed, "seed": seed, "jitter": jitter, "stragglers": stragglers}
+    spec = str(spec).strip()
+    if spec == "measured":
+        return MeasuredCompute(**kwargs)
+    if spec == "none":
+        return NoCompute(**kwargs)
+    if spec.startswith("table:") or spec == "table":
+        path = spec.partition(":")[2].strip()
+        if not path:
+            raise ConfigError(
+                "compute 'table' needs a file: --compute table:FILE (a run file with a profile/ group, "
+                "or a TOML/CSV table)"
+            )
+        return TableCompute(path, load_cost_table(path), **kwargs)
+    raise ConfigError(f"unknown compute model {spec!r}; use one of {', '.join(MODES)}")
+
+
+def parse_stragglers(text: str) -> dict[int, float]:
+    """Parse ``"RANK:FACTOR,RANK:FACTOR"`` (e.g. ``"3:2.0,7:1.5"``) into ``{3: 2.0, 7: 1.5}``.
+
+    Raises:
+        ConfigError: an item is not ``RANK:FACTOR`` with a non-negative integer rank and a
+            positive factor.
+    """
+    out: dict[int, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        rank_s, sep, factor_s = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            rank, factor = int(rank_s), float(factor_s)
+        except ValueError:
+            raise ConfigError(
+                f"straggler {item!r} is not RANK:FACTOR; write e.g. 3:2.0 (rank 3 twice as slow)"
+            ) from None
+        out[rank] = factor
+    return _check_stragglers(out)
+
+
+# -- cost tables ------------------------------------------------------------------------------
+
+
+def load_cost_table(path: str | Path) -> dict[str, LayerCost]:
+    """Read a per-layer cost table: one :class:`LayerCost` per layer name.
+
+    Formats (chosen by suffix; an unknown suffix is tried as HDF5):
+
+    * **run file** (``.h5``/``.hdf5``): the ``profile/`` group a run with
+      ``profile.layers = true`` writes (columns ``layer``, ``kind``, ``forward_s``,
+      ``backward_s``, ``output_shape``; the batch is the first dimension of ``output_shape``).
+    * **TOML** (``.toml``): an optional top-level ``batch``, then one ``[[layers]]`` table
+      per layer with ``layer`` (the name), ``forward_s``, ``backward_s`` and optionally
+      ``kind`` and ``batch`` (overrides the top-level one)::
+
+          batch = 32
+          [[layers]]
+          layer = "0"
+          forward_s = 1.4e-4
+          backward_s = 1.6e-5
+
+    * **CSV** (``.csv``): a header row naming at least ``layer``, ``forward_s``,
+      ``backward_s``; optional ``kind``, ``batch`` or ``output_shape`` (``32x4x8x8``) give
+      the kind and the batch; other columns are ignored, so the ``profile/`` group saved
+      with pandas' ``to_csv`` reads as is.
+
+    Layer names are the dotted names the per-layer profiler records (``layer.name``:
+    ``"0"``, ``"3"``, ``"4.shortcut.0"``). Times are seconds per call, ``>= 0``; without a
+    batch, costs are not scaled by the batch size.
+
+    Raises:
+        CostTableError: the file is missing, unreadable, empty, or a row is malformed.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise CostTableError(
+            f"compute table {path} not found; give a run file made with profile.layers = true, "
+            "or a TOML/CSV table (layer, forward_s, backward_s)"
+        )
+    suffix = p.suffix.lower()
+    if suffix == ".toml":
+        rows = _read_toml(p)
+    elif suffix == ".csv":
+        rows = _read_csv(p)
+    else:
+        rows = _read_runfile(p)
+    if not rows:
+        raise CostTableError(f"compute table {path} has no layer rows; add at least one")
+    return rows
+
+
+def _read_runfile(p: Path) -> dict[str, LayerCost]:
+    import h5py
+
+    if not h5py.is_hdf5(p):
+        raise CostTableError(
+            f"compute table {p} is not an HDF5 run file; use a .h5 run file, a .toml or a .csv table"
+        )
+    with h5py.File(p, "r") as h5:
+        group = h5.get("profile")
+        if not isinstance(group, h5py.Group) or "layer" not in group:
+            raise CostTableError(
+                f"compute table {p} has no per-layer profile (profile/ is missing or empty); "
+                "rerun it with profile.layers = true"
+            )
+        missing = [c for c in ("layer", "forward_s", "backward_s") if c not in group]
+        if missing:
+            raise CostTableError(f"compute table {p}: profile/ lacks {', '.join(missing)}; rerun the profile")
+        columns: dict[str, list[Any]] = {name: list(group[name][()]) for name in group}
+    text = {k: [v.decode() if isinstance(v, bytes) else v for v in vs] for k, vs in columns.items()}
+    records = [{k: vs[i] for k, vs in text.items()} for i in range(len(text["layer"]))]
+    return _rows(p, records, lambda i: f"profile/ row {i}")
+
+
+def _read_toml(p: Path) -> dict[str, LayerCost]:
+    try:
+        doc = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise CostTableError(f"compute table {p} is not valid TOML ({err})") from None
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or not all(isinstance(r, dict) for r in layers):
+        raise CostTableError(
+            f"compute table {p} needs [[layers]] tables with layer, forward_s and backward_s"
+        )
+    batch = doc.get("batch")
+    records = [{"batch": batch, **r} if batch is not None else r for r in layers]
+    return _rows(p, records, lambda i: f"[[layers]] #{i + 1}")
+
+
+def _read_csv(p: Path) -> dict[str, LayerCost]:
+    try:
+        with p.open(newline="") as f:
+            reader = csv.DictReader(f)
+            records = [dict(r) for r in reader]
+            header = reader.fieldnames or []
+    except (csv.Error, UnicodeDecodeError) as err:
+        raise CostTableError(f"compute table {p} is not a readable CSV file ({err})") from None
+    missing = [c for c in ("layer", "forward_s", "backward_s") if c not in header]
+    if missing:
+        raise CostTableError(
+            f"compute table {p} lacks the column(s) {', '.join(missing)}; "
+            "the header must name layer, forward_s, backward_s"
+        )
+    return _rows(p, records, lambda i: f"line {i + 2}")
+
+
+def _rows(p: Path, records: list[dict[str, Any]], where: Callable[[int], str]) -> dict[str, LayerCost]:
+    """Validate records (dicts) into rows by layer name; errors name the file and the row."""
+    rows: dict[str, LayerCost] = {}
+    for i, rec in enumerate(records):
+        at = f"compute table {p}, {where(i)}"
+        name = rec.get("layer")
+        if name is None or str(name).strip() == "":
+            raise CostTableError(f"{at}: the layer name is missing; give each row its layer name")
+        name = str(name).strip()
+        if name in rows:
+            raise CostTableError(f"{at}: layer {name!r} appears twice; keep one row per layer")
+        times = []
+        for col in ("forward_s", "backward_s"):
+            try:
+                v = float(rec.get(col))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                raise CostTableError(
+                    f"{at}: {col} of layer {name!r} is {rec.get(col)!r}; give seconds as a number"
+                ) from None
+            if not math.isfinite(v) or v < 0:
+                raise CostTableError(f"{at}: {col} of layer {name!r} is {v}; give a finite time >= 0")
+            times.append(v)
+        batch = _batch(at, name, rec)
+        kind = rec.get("kind")
+        kind = (str(kind).strip() or None) if kind is not None else None
+        rows[name] = LayerCost(times[0], times[1], batch, kind)
+    return rows
+
+
+def _batch(at: str, name: str, rec: Mapping[str, Any]) -> int | None:
+    """The row's batch: its ``batch`` field, else the first dimension of ``output_shape``."""
+    raw = rec.get("batch")
+    if raw is None or str(raw).strip() == "":
+        shape = rec.get("output_shape")
+        if shape is None or str(shape).strip() == "":
+            return None
+        raw = str(shape).strip().strip("()[]").replace(",", "x").split("x")[0]
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not (math.isfinite(value) and value == int(value) and value >= 1):
+        raise CostTableError(f"{at}: batch of layer {name!r} is {raw!r}; give a positive integer")
+    return int(value)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _check_speed(speed: float) -> float:
+    try:
+        s = float(speed)
+    except (TypeError, ValueError):
+        s = float("nan")
+    if not (math.isfinite(s) and s > 0):
+        raise ConfigError(
+            f"compute speed must be a positive number ({speed!r}); e.g. --speed 2 for a 2x device"
+        )
+    return s
+
+
+def _check_jitter(jitter: float) -> float:
+    try:
+        j = float(jitter)
+    except (TypeError, ValueError):
+        j = float("nan")
+    if not (math.isfinite(j) and j >= 0):
+        raise ConfigError(f"compute jitter must be a relative std >= 0 ({jitter!r}); e.g. 0.05 for 5%")
+    return j
+
+
+def _check_seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ConfigError(f"compute seed must be a non-negative integer ({seed!r})")
+    return int(seed)
+
+
+def _check_stragglers(stragglers: Mapping[int, float] | None) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for rank, factor in (stragglers or {}).items():
+        if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 0:
+            raise ConfigError(f"straggler rank must be a non-negative integer ({rank!r}); e.g. {{3: 2.0}}")
+        try:
+            f = float(factor)
+        except (TypeError, ValueError):
+            f = float("nan")
+        if not (math.isfinite(f) and f > 0):
+            raise ConfigError(
+                f"straggler factor of rank {rank} must be a positive number ({factor!r}); 2.0 = twice as slow"
+            )
+        out[int(rank)] = f
+    return out

@@ -1,0 +1,500 @@
+"""The virtual-time engine: N virtual ranks as greenlets in one process, in deterministic time order.
+
+Each virtual rank is a greenlet running the same code a real rank runs, with its own
+``contextvars`` context in which :func:`hpcdl.comm.world` is its simulated communicator
+(:mod:`hpcdl.sim.comm`). Its code runs for real; between two communicator calls (a
+*compute segment*) the wall time it took is turned into virtual time by the compute model.
+Time is integer ticks (:mod:`hpcdl.sim.ticks`).
+
+The engine is a conservative, sequential discrete-event simulator:
+
+* every rank has a clock ``now[r]``; a rank may act on shared state (post a send, match a
+  receive, test a request, probe) only when it is the earliest thing that can happen,
+  ``(now[r], r)`` not after the next event ``(time, rank, seq)`` of the heap; otherwise it
+  queues a *resume* event for itself and yields. Events at equal times are taken in the
+  order (time, rank, sequence number): the run is deterministic.
+* a message posted at ``t`` is given ``(t_sent, t_arrival)`` by the network model; its
+  *arrival* event matches it against the receiver's posted receives (MPI's order:
+  the first posted receive that matches, messages from one source in the order sent), or
+  queues it as unexpected;
+* a rank that waits for something not yet there blocks; the arrival that completes its
+  wait queues its resume. A rank that must stop does not go back to a scheduler: it takes
+  the next events itself and switches straight to the next rank to run.
+* a failed ``Test``/``Iprobe`` costs ``poll_cost``; nothing can change before the next
+  event, so the clock then jumps to that event's time (a pure polling loop costs one
+  iteration per event, not one per ``poll_cost``).
+
+The run ends when every rank has returned, when one raises (the others are torn down and
+the error reported with its rank), or in a **deadlock**: every unfinished rank blocked, or
+only polling with nothing in flight for ``stall_s`` of virtual time. :class:`SimDeadlock`
+then says which rank waits for what.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import heapq
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from greenlet import GreenletExit, getcurrent, greenlet
+
+from hpcdl.errors import HpcdlError
+from hpcdl.sim.ticks import seconds, ticks
+
+__all__ = ["Engine", "RankFailure", "SimAbort", "SimDeadlock", "SimResult", "simulate"]
+
+_RESUME, _ARRIVE = 0, 1  # event kinds
+
+
+class SimDeadlock(HpcdlError, RuntimeError):
+    """Every unfinished virtual rank waits and nothing is in flight; the message says who waits for what."""
+
+
+class SimAbort(BaseException):
+    """Raised in a virtual rank by ``Abort``: ends the whole simulation with ``errorcode``."""
+
+    def __init__(self, errorcode: int, rank: int) -> None:
+        super().__init__(f"rank {rank} called Abort({errorcode})")
+        self.errorcode = errorcode
+        self.rank = rank
+
+
+class RankFailure(RuntimeError):
+    """A virtual rank raised: ``rank`` and the original exception (``__cause__``)."""
+
+    def __init__(self, rank: int, exc: BaseException) -> None:
+        super().__init__(f"virtual rank {rank} raised {type(exc).__name__}: {exc}")
+        self.rank = rank
+        self.exc = exc
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns.
+
+    Attributes:
+        results: each rank's return value, by world rank.
+        times_s: each rank's virtual clock when it returned (seconds).
+        messages: point-to-point messages delivered (collectives' included).
+        events: events taken from the heap.
+        wall_s: wall-clock seconds the simulation took.
+    """
+
+    results: list[Any]
+    times_s: list[float]
+    messages: int
+    events: int
+    wall_s: float
+
+    @property
+    def makespan_s(self) -> float:
+        """The latest rank's virtual time."""
+        return max(self.times_s, default=0.0)
+
+
+@dataclass
+class _Rank:
+    """The engine's view of one virtual rank."""
+
+    rank: int
+    glet: Any = None
+    seg_start: float = 0.0  # perf_counter when its current compute segment began
+    blocked: Any = None  # what it waits for (a _Wait), None when running or runnable
+    polling: bool = False  # its last operation was a failed poll
+    finished: bool = False
+    result: Any = None
+    last_op: str = "start"
+    observers: tuple[Any, ...] = field(default_factory=tuple)
+
+
+class _Wait:
+    """A blocked rank's wait: for ``remaining`` more of ``reqs`` to complete; ``what`` says what it is."""
+
+    __slots__ = ("remaining", "reqs", "what")
+
+    def __init__(self, reqs: Sequence[Any], remaining: int, what: Any) -> None:
+        self.reqs = reqs
+        self.remaining = remaining
+        self.what = what
+
+    def describe(self) -> str:
+        """What the rank waits for (``what`` is a string or a callable giving one)."""
+        return self.what() if callable(self.what) else str(self.what)
+
+
+class Engine:
+    """Virtual time, the event heap, message matching, and the greenlets of the ranks.
+
+    Args:
+        size: number of virtual ranks.
+        network: the network model (:mod:`hpcdl.sim.network`): ``send(src, dst, nbytes, t)
+            -> (t_sent, t_arrival)``, ``reset(size)``.
+        compute: the compute model (:mod:`hpcdl.sim.compute`): ``segment(rank, seconds)
+            -> ticks`` and ``layer_observer(rank, charge)``.
+        poll_cost_s: virtual seconds a failed ``Test``/``Iprobe`` costs.
+        stall_s: virtual seconds of polling with nothing in flight that count as a deadlock.
+    """
+
+    def __init__(
+        self, size: int, network: Any, compute: Any, *, poll_cost_s: float = 1e-7, stall_s: float = 10.0
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"a simulation needs at least one rank (got {size})")
+        self.size = size
+        self.network = network
+        self.compute = compute
+        self.poll_cost = max(1, ticks(poll_cost_s))
+        self.stall = ticks(stall_s)
+        self.now = [0] * size
+        self.heap: list[tuple[int, int, int, int, Any]] = []
+        self.seq = 0
+        self.ranks = [_Rank(r) for r in range(size)]
+        # matching: (context, world destination) -> posted receives / unexpected messages
+        self.posted: dict[tuple[Any, int], list[Any]] = {}
+        self.unexpected: dict[tuple[Any, int], list[Any]] = {}
+        self.in_flight = 0  # arrivals queued
+        self.n_done = 0
+        self.n_waiting = 0  # blocked or polling, among unfinished ranks
+        self.messages = 0
+        self.events = 0
+        self.t_progress = 0  # virtual time of the last delivery or completion
+        self.main: Any = None
+        self._clock = time.perf_counter
+        self._segment = compute.segment  # bound once: called on every communicator call
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self, target: Callable[[int], Any], contexts: Sequence[contextvars.Context]) -> SimResult:
+        """Run ``target(rank)`` on every virtual rank, each in its context; return when all end.
+
+        Raises:
+            RankFailure: a rank raised (the others were torn down).
+            SimAbort: a rank called ``Abort``.
+            SimDeadlock: nothing can progress.
+        """
+        t_wall = self._clock()
+        self.main = getcurrent()
+        self.network.reset(self.size)
+        for r in range(self.size):
+            g = greenlet(self._body(r, target), parent=self.main)
+            g.gr_context = contexts[r]
+            self.ranks[r].glet = g
+            g.switch()  # started from here: a shallow stack; it comes straight back
+            self._push(0, r, _RESUME, None)
+        failure: BaseException | None = None
+        try:
+            self._main_loop()
+        except BaseException as exc:  # noqa: BLE001  (a rank's error surfaces here; re-raised below)
+            failure = exc
+        finally:
+            self._tear_down()
+        if failure is not None:
+            raise failure
+        if self.n_done < self.size:
+            raise SimDeadlock(
+                self.deadlock_report("every unfinished rank is blocked and nothing is in flight")
+            )
+        return SimResult(
+            results=[rk.result for rk in self.ranks],
+            times_s=[seconds(t) for t in self.now],
+            messages=self.messages,
+            events=self.events,
+            wall_s=self._clock() - t_wall,
+        )
+
+    def _body(self, r: int, target: Callable[[int], Any]) -> Callable[[], None]:
+        def body() -> None:
+            self.main.switch()  # back to run(): wait for the first resume event
+            rk = self.ranks[r]
+            rk.seg_start = self._clock()
+            try:
+                rk.result = target(r)
+            except (GreenletExit, SimAbort, SimDeadlock):
+                raise
+            except BaseException as exc:
+                raise RankFailure(r, exc) from exc
+            self.account(r)
+            rk.finished = True
+            rk.last_op = "returned"
+            self.n_done += 1
+            self.t_progress = max(self.t_progress, self.now[r])
+
+        return body
+
+    def _main_loop(self) -> None:
+        """Take events until the heap is empty (ranks run from here or switch among themselves)."""
+        while self.heap:
+            t, k, _, kind, obj = heapq.heappop(self.heap)
+            self.events += 1
+            if kind == _ARRIVE:
+                self._deliver(t, obj)
+                continue
+            self.now[k] = max(self.now[k], t)
+            self.ranks[k].glet.switch()  # returns when a rank ends, or one meets an empty heap
+
+    def _tear_down(self) -> None:
+        for rk in self.ranks:
+            g = rk.glet
+            if g is not None and not g.dead:
+                try:
+                    g.throw(GreenletExit)
+                except GreenletExit:
+                    pass
+                except BaseException:  # noqa: BLE001  (a rank's cleanup failing while torn down: ignore)
+                    pass
+
+    # -- scheduling ---------------------------------------------------------------------------
+
+    def _push(self, t: int, rank: int, kind: int, obj: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, rank, self.seq, kind, obj))
+
+    def account(self, r: int) -> None:
+        """Charge rank ``r``'s compute segment so far to its clock (call on entering the engine)."""
+        rk = self.ranks[r]
+        now = self._clock()
+        dt = now - rk.seg_start
+        rk.seg_start = now
+        if dt > 0:
+            self.now[r] += self._segment(r, dt)
+
+    def charge(self, r: int, t: int) -> None:
+        """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
+        self.now[r] += t
+
+    def sync(self, r: int) -> None:
+        """Return once rank ``r`` is the earliest thing that can happen (it may run others first)."""
+        heap = self.heap
+        if heap:
+            top = heap[0]
+            t = self.now[r]
+            if top[0] < t or (top[0] == t and top[1] <= r):  # arrivals to r at t come first
+                self._push(t, r, _RESUME, None)
+                self._stop(r)
+
+    def _stop(self, r: int) -> None:
+        """Rank ``r`` cannot go on: take events until its own resume comes, switching to others."""
+        heap = self.heap
+        while heap:
+            t, k, _, kind, obj = heapq.heappop(heap)
+            self.events += 1
+            if kind == _ARRIVE:
+                self._deliver(t, obj)
+                continue
+            self.now[k] = max(self.now[k], t)
+            if k != r:
+                self.ranks[k].glet.switch()  # comes back when someone takes r's resume event
+            break
+        else:
+            self.main.switch()  # nothing left: run() reports the deadlock and tears r down
+        self.ranks[r].seg_start = self._clock()
+
+    # -- blocking and polling -------------------------------------------------------------------
+
+    def block(self, r: int, reqs: Sequence[Any], need: int, what: Any) -> None:
+        """:meth:`wait`, entered from rank ``r``'s code: its compute is charged first."""
+        rk = self.ranks[r]
+        now = self._clock()
+        dt = now - rk.seg_start
+        rk.seg_start = now
+        if dt > 0:
+            self.now[r] += self._segment(r, dt)
+        if rk.polling:
+            rk.polling = False
+            self.n_waiting -= 1
+        self.wait(r, reqs, need, what)
+
+    def wait(self, r: int, reqs: Sequence[Any], need: int, what: Any) -> None:
+        """Block rank ``r`` until ``need`` of ``reqs`` have completed; its clock ends at the completion.
+
+        Requests have ``t_done`` (None until complete; completion times of sends are known
+        when posted, of receives when matched) and ``waiter``. ``what`` describes the wait
+        for a deadlock report: a string, or a callable returning one (built only then).
+        """
+        done = [q.t_done for q in reqs if q.t_done is not None]
+        if len(done) < need:
+            rk = self.ranks[r]
+            rk.blocked = _Wait(reqs, need - len(done), what)
+            self.n_waiting += 1
+            for q in reqs:
+                if q.t_done is None:
+                    q.waiter = r
+            self._stop(r)
+            done = [q.t_done for q in reqs if q.t_done is not None]
+        if need == 1:
+            t = min(done)
+        else:
+            t = max(done) if done else self.now[r]
+        self.now[r] = max(self.now[r], t)
+        self.sync(r)
+
+    def enter(self, r: int) -> None:
+        """Rank ``r`` calls the communicator: charge its compute, and wait for its turn."""
+        rk = self.ranks[r]
+        now = self._clock()
+        dt = now - rk.seg_start
+        rk.seg_start = now
+        if dt > 0:
+            self.now[r] += self._segment(r, dt)
+        if rk.polling:
+            rk.polling = False
+            self.n_waiting -= 1
+        heap = self.heap
+        if heap:
+            top = heap[0]
+            t = self.now[r]
+            if top[0] < t or (top[0] == t and top[1] <= r):  # arrivals to r at t come first
+                self._push(t, r, _RESUME, None)
+                self._stop(r)
+
+    def poll_failed(self, r: int, what: str) -> None:
+        """A failed ``Test``/``Iprobe`` of rank ``r``: advance its clock, and detect a stall."""
+        rk = self.ranks[r]
+        t = self.now[r] + self.poll_cost
+        if self.heap and self.heap[0][0] > t:
+            t = self.heap[0][0]  # nothing can change before the next event
+        if not rk.polling:
+            rk.polling = True
+            self.n_waiting += 1
+        rk.last_op = what
+        if self.in_flight == 0 and self.n_waiting + self.n_done >= self.size:
+            idle = t - self.t_progress
+            if idle > self.stall:
+                raise SimDeadlock(
+                    self.deadlock_report(
+                        f"the ranks only poll, and nothing was delivered for {seconds(idle):.3g} virtual s"
+                    )
+                )
+            t += max(self.poll_cost, idle)  # nothing can ever arrive: reach the stall limit in few steps
+        self.now[r] = t
+
+    def progressed(self, r: int) -> None:
+        """Rank ``r`` did something other than a failed poll."""
+        rk = self.ranks[r]
+        if rk.polling:
+            rk.polling = False
+            self.n_waiting -= 1
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def post_send(self, r: int, msg: Any, dst: int) -> int:
+        """Send ``msg`` (``nbytes``, its key) from world rank ``r`` to ``dst`` now; returns ``t_sent``."""
+        t_sent, t_arrival = self.network.send(r, dst, msg.nbytes, self.now[r])
+        self.in_flight += 1
+        self._push(t_arrival, dst, _ARRIVE, msg)
+        return t_sent
+
+    def _deliver(self, t: int, msg: Any) -> None:
+        """An arrival event: match ``msg`` with the first posted receive that takes it, or keep it."""
+        self.in_flight -= 1
+        self.messages += 1
+        self.t_progress = t
+        key = msg.key
+        posted = self.posted.get(key)
+        if posted:
+            for i, req in enumerate(posted):
+                if req.matches(msg):
+                    del posted[i]
+                    req.complete(msg, t)
+                    self._wake(req)
+                    return
+        self.unexpected.setdefault(key, []).append(msg)
+
+    def match_unexpected(self, req: Any) -> Any:
+        """The first unexpected message ``req`` takes (removed), or None."""
+        queue = self.unexpected.get(req.key)
+        if queue:
+            for i, msg in enumerate(queue):
+                if req.matches(msg):
+                    del queue[i]
+                    return msg
+        return None
+
+    def probe_unexpected(self, key: Any, matches: Callable[[Any], bool]) -> Any:
+        """The first unexpected message of ``key`` that ``matches``, left in place; or None."""
+        for msg in self.unexpected.get(key, ()):
+            if matches(msg):
+                return msg
+        return None
+
+    def _wake(self, req: Any) -> None:
+        """``req`` completed: resume its waiter if nothing else of its wait is missing."""
+        r = req.waiter
+        if r is None:
+            return
+        req.waiter = None
+        rk = self.ranks[r]
+        w = rk.blocked
+        w.remaining -= 1
+        if w.remaining <= 0:
+            rk.blocked = None
+            self.n_waiting -= 1
+            for q in w.reqs:
+                q.waiter = None
+            t = req.t_done
+            self._push(t if t > self.now[r] else self.now[r], r, _RESUME, None)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def deadlock_report(self, why: str) -> str:
+        """One line per unfinished rank: what it waits for (operation, source, tag)."""
+        lines = [f"simulation stalled: {why}"]
+        for rk in self.ranks:
+            if rk.finished:
+                continue
+            state = rk.blocked.describe() if rk.blocked is not None else rk.last_op
+            lines.append(f"  rank {rk.rank} at t={seconds(self.now[rk.rank]):.9f} s: {state}")
+        return "\n".join(lines)
+
+
+def simulate(
+    size: int,
+    target: Callable[[], Any],
+    *,
+    network: Any = None,
+    compute: Any = None,
+    poll_cost_s: float = 1e-7,
+    stall_s: float = 10.0,
+) -> SimResult:
+    """Run ``target()`` on ``size`` virtual ranks, each with :func:`hpcdl.comm.world` its own.
+
+    Args:
+        size: number of virtual ranks.
+        target: what each rank runs (it finds its communicator with ``hpcdl.comm.world()``).
+        network: a network model (default: :func:`hpcdl.sim.network.load_network` ``("shm-local")``).
+        compute: a compute model (default: ``measured``).
+        poll_cost_s: virtual cost of a failed ``Test``/``Iprobe``.
+        stall_s: virtual seconds of fruitless polling that count as a deadlock.
+
+    Returns:
+        The :class:`SimResult`.
+
+    Raises:
+        RankFailure, SimAbort, SimDeadlock: see :meth:`Engine.run`.
+    """
+    from hpcdl.comm.context import set_world
+    from hpcdl.nn.hooks import _observers
+    from hpcdl.sim.comm import SimWorld
+
+    if network is None:
+        from hpcdl.sim.network import load_network
+
+        network = load_network("shm-local", size)
+    if compute is None:
+        from hpcdl.sim.compute import make_compute
+
+        compute = make_compute("measured")
+    engine = Engine(size, network, compute, poll_cost_s=poll_cost_s, stall_s=stall_s)
+    contexts = []
+    for r in range(size):
+        ctx = contextvars.copy_context()
+        world = SimWorld(engine, r)
+        ctx.run(set_world, world)
+        obs = compute.layer_observer(r, lambda t, r=r: engine.charge(r, t))
+        if obs is not None:
+            ctx.run(_observers.set, (obs,))
+        contexts.append(ctx)
+    return engine.run(lambda r: target(), contexts)

@@ -1,0 +1,442 @@
+"""Network models of the simulator: full-duplex NICs, latency alpha and bandwidth B, switch or fat tree.
+
+**The model.** Every rank has a full-duplex NIC: a *send* channel and a *receive* channel,
+independent of each other. A message of ``S`` bytes from ``src`` to ``dst``, ready at tick
+``t``, holds ``src``'s send channel and ``dst``'s receive channel together (cut-through)::
+
+    start = max(t, send_free[src], recv_free[dst])
+    end   = start + S / B                      # the transfer
+    send_free[src] = recv_free[dst] = end
+    t_sent    = end                            # the sender's request completes, its buffer is free
+    t_arrival = end + alpha                    # the whole message is at the receiver
+
+so N ranks sending S bytes to one take ``alpha + N S / B``, and the latency ``alpha`` is not
+serialised: it overlaps the next transfer. ``S / B`` is rounded up to a whole tick
+(``ceil(S * TICKS_PER_SECOND / B)`` in integer arithmetic, B in bytes per second), so every
+message of a size costs the same number of ticks and the analytic cases hold exactly:
+a ping-pong of S bytes takes ``2 (alpha + S/B)``, a ring allreduce of S bytes on n ranks
+``2 (n - 1) (alpha + S/(n B))``, an incast of N senders ``alpha + N S / B``.
+
+**Nodes.** ``ranks_per_node`` consecutive world ranks share a node (rank r is on node
+``r // ranks_per_node``; 0 puts every rank on one node). A message between two ranks of one
+node goes through shared memory with the ``[intra]`` alpha and B, on a separate intra-node
+send and receive channel per rank: intra-node traffic does not compete with the NIC. A
+message between nodes takes the ``[inter]`` alpha and B through the NICs; with
+``nic = "node"`` the ranks of a node share one NIC (one send and one receive channel per
+node) instead of having one each.
+
+**Topology.** ``kind = "switch"``: one non-blocking switch, only the NICs limit. ``kind =
+"fat-tree"``: two levels, nodes grouped into leaf switches of ``nodes_per_leaf``; a message
+between two leaves also crosses its leaf's uplink and the other leaf's downlink, each a
+serialised channel of capacity ``C = nodes_per_leaf * B / oversubscription``. A link is
+held for ``S / C`` from when both it and the message are ready (``max(start, link_free)``),
+and the message ends when the slowest of its channels is done::
+
+    up   = max(start, up_free[leaf(src)])   + S / C;  up_free[leaf(src)]   = up
+    down = max(start, down_free[leaf(dst)]) + S / C;  down_free[leaf(dst)] = down
+    end  = max(start + S / B, up, down)
+
+So with ``oversubscription = 1`` the fat tree behaves as the switch, and when every node of
+one leaf sends S bytes to a node of another, the exchange takes ``alpha + max(1, o) S / B``:
+slowed by the ratio o. Messages between leaves add ``leaf_latency_us`` to alpha (the extra
+switch hops).
+
+**Order.** Messages from one source to one destination arrive in the order sent: each
+starts no earlier than the previous one ended, over the same channels and with the same
+alpha, so arrival times never decrease (equal times are kept in order by the engine's
+sequence numbers).
+
+**Self-messages** (``src == dst``) cost nothing: ``t_sent = t_arrival = t``. MPI copies
+them in memory without the NIC; the copy itself is part of the rank's compute.
+
+**TOML keys** (GB = 1e9 bytes; numbers may be written as integers)::
+
+    name = "ib-hdr"            # optional; default: the preset name or the file's stem
+    source = "..."             # where the figures come from (free text, recommended)
+    ranks_per_node = 1         # consecutive ranks per node; 0: all ranks on one node (default 1)
+    [intra]                    # shared memory; required unless ranks_per_node = 1
+    latency_us = 0.3           # alpha in microseconds, >= 0
+    bandwidth_GBps = 10.0      # B in GB/s per direction, > 0
+    [inter]                    # between nodes; required unless ranks_per_node = 0
+    latency_us = 1.0
+    bandwidth_GBps = 24.0
+    nic = "rank"               # "rank": a NIC per rank; "node": the ranks of a node share one
+    [topology]                 # optional; default kind = "switch"
+    kind = "fat-tree"          # "switch" or "fat-tree"
+    nodes_per_leaf = 16        # fat-tree: nodes under one leaf switch, >= 1
+    oversubscription = 2.0     # fat-tree: leaf downlink/uplink bandwidth ratio, > 0 (default 1)
+    leaf_latency_us = 0.2      # fat-tree: added to alpha between leaves, >= 0 (default 0)
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hpcdl.errors import ConfigError
+from hpcdl.sim.ticks import TICKS_PER_SECOND
+
+__all__ = ["PRESETS", "Link", "Network", "load_network", "parse_network", "network_toml"]
+
+#: names of the shipped presets (``hpcdl/sim/networks/<name>.toml``)
+PRESETS: tuple[str, ...] = ("shm-local", "eth10g", "eth40g", "ib-edr", "ib-hdr")
+
+_KINDS = ("switch", "fat-tree")
+_NICS = ("rank", "node")
+#: section -> key -> (type, minimum, strict, meaning); strict: the value must exceed the minimum
+_SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
+    "": {
+        "name": (str, None, False, "the model's name"),
+        "source": (str, None, False, "where the figures come from"),
+        "ranks_per_node": (int, 0, False, "consecutive ranks per node (0: all on one node)"),
+    },
+    "intra": {
+        "latency_us": (float, 0.0, False, "intra-node latency in microseconds"),
+        "bandwidth_GBps": (float, 0.0, True, "intra-node bandwidth in GB/s"),
+    },
+    "inter": {
+        "latency_us": (float, 0.0, False, "inter-node latency in microseconds"),
+        "bandwidth_GBps": (float, 0.0, True, "inter-node bandwidth in GB/s"),
+        "nic": (str, None, False, 'one NIC per "rank" or per "node"'),
+    },
+    "topology": {
+        "kind": (str, None, False, '"switch" or "fat-tree"'),
+        "nodes_per_leaf": (int, 1, False, "nodes per leaf switch"),
+        "oversubscription": (float, 0.0, True, "leaf downlink/uplink bandwidth ratio"),
+        "leaf_latency_us": (float, 0.0, False, "latency added between leaves in microseconds"),
+    },
+}
+_CHOICES = {"inter.nic": _NICS, "topology.kind": _KINDS}
+
+
+class Link:
+    """One class of path: latency in ticks and bandwidth in whole bytes per second."""
+
+    __slots__ = ("alpha", "bps", "latency_us", "bandwidth_GBps")
+
+    def __init__(self, latency_us: float, bandwidth_GBps: float) -> None:
+        self.latency_us = float(latency_us)
+        self.bandwidth_GBps = float(bandwidth_GBps)
+        self.alpha = round(self.latency_us * (TICKS_PER_SECOND // 10**6))
+        self.bps = max(1, round(self.bandwidth_GBps * 1e9))
+
+    def transfer(self, nbytes: int) -> int:
+        """Ticks to push ``nbytes`` through at this bandwidth, rounded up: ``ceil(S / B)``."""
+        return -(-nbytes * TICKS_PER_SECOND // self.bps)
+
+    def describe(self) -> dict[str, float]:
+        return {"latency_us": self.latency_us, "bandwidth_GBps": self.bandwidth_GBps}
+
+
+class Network:
+    """The NIC/switch/fat-tree model of the module docstring; built by :func:`load_network`.
+
+    Args:
+        name: the model's name (a preset name or a file's stem).
+        ranks_per_node: consecutive ranks per node; 0: all ranks on one node.
+        intra: shared-memory path (needed unless ``ranks_per_node == 1``).
+        inter: path between nodes (needed unless ``ranks_per_node == 0``).
+        nic: ``"rank"`` (a NIC per rank) or ``"node"`` (one per node).
+        kind: ``"switch"`` or ``"fat-tree"``.
+        nodes_per_leaf: fat tree: nodes per leaf switch.
+        oversubscription: fat tree: downlink/uplink bandwidth ratio of a leaf.
+        leaf_latency_us: fat tree: microseconds added to alpha between leaves.
+        source: where the figures come from.
+        path: the file it was read from, if any.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        ranks_per_node: int = 1,
+        intra: Link | None = None,
+        inter: Link | None = None,
+        nic: str = "rank",
+        kind: str = "switch",
+        nodes_per_leaf: int = 1,
+        oversubscription: float = 1.0,
+        leaf_latency_us: float = 0.0,
+        source: str = "",
+        path: str | None = None,
+    ) -> None:
+        if ranks_per_node != 1 and intra is None:
+            raise ValueError("ranks_per_node != 1 needs an intra-node link")
+        if ranks_per_node != 0 and inter is None:
+            raise ValueError("ranks_per_node != 0 needs an inter-node link")
+        self.name = name
+        self.source = source
+        self.path = path
+        self.ranks_per_node = ranks_per_node
+        self.intra = intra
+        self.inter = inter
+        self.nic = nic
+        self.kind = kind
+        self.nodes_per_leaf = nodes_per_leaf
+        self.oversubscription = float(oversubscription)
+        self.leaf_latency_us = float(leaf_latency_us)
+        self.fat_tree = kind == "fat-tree"
+        self._nic_node = nic == "node"
+        #: capacity of a leaf's uplink and downlink, bytes per second
+        self.uplink_bps = (
+            max(1, round(nodes_per_leaf * inter.bps / self.oversubscription)) if inter is not None else 0
+        )
+        self.leaf_alpha = round(self.leaf_latency_us * (TICKS_PER_SECOND // 10**6))
+        self.reset(0)
+
+    def reset(self, nranks: int) -> None:
+        """Fresh, idle channels for a run of ``nranks`` ranks."""
+        self.nranks = nranks
+        rpn = self.ranks_per_node
+        nodes = 1 if rpn == 0 else -(-nranks // rpn)
+        nics = nodes if self.nic == "node" else nranks
+        leaves = -(-nodes // self.nodes_per_leaf) if self.fat_tree else 0
+        self._send_free = [0] * nics  # inter-node NIC channels
+        self._recv_free = [0] * nics
+        self._intra_send = [0] * nranks  # shared-memory channels
+        self._intra_recv = [0] * nranks
+        self._up_free = [0] * leaves  # fat tree: each leaf's uplink and downlink
+        self._down_free = [0] * leaves
+
+    def send(self, src: int, dst: int, nbytes: int, t: int) -> tuple[int, int]:
+        """A message of ``nbytes`` from world rank ``src`` to ``dst``, ready to go at tick ``t``.
+
+        Calls come in nondecreasing ``t``.
+
+        Returns:
+            ``(t_sent, t_arrival)``: when the sender's NIC is done with it (its send request
+            completes), and when the whole message is at the receiver.
+
+        Raises:
+            ValueError: a rank outside ``0 .. nranks - 1`` (``reset(nranks)`` not called?).
+        """
+        if src == dst:
+            return t, t
+        rpn = self.ranks_per_node
+        try:
+            if rpn == 0 or (rpn > 1 and src // rpn == dst // rpn):
+                link = self.intra
+                sf, rf = self._intra_send, self._intra_recv
+                start = max(t, sf[src], rf[dst])
+                end = start - (-nbytes * TICKS_PER_SECOND // link.bps)
+                sf[src] = rf[dst] = end
+                return end, end + link.alpha
+            link = self.inter
+            alpha = link.alpha
+            s, d = (src // rpn, dst // rpn) if self._nic_node else (src, dst)
+            sf, rf = self._send_free, self._recv_free
+            start = max(t, sf[s], rf[d])
+            end = start - (-nbytes * TICKS_PER_SECOND // link.bps)
+            if self.fat_tree:
+                npl = self.nodes_per_leaf
+                ls, ld = src // rpn // npl, dst // rpn // npl
+                if ls != ld:
+                    hold = -(-nbytes * TICKS_PER_SECOND // self.uplink_bps)
+                    up = max(start, self._up_free[ls]) + hold
+                    down = max(start, self._down_free[ld]) + hold
+                    self._up_free[ls] = up
+                    self._down_free[ld] = down
+                    end = max(end, up, down)
+                    alpha += self.leaf_alpha
+            sf[s] = rf[d] = end
+            return end, end + alpha
+        except IndexError:
+            raise ValueError(
+                f"message {src} -> {dst} outside the ranks 0..{self.nranks - 1} of this network: "
+                "call reset(nranks) first"
+            ) from None
+
+    def describe(self) -> dict[str, Any]:
+        """The model's parameters, JSON-able (for run-file attributes)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "source": self.source,
+            "ranks_per_node": self.ranks_per_node,
+        }
+        if self.path is not None:
+            out["file"] = self.path
+        if self.intra is not None:
+            out["intra"] = self.intra.describe()
+        if self.inter is not None:
+            out["inter"] = {**self.inter.describe(), "nic": self.nic}
+        topo: dict[str, Any] = {"kind": self.kind}
+        if self.fat_tree:
+            topo |= {
+                "nodes_per_leaf": self.nodes_per_leaf,
+                "oversubscription": self.oversubscription,
+                "leaf_latency_us": self.leaf_latency_us,
+            }
+        out["topology"] = topo
+        return out
+
+    def __repr__(self) -> str:
+        return f"Network({self.name!r}, ranks_per_node={self.ranks_per_node}, kind={self.kind!r})"
+
+
+def _check(data: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """The values of a network table, by section, with the types of :data:`_SCHEMA` checked."""
+    fix = "see the network keys in the README (or hpcdl/sim/network.py)"
+    out: dict[str, dict[str, Any]] = {sec: {} for sec in _SCHEMA}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if key not in _SCHEMA or key == "":
+                near = difflib.get_close_matches(key, [s for s in _SCHEMA if s], n=1)
+                hint = f" (did you mean [{near[0]}]?)" if near else ""
+                raise ConfigError(
+                    f"{where}: unknown section [{key}]{hint}; sections: [intra], [inter], [topology]"
+                )
+            items = [(f"{key}.{k}", key, k, v) for k, v in value.items()]
+        elif key in _SCHEMA:
+            raise ConfigError(
+                f"{where}: {key!r} must be a table: write [{key}] and its keys on the lines below"
+            )
+        else:
+            items = [(key, "", key, value)]
+        for dotted, sec, k, v in items:
+            spec = _SCHEMA[sec].get(k)
+            if spec is None or isinstance(v, dict):
+                valid = [f"{sec}.{n}" if sec else n for n in _SCHEMA[sec]]
+                near = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.0)
+                raise ConfigError(f"{where}: unknown key {dotted!r}; nearest valid key: {near[0]!r}; {fix}")
+            typ, minimum, strict, meaning = spec
+            if typ is float and isinstance(v, int) and not isinstance(v, bool):
+                v = float(v)
+            if not isinstance(v, typ) or isinstance(v, bool):
+                kind = {str: "a string", int: "an integer", float: "a number"}[typ]
+                raise ConfigError(
+                    f"{where}: key {dotted!r} ({meaning}) must be {kind}, got {type(v).__name__} {v!r}"
+                )
+            if minimum is not None and (v <= minimum if strict else v < minimum):
+                bound = "positive" if strict and minimum == 0 else f">= {minimum:g}"
+                raise ConfigError(f"{where}: key {dotted!r} ({meaning}) must be {bound} (got {v!r})")
+            choices = _CHOICES.get(dotted)
+            if choices and v not in choices:
+                raise ConfigError(
+                    f"{where}: key {dotted!r} must be one of {', '.join(map(repr, choices))} (got {v!r})"
+                )
+            out[sec][k] = v
+    return out
+
+
+def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | None = None) -> Network:
+    """A :class:`Network` from the table of a TOML file (the keys of the module docstring).
+
+    Args:
+        data: the parsed TOML.
+        name: the name to use when the table has no ``name`` key.
+        where: how errors name the source, e.g. ``"network file net.toml"``.
+        path: the file, recorded by :meth:`Network.describe`.
+
+    Raises:
+        ConfigError: an unknown key or section, a wrong type, a value out of range, or a
+            missing section (one line naming ``where`` and the key).
+    """
+    v = _check(data, where)
+    top, intra, inter, topo = v[""], v["intra"], v["inter"], v["topology"]
+    rpn = top.get("ranks_per_node", 1)
+    links: dict[str, Link | None] = {}
+    for sec, values, needed, why in (
+        ("intra", intra, rpn != 1, f"ranks_per_node = {rpn} puts several ranks on a node"),
+        ("inter", inter, rpn != 0, f"ranks_per_node = {rpn} makes several nodes"),
+    ):
+        if not values and not needed:
+            links[sec] = None
+            continue
+        for k in ("latency_us", "bandwidth_GBps"):
+            if k not in values:
+                cause = why if not values else f"[{sec}] needs both latency_us and bandwidth_GBps"
+                raise ConfigError(f"{where}: key '{sec}.{k}' is missing ({cause}): add it to [{sec}]")
+        links[sec] = Link(values["latency_us"], values["bandwidth_GBps"])
+    kind = topo.get("kind", "switch")
+    if kind == "fat-tree" and "nodes_per_leaf" not in topo:
+        raise ConfigError(f"{where}: key 'topology.nodes_per_leaf' is missing (kind = \"fat-tree\" needs it)")
+    if kind == "switch":
+        extra = sorted(set(topo) - {"kind"})
+        if extra:
+            raise ConfigError(
+                f'{where}: key \'topology.{extra[0]}\' only applies to kind = "fat-tree" (kind is "switch")'
+            )
+    return Network(
+        top.get("name", name),
+        ranks_per_node=rpn,
+        intra=links["intra"],
+        inter=links["inter"],
+        nic=inter.get("nic", "rank"),
+        kind=kind,
+        nodes_per_leaf=topo.get("nodes_per_leaf", 1),
+        oversubscription=topo.get("oversubscription", 1.0),
+        leaf_latency_us=topo.get("leaf_latency_us", 0.0),
+        source=top.get("source", ""),
+        path=path,
+    )
+
+
+def load_network(spec: str | os.PathLike[str], nranks: int | None = None) -> Network:
+    """The network model of a preset name (:data:`PRESETS`) or a TOML file.
+
+    Args:
+        spec: a preset name, or the path of a TOML file (keys in the module docstring).
+        nranks: if given, the model is :meth:`~Network.reset` for that many ranks.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not TOML, or has a bad key (one line
+            naming the file, the key and the fix).
+    """
+    text_spec = os.fspath(spec)
+    if text_spec in PRESETS:
+        where = f"network preset {text_spec}"
+        try:
+            text = resources.files("hpcdl.sim").joinpath("networks", f"{text_spec}.toml").read_text("utf-8")
+        except OSError as err:
+            raise ConfigError(f"{where} cannot be read ({err.strerror or err}): reinstall hpcdl") from None
+        name, path = text_spec, None
+    else:
+        p = Path(text_spec)
+        where = f"network file {text_spec}"
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{where} not found: give a preset ({', '.join(PRESETS)}) or the path of a TOML file "
+                "(python -m hpcdl.bench calibrate --out NET.toml writes one)"
+            ) from None
+        except (OSError, UnicodeDecodeError) as err:
+            why = getattr(err, "strerror", None) or err
+            raise ConfigError(f"{where} cannot be read ({why}): give a readable TOML file") from None
+        name, path = p.stem, text_spec
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{where} is not valid TOML ({err}): fix the file") from None
+    net = parse_network(data, name, where=where, path=path)
+    if nranks is not None:
+        net.reset(nranks)
+    return net
+
+
+def network_toml(data: dict[str, Any], comments: Sequence[str] = ()) -> str:
+    """TOML text of a network table (top-level keys, then ``[intra]``, ``[inter]``, ``[topology]``).
+
+    Args:
+        data: the table, as :func:`parse_network` takes it.
+        comments: lines written first, as ``#`` comments.
+    """
+
+    def value(v: Any) -> str:
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+        if isinstance(v, float):
+            return repr(v)
+        return str(v)
+
+    lines = [f"# {c}" if c else "#" for c in comments]
+    lines += [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for sec, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{sec}]", *(f"{k} = {value(v)}" for k, v in table.items())]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,164 @@
+"""``python -m hpcdl.simulate -n N [options] -m MODULE [args]``: an hpcdl command on N virtual ranks.
+
+Runs ``MODULE.main(args)`` (``hpcdl.train``, ``hpcdl.bench``, ...) on N virtual ranks of
+the hybrid simulator (:mod:`hpcdl.sim`), exactly as ``mpiexec -n N python -m MODULE args``
+runs it on N processes: the same code, real compute, virtual time. Exit status: the
+largest of the ranks' statuses; 2 for a user error (one line, as the command itself
+gives it); 1 when a rank raised (its number and traceback are shown); the error code of
+an ``Abort``; 3 for a deadlock (which rank waits for what).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+import traceback
+from typing import Any
+
+from hpcdl.cli import EXIT_USAGE, ArgumentParser, parse_args
+from hpcdl.errors import ConfigError, HpcdlError
+
+__all__ = ["main", "build_parser", "EXIT_DEADLOCK"]
+
+#: exit status of a simulation that stalled (every rank waiting, nothing in flight)
+EXIT_DEADLOCK = 3
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog="python -m hpcdl.simulate",
+        description="Run an hpcdl command on N virtual ranks in virtual time (the hybrid simulator).",
+    )
+    parser.add_argument("-n", dest="ranks", type=int, required=True, help="number of virtual ranks")
+    parser.add_argument(
+        "--network", default="shm-local", help="a network preset (shm-local, eth10g, ...) or a TOML file"
+    )
+    parser.add_argument(
+        "--compute",
+        default="measured",
+        help="measured (wall time x 1/speed), none (no virtual time), or table:FILE (per-layer costs)",
+    )
+    parser.add_argument("--speed", type=float, default=1.0, help="compute speed factor (2: twice as fast)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the compute jitter")
+    parser.add_argument("--jitter", type=float, default=0.0, help="relative jitter of compute segments")
+    parser.add_argument(
+        "--straggler",
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR",
+        help="rank RANK computes FACTOR times slower (repeatable)",
+    )
+    parser.add_argument(
+        "--poll-cost-us", type=float, default=0.1, help="virtual cost of a failed Test/Iprobe"
+    )
+    parser.add_argument(
+        "--stall-s",
+        type=float,
+        default=10.0,
+        help="virtual seconds of fruitless polling that count as deadlock",
+    )
+    parser.add_argument("--stats", action="store_true", help="print the engine's statistics at the end")
+    parser.add_argument(
+        "-m",
+        dest="module",
+        required=True,
+        help="the hpcdl command to run (hpcdl.train, hpcdl.bench, ...); what follows are its arguments",
+    )
+    return parser
+
+
+def _stragglers(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        rank, sep, factor = item.partition(":")
+        try:
+            out[int(rank)] = float(factor)
+            if not sep or float(factor) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(
+                f"--straggler takes RANK:FACTOR with FACTOR > 0, e.g. 3:2.0 (got {item!r})"
+            ) from None
+    return out
+
+
+def _command(module: str) -> Any:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as err:
+        raise ConfigError(
+            f"-m {module}: cannot import it ({err}); give an hpcdl command such as hpcdl.train"
+        ) from None
+    main = getattr(mod, "main", None)
+    if not callable(main):
+        raise ConfigError(f"-m {module}: it has no main(argv) to run on the virtual ranks")
+    return main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the simulation described by ``argv``; returns the exit status."""
+    from hpcdl.sim.compute import make_compute
+    from hpcdl.sim.engine import RankFailure, SimAbort, SimDeadlock, simulate
+    from hpcdl.sim.network import load_network
+
+    argv = list(argv or [])
+    split = argv.index("-m") + 2 if "-m" in argv else len(argv)  # after -m MODULE: the command's own
+    args = parse_args(build_parser(), argv[:split])
+    cmd_args = argv[split:]
+    if args.ranks < 1:
+        raise ConfigError(f"-n must be a positive number of virtual ranks (got {args.ranks})")
+    if args.speed <= 0:
+        raise ConfigError(f"--speed must be positive (got {args.speed})")
+    command = _command(args.module)
+    stragglers = _stragglers(args.straggler)
+    bad = [r for r in stragglers if not 0 <= r < args.ranks]
+    if bad:
+        raise ConfigError(f"--straggler names ranks {bad} outside [0, {args.ranks})")
+    network = load_network(args.network, args.ranks)
+    compute = make_compute(
+        args.compute, speed=args.speed, seed=args.seed, jitter=args.jitter, stragglers=stragglers
+    )
+    t0 = time.perf_counter()
+    try:
+        result = simulate(
+            args.ranks,
+            lambda: command(list(cmd_args)),
+            network=network,
+            compute=compute,
+            poll_cost_s=args.poll_cost_us * 1e-6,
+            stall_s=args.stall_s,
+        )
+    except RankFailure as failure:
+        exc = failure.exc
+        if isinstance(exc, HpcdlError):
+            print(f"{args.module}: error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        print(f"[rank {failure.rank}] Traceback (most recent call last):", file=sys.stderr)
+        print("".join(traceback.format_exception(exc)[1:]), file=sys.stderr, end="", flush=True)
+        return 1
+    except SimAbort as abort:
+        print(
+            f"hpcdl.simulate: rank {abort.rank} called Abort({abort.errorcode})", file=sys.stderr, flush=True
+        )
+        return abort.errorcode or 1
+    except SimDeadlock as err:
+        print(f"hpcdl.simulate: {err}", file=sys.stderr, flush=True)
+        return EXIT_DEADLOCK
+    codes = [c if isinstance(c, int) else 0 for c in result.results]
+    if args.stats:
+        wall = time.perf_counter() - t0
+        print(
+            f"hpcdl.simulate: {args.ranks} virtual ranks, virtual makespan {result.makespan_s:.6f} s, "
+            f"wall {wall:.2f} s, {result.messages:,} messages ({result.messages / max(wall, 1e-9):,.0f}/s), "
+            f"{result.events:,} events",
+            file=sys.stderr,
+            flush=True,
+        )
+    return max(codes, default=0)
+
+
+if __name__ == "__main__":
+    from hpcdl.cli import entry
+
+    entry(main, "hpcdl.simulate")

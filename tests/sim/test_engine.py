@@ -1,0 +1,197 @@
+"""The virtual-time engine: deadlocks and stalls reported, errors ended, runs deterministic."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import hpcdl.comm as hc
+from hpcdl.sim.engine import RankFailure, SimAbort, SimDeadlock, simulate
+from hpcdl.sim.ticks import TICKS_PER_SECOND
+
+
+class LineNet:
+    """alpha + S/B per message, sender and receiver channels serialised (the model's core)."""
+
+    def __init__(self, alpha_s: float = 1e-6, bandwidth: int = 10**9) -> None:
+        self.alpha = round(alpha_s * TICKS_PER_SECOND)
+        self.bandwidth = bandwidth
+
+    def reset(self, n: int) -> None:
+        self.send_free, self.recv_free = [0] * n, [0] * n
+
+    def send(self, src: int, dst: int, nbytes: int, t: int) -> tuple[int, int]:
+        start = max(t, self.send_free[src], self.recv_free[dst])
+        end = start + nbytes * TICKS_PER_SECOND // self.bandwidth
+        self.send_free[src] = self.recv_free[dst] = end
+        return end, end + self.alpha
+
+    def describe(self) -> dict:
+        return {"name": "line"}
+
+
+class NoCompute:
+    def segment(self, rank: int, seconds: float) -> int:
+        return 0
+
+    def layer_observer(self, rank: int, charge) -> None:
+        return None
+
+    def describe(self) -> dict:
+        return {"mode": "none"}
+
+
+class Measured(NoCompute):
+    def segment(self, rank: int, seconds: float) -> int:
+        return round(seconds * TICKS_PER_SECOND)
+
+
+def run(n: int, body, **kw):
+    network, compute = kw.pop("network", LineNet()), kw.pop("compute", NoCompute())
+    return simulate(n, body, network=network, compute=compute, **kw)
+
+
+def test_each_rank_sees_its_own_world_and_clock() -> None:
+    def body():
+        comm = hc.world()
+        return comm.Get_rank(), comm.Get_size(), hc.wtime()
+
+    result = run(4, body)
+    assert result.results == [(r, 4, 0.0) for r in range(4)]
+
+
+def test_a_ping_pong_takes_two_latencies_and_two_transfers() -> None:
+    def body():
+        comm = hc.world()
+        buf = np.zeros(1000, dtype=np.uint8)
+        if comm.Get_rank() == 0:
+            comm.Send(buf, dest=1, tag=3)
+            comm.Recv(buf, source=1, tag=3)
+        else:
+            comm.Recv(buf, source=0, tag=3)
+            comm.Send(buf, dest=0, tag=3)
+        return hc.wtime()
+
+    result = run(2, body)
+    assert result.results[0] == pytest.approx(2 * (1e-6 + 1000 / 1e9), abs=0)
+    assert result.messages == 2
+
+
+def test_a_deadlock_names_what_each_rank_waits_for() -> None:
+    def body():
+        comm = hc.world()
+        buf = np.zeros(1)
+        comm.Recv(buf, source=1 - comm.Get_rank(), tag=5)
+
+    with pytest.raises(SimDeadlock) as info:
+        run(2, body)
+    text = str(info.value)
+    assert "every unfinished rank is blocked" in text
+    assert "rank 0 at t=" in text and "a receive from rank 1, tag 5, on the world" in text
+    assert "rank 1 at t=" in text and "a receive from rank 0, tag 5" in text
+
+
+def test_polling_for_what_never_comes_is_a_stall() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            while not comm.Iprobe(source=1, tag=7):
+                pass
+
+    t0 = time.perf_counter()
+    with pytest.raises(SimDeadlock, match=r"only poll(.|\n)*rank 0 at t=.*Iprobe\(source=1, tag=7\)"):
+        run(2, body, stall_s=5.0)
+    assert time.perf_counter() - t0 < 10  # the stall is reached in few steps, not 5 s / poll cost
+
+
+def test_a_failing_rank_ends_the_run_with_its_number() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 2:
+            raise KeyError("boom")
+        comm.Recv(np.zeros(1), source=2)  # would wait forever
+
+    with pytest.raises(RankFailure) as info:
+        run(3, body)
+    assert info.value.rank == 2 and isinstance(info.value.exc, KeyError)
+
+
+def test_abort_ends_the_run_with_its_code() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 1:
+            comm.Abort(7)
+        comm.Barrier()
+
+    with pytest.raises(SimAbort) as info:
+        run(3, body)
+    assert (info.value.errorcode, info.value.rank) == (7, 1)
+
+
+def test_equal_times_go_by_rank_and_wildcards_are_deterministic() -> None:
+    """Every rank sends to rank 0 at time 0: ANY_SOURCE takes them in arrival order, then rank order."""
+
+    def body():
+        comm = hc.world()
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if rank == 0:
+            order, status = [], hc.Status()
+            for _ in range(size - 1):
+                comm.Recv(np.zeros(size), source=hc.ANY_SOURCE, tag=hc.ANY_TAG, status=status)
+                order.append((status.Get_source(), hc.wtime()))
+            return order
+        comm.Send(np.zeros(size - rank), dest=0, tag=rank)  # later ranks send less
+        return None
+
+    first = run(6, body).results[0]
+    assert first == run(6, body).results[0]
+    # incast: the receiver's channel serialises; equal ready times are taken in rank order
+    assert [s for s, _ in first] == [1, 2, 3, 4, 5]
+
+
+def test_a_failed_test_jumps_to_the_next_event() -> None:
+    """A busy Test loop ends at the message's arrival, after few iterations."""
+
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            req = comm.Irecv(np.zeros(1000, dtype=np.uint8), source=1)
+            polls = 0
+            while not req.Test():
+                polls += 1
+            return hc.wtime(), polls
+        comm.Send(np.zeros(1000, dtype=np.uint8), dest=0)
+        return None
+
+    (t, polls) = run(2, body, poll_cost_s=1e-9).results[0]
+    assert t == pytest.approx(1e-6 + 1000 / 1e9, abs=0)
+    assert polls < 5
+
+
+def test_measured_compute_moves_the_clock() -> None:
+    def body():
+        t0 = hc.wtime()
+        time.sleep(0.05)
+        return hc.wtime() - t0
+
+    result = run(2, body, compute=Measured())
+    assert all(0.05 <= dt < 0.5 for dt in result.results)
+
+
+def test_nonblocking_collectives_of_hpcdl_run_in_the_simulator() -> None:
+    from hpcdl.comm.collectives import Collectives
+
+    def body():
+        comm = hc.world()
+        x = np.arange(100, dtype=np.float64) + comm.Get_rank()
+        with Collectives(comm, "ring") as coll:
+            reqs = [coll.Iallreduce(x.copy(), out := np.empty_like(x)) for _ in range(1)]
+            hc.waitall(reqs)
+        return out
+
+    result = run(5, body)
+    expected = sum(np.arange(100) + r for r in range(5))
+    for out in result.results:
+        np.testing.assert_array_equal(out, expected)

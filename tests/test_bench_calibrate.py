@@ -1,0 +1,129 @@
+"""``bench calibrate``: the fit and the placement as pure functions; under mpiexec, a file that loads."""
+
+from __future__ import annotations
+
+import json
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hpcdl.comm as hc
+from hpcdl.bench import SUBCOMMANDS, build_parser, main
+from hpcdl.bench.calibrate import fit, placement
+from hpcdl.errors import ConfigError
+from hpcdl.sim.network import load_network
+
+
+@pytest.mark.parametrize("alpha, bandwidth", [(1.5e-6, 8e9), (2e-5, 1.2e9), (1e-6, 2.4e10)])
+def test_fit_recovers_a_hockney_model(alpha: float, bandwidth: float) -> None:
+    sizes = [0, 4096, 65536, 1 << 20, 16 << 20]
+    got_alpha, got_bw = fit(sizes, [alpha + s / bandwidth for s in sizes])
+    assert got_alpha == alpha  # the smallest size's time
+    assert got_bw == pytest.approx(bandwidth, rel=1e-12)
+    sizes[0] = 8  # alpha includes the 8 bytes' transfer: B comes out a little higher
+    got_alpha, got_bw = fit(sizes, [alpha + s / bandwidth for s in sizes])
+    assert got_alpha == alpha + 8 / bandwidth and bandwidth < got_bw < 1.01 * bandwidth
+
+
+def test_fit_weighs_sizes_by_relative_residual() -> None:
+    sizes = [8, 1 << 20, 4 << 20]
+    times = [1e-6, 1e-6 + (1 << 20) / 5e9, 1e-6 + (4 << 20) / 20e9]  # 5 GB/s, then 20 GB/s
+    _, bw = fit(sizes, times)
+    assert 5e9 < bw < 20e9
+
+
+def test_fit_alpha_is_the_median_of_tiny_sizes() -> None:
+    sizes = [8, 64, 512, 1 << 20]
+    alpha, _ = fit(sizes, [2e-6, 1e-6, 9e-6, 1e-4])  # one slow sample of 512 bytes
+    assert alpha == 2e-6
+
+
+def test_fit_errors() -> None:
+    with pytest.raises(ConfigError, match="needs sizes above 1024 bytes too"):
+        fit([8, 512], [1e-6, 1e-6])
+    with pytest.raises(ConfigError, match="smallest of --sizes is 65536 bytes.*at most 4096"):
+        fit([65536, 1 << 20], [1e-5, 1e-4])
+    with pytest.raises(ConfigError, match="do not grow with the size"):
+        fit([8, 1 << 20], [1e-5, 1e-5])
+
+
+def test_placement() -> None:
+    assert placement(["a", "a"]) == (0, 1, None, None)
+    assert placement(["a", "a", "a"]) == (0, 1, None, None)
+    assert placement(["a", "b", "c"]) == (1, None, 1, None)
+    assert placement(["a", "a", "b", "b", "c", "c"]) == (2, 1, 2, None)
+    rpn, intra, inter, note = placement(["a", "b", "a", "b"])  # round robin: not the simulator's layout
+    assert (rpn, intra, inter) == (2, 2, 1) and note is not None and "consecutive blocks of 2" in note
+
+
+@pytest.mark.skipif(hc.world().Get_size() != 1, reason="runs without mpiexec")
+def test_calibrate_needs_two_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "net.toml"
+    with pytest.raises(ConfigError, match="run it under mpiexec -n 2 or more"):
+        main(["calibrate", "--out", str(out)])
+    assert not out.exists()
+    with pytest.raises(ConfigError, match="--repeat must be a positive integer"):
+        main(["calibrate", "--out", str(out), "--repeat", "0"])
+    with pytest.raises(ConfigError, match="the following arguments are required: --out"):
+        main(["calibrate"])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    comm = hc.world()
+    rank = comm.Get_rank()
+    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcdl-net-") if rank == 0 else None, root=0))
+    out = tmp / "here.toml"
+    argv = [
+        "calibrate",
+        "--out",
+        str(out),
+        "--sizes",
+        "8",
+        "64K",
+        "1M",
+        "--repeat",
+        "2",
+        "--min-time",
+        "0.0005",
+    ]
+    rows = _run(argv)
+    assert rows == comm.bcast(rows, root=0)  # every rank returns rank 0's rows
+    rpn, intra_peer, inter_peer, _ = placement(comm.allgather(socket.gethostname()))
+    links = [link for link, peer in (("intra", intra_peer), ("inter", inter_peer)) if peer is not None]
+    assert [(r["link"], r["size_bytes"]) for r in rows] == [
+        (k, s) for k in links for s in (8, 65536, 1 << 20)
+    ]
+    for r in rows:
+        assert r["one_way_s"] > 0 and r["round_trips"] >= 1 and r["repeat"] == 2
+        assert r["model_s"] == pytest.approx(r["one_way_s"] - r["residual_s"])
+    json.dumps(rows)
+
+    net = load_network(out, comm.Get_size())  # written by rank 0 before any rank returned
+    d = net.describe()
+    assert net.name == "here" and net.ranks_per_node == rpn
+    for link in links:
+        assert d[link]["latency_us"] > 0 and d[link]["bandwidth_GBps"] > 0
+        r = next(r for r in rows if r["link"] == link)
+        assert d[link]["latency_us"] == pytest.approx(r["latency_us"], rel=1e-3)
+    assert "measured by python -m hpcdl.bench calibrate" in d["source"]
+    if rank == 0:
+        printed = capsys.readouterr().out
+        assert "alpha =" in printed and f"network written to {out}" in printed
+
+    # an --out that cannot be written stops every rank before the measurement
+    with pytest.raises(ConfigError, match="does not exist"):
+        _run(["calibrate", "--out", str(tmp / "absent" / "net.toml"), "--sizes", "8", "64K"])
+    comm.Barrier()
+    if rank == 0:
+        out.unlink()
+        tmp.rmdir()
+
+
+def _run(argv: list[str]) -> list[dict[str, Any]]:
+    """The rows of a ``python -m hpcdl.bench`` command line, run in this process."""
+    args = build_parser().parse_args(argv)
+    return SUBCOMMANDS[args.command].run(args)
