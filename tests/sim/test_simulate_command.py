@@ -1,0 +1,88 @@
+"""``python -m hpcdl.simulate``: the commands run unchanged on virtual ranks; run files say so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.simulate import EXIT_DEADLOCK, main
+
+TRAIN = ["-m", "hpcdl.train", "--config", "digits-mlp", "--set", "train.steps=6", "--progress", "none"]
+
+
+def test_simulated_training_writes_a_run_file_of_the_simulated_world(tmp_path: Path) -> None:
+    out = tmp_path / "sim.h5"
+    assert main(["-n", "4", "--network", "ib-hdr", "--compute", "none", *TRAIN, "--out", str(out)]) == 0
+    with h5py.File(out) as f:
+        assert f.attrs["world"] == "sim" and f.attrs["ranks"] == 4 and f.attrs["status"] == "finished"
+        assert json.loads(f.attrs["network"])["name"] == "ib-hdr"
+        assert json.loads(f.attrs["compute"])["mode"] == "none"
+        assert f.attrs["peak_rss_mb"] > 0
+        assert f["ranks/comm_time"].shape == (6, 4)
+        assert (f["metrics/step_time"][...] > 0).all()  # messages take virtual time even with no compute
+
+
+def test_no_compute_gives_the_same_metrics_bit_for_bit(tmp_path: Path) -> None:
+    runs = []
+    for k in range(2):
+        out = tmp_path / f"r{k}.h5"
+        assert main(["-n", "3", "--compute", "none", *TRAIN, "--out", str(out)]) == 0
+        with h5py.File(out) as f:
+            runs.append({name: f["metrics"][name][...] for name in f["metrics"]})
+    for name in runs[0]:
+        np.testing.assert_array_equal(runs[0][name], runs[1][name], err_msg=name)
+
+
+def test_simulated_bench_writes_the_same_rows_as_a_real_one(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    argv = ["-n", "3", "--compute", "none", "-m", "hpcdl.bench", "allreduce", "--sizes", "4K",
+            "--repeat", "1", "--min-time", "0.0001", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert {r["algorithm"] for r in rows} == {"ring", "doubling", "rabenseifner", "mpi", "auto"}
+    assert all(r["ranks"] == 3 and r["time_s"] > 0 and "busbw_GBps" in r for r in rows)
+
+
+def test_a_user_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-n", "2", "-m", "hpcdl.train", "--config", "digits-mlp", "--set", "nope=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown config key 'nope'" in err[0]
+
+
+def test_bad_options_of_the_simulator_itself() -> None:
+    from hpcdl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="-n must be a positive"):
+        main(["-n", "0", "-m", "hpcdl.train"])
+    with pytest.raises(ConfigError, match="cannot import it"):
+        main(["-n", "2", "-m", "hpcdl.no_such_command"])
+    with pytest.raises(ConfigError, match="--straggler takes RANK:FACTOR"):
+        main(["-n", "2", "--straggler", "1", "-m", "hpcdl.train"])
+    with pytest.raises(ConfigError, match="outside"):
+        main(["-n", "2", "--straggler", "5:2", "-m", "hpcdl.train"])
+
+
+def test_a_deadlocked_command_exits_3_with_the_waits(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = tmp_path / "deadlocker.py"
+    module.write_text(
+        "import numpy as np\nimport hpcdl.comm as hc\n"
+        "def main(argv):\n"
+        "    c = hc.world()\n"
+        "    c.Recv(np.zeros(1), source=(c.Get_rank() + 1) % c.Get_size(), tag=4)\n"
+        "    return 0\n"
+    )
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert main(["-n", "3", "--compute", "none", "-m", "deadlocker"]) == EXIT_DEADLOCK
+    finally:
+        sys.path.remove(str(tmp_path))
+    err = capsys.readouterr().err
+    assert "rank 2 at t=" in err and "a receive from rank 0, tag 4" in err
