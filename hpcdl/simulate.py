@@ -18,6 +18,7 @@ from typing import Any
 
 from hpcdl.cli import EXIT_USAGE, ArgumentParser, parse_args
 from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.runlog import peak_rss_mb
 
 __all__ = ["main", "build_parser", "EXIT_DEADLOCK"]
 
@@ -148,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     codes = [c if isinstance(c, int) else 0 for c in result.results]
     if args.stats:
         wall = time.perf_counter() - t0
+        engine_s = max(wall - result.compute_wall_s, 0.0)
+        per_msg = (
+            f", {1e6 * engine_s / result.messages:.1f} us of engine per message" if result.messages else ""
+        )
         print(
             f"hpcdl.simulate: {args.ranks} virtual ranks, virtual makespan {result.makespan_s:.6f} s, "
-            f"wall {wall:.2f} s, {result.messages:,} messages ({result.messages / max(wall, 1e-9):,.0f}/s), "
-            f"{result.events:,} events",
+            f"wall {wall:.2f} s ({result.compute_wall_s:.2f} s of it the ranks' compute), "
+            f"{result.messages:,} messages ({result.messages / max(wall, 1e-9):,.0f}/s{per_msg}), "
+            f"{result.events:,} events, peak RSS {peak_rss_mb():,.0f} MiB",
             file=sys.stderr,
             flush=True,
         )

@@ -248,29 +248,46 @@ class SimComm:
         return peer
 
     def _isend(self, payload: Any, nbytes: int, dest: int, tag: int, context: Any) -> SimRequest:
-        eng, r = self._engine, self._world_rank
-        eng.enter(r)
-        dst = self._group[self._check_peer(dest, "dest")]
-        msg = _Message((context, dst), self._rank, tag, payload, nbytes)
+        self._engine.enter(self._world_rank)
+        return self._post_send(payload, nbytes, dest, tag, context)
+
+    def _post_send(self, payload: Any, nbytes: int, dest: int, tag: int, context: Any) -> SimRequest:
+        """Post a send now (the rank has entered the engine)."""
+        if not 0 <= dest < self._size:
+            self._check_peer(dest, "dest")
+        dst = self._group[dest]
         req = SimRequest(self)
-        req.t_done = eng.post_send(r, msg, dst)
+        req.t_done = self._engine.post_send(
+            self._world_rank, _Message((context, dst), self._rank, tag, payload, nbytes), dst
+        )
         return req
 
     def _irecv(self, buf: Any, source: int, tag: int, context: Any) -> SimRequest:
+        self._engine.enter(self._world_rank)
+        return self._post_recv(buf, source, tag, context)
+
+    def _post_recv(self, buf: Any, source: int, tag: int, context: Any) -> SimRequest:
+        """Post a receive now (the rank has entered the engine): match an unexpected message, or wait."""
         eng, r = self._engine, self._world_rank
-        eng.enter(r)
         if source is self._any_source or source == ANY_SOURCE:
             source = -1
-        else:
+        elif not 0 <= source < self._size:
             self._check_peer(source, "source")
         if tag is self._any_tag or tag == ANY_TAG:
             tag = -1
         req = SimRequest(self, (context, r), buf, source, tag)
-        msg = eng.match_unexpected(req)
-        if msg is not None:
-            req.complete(msg, eng.now[r])
+        queue = eng.unexpected.get(req.key)
+        if queue:
+            for i, msg in enumerate(queue):
+                if (source < 0 or source == msg.source) and (tag < 0 or tag == msg.tag):
+                    del queue[i]
+                    req.complete(msg, eng.now[r])
+                    return req
+        posted = eng.posted.get(req.key)
+        if posted is None:
+            eng.posted[req.key] = [req]
         else:
-            eng.posted.setdefault(req.key, []).append(req)
+            posted.append(req)
         return req
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> SimRequest:  # noqa: N802
@@ -298,9 +315,18 @@ class SimComm:
         recvtag: int = ANY_TAG,
         status: Any = None,
     ) -> None:
-        rreq = self.Irecv(recvbuf, source, recvtag)
-        sreq = self.Isend(sendbuf, dest, sendtag)
-        self.waitall([rreq, sreq])
+        if type(recvbuf) is not np.ndarray or not recvbuf.flags.c_contiguous:
+            recvbuf = _array(recvbuf, "Sendrecv recvbuf")
+        payload = (
+            sendbuf.reshape(-1).view(np.uint8).copy() if type(sendbuf) is np.ndarray else _payload(sendbuf)
+        )
+        eng, r = self._engine, self._world_rank
+        eng.enter(r)
+        rreq = self._post_recv(recvbuf, source, recvtag, self._context)
+        sreq = self._post_send(payload, payload.nbytes, dest, sendtag, self._context)
+        reqs = (rreq, sreq)
+        eng.wait(r, reqs, 2, lambda: _describe_all("Sendrecv", reqs))
+        rreq._active = sreq._active = False
         if status is not None and rreq.status is not None:
             status._fill(*rreq.status)
 

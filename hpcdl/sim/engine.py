@@ -81,6 +81,8 @@ class SimResult:
         messages: point-to-point messages delivered (collectives' included).
         events: events taken from the heap.
         wall_s: wall-clock seconds the simulation took.
+        compute_wall_s: wall seconds spent in the ranks' compute segments; the rest of
+            ``wall_s`` is the engine's (matching, copying, scheduling).
     """
 
     results: list[Any]
@@ -88,6 +90,7 @@ class SimResult:
     messages: int
     events: int
     wall_s: float
+    compute_wall_s: float = 0.0
 
     @property
     def makespan_s(self) -> float:
@@ -161,7 +164,10 @@ class Engine:
         self.messages = 0
         self.events = 0
         self.t_progress = 0  # virtual time of the last delivery or completion
+        self.direct: tuple[int, int] | None = None  # a resume taken straight from a delivery
+        self.compute_wall = 0.0  # wall seconds of the ranks' compute segments (the rest is the engine's)
         self.main: Any = None
+        self._net_send = network.send  # bound once: called for every message
         self._clock = time.perf_counter
         self._segment = compute.segment  # bound once: called on every communicator call
 
@@ -203,6 +209,7 @@ class Engine:
             messages=self.messages,
             events=self.events,
             wall_s=self._clock() - t_wall,
+            compute_wall_s=self.compute_wall,
         )
 
     def _body(self, r: int, target: Callable[[int], Any]) -> Callable[[], None]:
@@ -226,12 +233,16 @@ class Engine:
 
     def _main_loop(self) -> None:
         """Take events until the heap is empty (ranks run from here or switch among themselves)."""
-        while self.heap:
-            t, k, _, kind, obj = heapq.heappop(self.heap)
-            self.events += 1
-            if kind == _ARRIVE:
-                self._deliver(t, obj)
-                continue
+        while self.heap or self.direct is not None:
+            if self.direct is not None:
+                t, k = self.direct
+                self.direct = None
+            else:
+                t, k, _, kind, obj = heapq.heappop(self.heap)
+                self.events += 1
+                if kind == _ARRIVE:
+                    self._deliver(t, obj)
+                    continue
             self.now[k] = max(self.now[k], t)
             self.ranks[k].glet.switch()  # returns when a rank ends, or one meets an empty heap
 
@@ -259,6 +270,7 @@ class Engine:
         dt = now - rk.seg_start
         rk.seg_start = now
         if dt > 0:
+            self.compute_wall += dt
             self.now[r] += self._segment(r, dt)
 
     def charge(self, r: int, t: int) -> None:
@@ -278,13 +290,18 @@ class Engine:
     def _stop(self, r: int) -> None:
         """Rank ``r`` cannot go on: take events until its own resume comes, switching to others."""
         heap = self.heap
-        while heap:
-            t, k, _, kind, obj = heapq.heappop(heap)
-            self.events += 1
-            if kind == _ARRIVE:
-                self._deliver(t, obj)
-                continue
-            self.now[k] = max(self.now[k], t)
+        while heap or self.direct is not None:
+            if self.direct is not None:
+                t, k = self.direct
+                self.direct = None
+            else:
+                t, k, _, kind, obj = heapq.heappop(heap)
+                self.events += 1
+                if kind == _ARRIVE:
+                    self._deliver(t, obj)
+                    continue
+            if t > self.now[k]:
+                self.now[k] = t
             if k != r:
                 self.ranks[k].glet.switch()  # comes back when someone takes r's resume event
             break
@@ -301,6 +318,7 @@ class Engine:
         dt = now - rk.seg_start
         rk.seg_start = now
         if dt > 0:
+            self.compute_wall += dt
             self.now[r] += self._segment(r, dt)
         if rk.polling:
             rk.polling = False
@@ -311,25 +329,39 @@ class Engine:
         """Block rank ``r`` until ``need`` of ``reqs`` have completed; its clock ends at the completion.
 
         Requests have ``t_done`` (None until complete; completion times of sends are known
-        when posted, of receives when matched) and ``waiter``. ``what`` describes the wait
-        for a deadlock report: a string, or a callable returning one (built only then).
+        when posted, of receives when matched) and ``waiter``. ``need`` is 1 (any) or
+        ``len(reqs)`` (all). ``what`` describes the wait for a deadlock report: a string,
+        or a callable returning one (built only then).
         """
-        done = [q.t_done for q in reqs if q.t_done is not None]
-        if len(done) < need:
+        done = 0
+        for q in reqs:
+            if q.t_done is not None:
+                done += 1
+        if done < need:
             rk = self.ranks[r]
-            rk.blocked = _Wait(reqs, need - len(done), what)
+            rk.blocked = _Wait(reqs, need - done, what)
             self.n_waiting += 1
             for q in reqs:
                 if q.t_done is None:
                     q.waiter = r
             self._stop(r)
-            done = [q.t_done for q in reqs if q.t_done is not None]
+        now = self.now[r]
         if need == 1:
-            t = min(done)
+            t = min(q.t_done for q in reqs if q.t_done is not None)
+            if t > now:
+                self.now[r] = t
         else:
-            t = max(done) if done else self.now[r]
-        self.now[r] = max(self.now[r], t)
-        self.sync(r)
+            for q in reqs:
+                if q.t_done > now:
+                    now = q.t_done
+            self.now[r] = now
+        heap = self.heap  # sync(r), inline
+        if heap:
+            top = heap[0]
+            t = self.now[r]
+            if top[0] < t or (top[0] == t and top[1] <= r):
+                self._push(t, r, _RESUME, None)
+                self._stop(r)
 
     def enter(self, r: int) -> None:
         """Rank ``r`` calls the communicator: charge its compute, and wait for its turn."""
@@ -338,6 +370,7 @@ class Engine:
         dt = now - rk.seg_start
         rk.seg_start = now
         if dt > 0:
+            self.compute_wall += dt
             self.now[r] += self._segment(r, dt)
         if rk.polling:
             rk.polling = False
@@ -382,9 +415,10 @@ class Engine:
 
     def post_send(self, r: int, msg: Any, dst: int) -> int:
         """Send ``msg`` (``nbytes``, its key) from world rank ``r`` to ``dst`` now; returns ``t_sent``."""
-        t_sent, t_arrival = self.network.send(r, dst, msg.nbytes, self.now[r])
+        t_sent, t_arrival = self._net_send(r, dst, msg.nbytes, self.now[r])
         self.in_flight += 1
-        self._push(t_arrival, dst, _ARRIVE, msg)
+        self.seq += 1
+        heapq.heappush(self.heap, (t_arrival, dst, self.seq, _ARRIVE, msg))
         return t_sent
 
     def _deliver(self, t: int, msg: Any) -> None:
@@ -395,13 +429,19 @@ class Engine:
         key = msg.key
         posted = self.posted.get(key)
         if posted:
+            source, tag = msg.source, msg.tag
             for i, req in enumerate(posted):
-                if req.matches(msg):
+                if (req.source < 0 or req.source == source) and (req.tag < 0 or req.tag == tag):
                     del posted[i]
                     req.complete(msg, t)
-                    self._wake(req)
+                    if req.waiter is not None:
+                        self._wake(req)
                     return
-        self.unexpected.setdefault(key, []).append(msg)
+        queue = self.unexpected.get(key)
+        if queue is None:
+            self.unexpected[key] = [msg]
+        else:
+            queue.append(msg)
 
     def match_unexpected(self, req: Any) -> Any:
         """The first unexpected message ``req`` takes (removed), or None."""
@@ -435,7 +475,14 @@ class Engine:
             for q in w.reqs:
                 q.waiter = None
             t = req.t_done
-            self._push(t if t > self.now[r] else self.now[r], r, _RESUME, None)
+            if t < self.now[r]:
+                t = self.now[r]
+            heap = self.heap
+            if self.direct is None and (not heap or t < heap[0][0] or (t == heap[0][0] and r < heap[0][1])):
+                self.direct = (t, r)  # the next thing to run anyway: skip the heap
+            else:
+                self.seq += 1
+                heapq.heappush(heap, (t, r, self.seq, _RESUME, None))
 
     # -- reports --------------------------------------------------------------------------------
 
