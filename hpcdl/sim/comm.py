@@ -141,7 +141,7 @@ class SimRequest:
     def Wait(self, status: Any = None) -> None:  # noqa: N802
         """Block (in virtual time) until complete."""
         comm = self.comm
-        comm._engine.block(comm._world_rank, (self,), 1, lambda: f"Wait({self.describe()})")
+        comm._engine.wait(comm._world_rank, (self,), 1, (_describe_all, "Wait", (self,)), True)
         self._finish(status)
 
     def _finish(self, status: Any) -> None:
@@ -225,9 +225,8 @@ class SimComm:
                     return False
                 active.append(q)
         if active:
-            self._engine.block(
-                self._world_rank, active, len(active), lambda: _describe_all("waitall", active)
-            )
+            what = (_describe_all, "waitall", active)
+            self._engine.wait(self._world_rank, active, len(active), what, True)
             for q in active:
                 q._active = False
         return True
@@ -325,7 +324,7 @@ class SimComm:
         rreq = self._post_recv(recvbuf, source, recvtag, self._context)
         sreq = self._post_send(payload, payload.nbytes, dest, sendtag, self._context)
         reqs = (rreq, sreq)
-        eng.wait(r, reqs, 2, lambda: _describe_all("Sendrecv", reqs))
+        eng.wait(r, reqs, 2, (_describe_all, "Sendrecv", reqs))
         rreq._active = sreq._active = False
         if status is not None and rreq.status is not None:
             status._fill(*rreq.status)
@@ -547,10 +546,8 @@ class SimComm:
         if not active:
             return True, None
         eng, r = self._engine, self._world_rank
-        eng.account(r)
-        eng.progressed(r)
         qs = [reqs[i] for i in active]
-        eng.wait(r, qs, 1, lambda: _describe_all("waitany", qs))
+        eng.wait(r, qs, 1, (_describe_all, "waitany", qs), True)
         now = eng.now[r]
         _, index = min((q.t_done, i) for i, q in zip(active, qs) if q.t_done is not None and q.t_done <= now)
         reqs[index]._finish(status)

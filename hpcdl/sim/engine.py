@@ -124,8 +124,10 @@ class _Wait:
         self.what = what
 
     def describe(self) -> str:
-        """What the rank waits for (``what`` is a string or a callable giving one)."""
-        return self.what() if callable(self.what) else str(self.what)
+        """What the rank waits for: ``what`` is a string, or ``(function, *args)`` giving one."""
+        if isinstance(self.what, tuple):
+            return self.what[0](*self.what[1:])
+        return str(self.what)
 
 
 class Engine:
@@ -311,28 +313,26 @@ class Engine:
 
     # -- blocking and polling -------------------------------------------------------------------
 
-    def block(self, r: int, reqs: Sequence[Any], need: int, what: Any) -> None:
-        """:meth:`wait`, entered from rank ``r``'s code: its compute is charged first."""
-        rk = self.ranks[r]
-        now = self._clock()
-        dt = now - rk.seg_start
-        rk.seg_start = now
-        if dt > 0:
-            self.compute_wall += dt
-            self.now[r] += self._segment(r, dt)
-        if rk.polling:
-            rk.polling = False
-            self.n_waiting -= 1
-        self.wait(r, reqs, need, what)
-
-    def wait(self, r: int, reqs: Sequence[Any], need: int, what: Any) -> None:
+    def wait(self, r: int, reqs: Sequence[Any], need: int, what: Any, charge: bool = False) -> None:
         """Block rank ``r`` until ``need`` of ``reqs`` have completed; its clock ends at the completion.
 
         Requests have ``t_done`` (None until complete; completion times of sends are known
         when posted, of receives when matched) and ``waiter``. ``need`` is 1 (any) or
         ``len(reqs)`` (all). ``what`` describes the wait for a deadlock report: a string,
-        or a callable returning one (built only then).
+        or ``(function, *args)`` giving one (built only then). ``charge``: called from the
+        rank's code, whose compute segment is charged first (as :meth:`enter` does).
         """
+        if charge:
+            rk = self.ranks[r]
+            clock = self._clock()
+            dt = clock - rk.seg_start
+            rk.seg_start = clock
+            if dt > 0:
+                self.compute_wall += dt
+                self.now[r] += self._segment(r, dt)
+            if rk.polling:
+                rk.polling = False
+                self.n_waiting -= 1
         done = 0
         for q in reqs:
             if q.t_done is not None:
