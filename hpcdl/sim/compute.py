@@ -478,11 +478,16 @@ def _batch(at: str, name: str, rec: Mapping[str, Any]) -> int | None:
 # -- validation -------------------------------------------------------------------------------
 
 
-def _check_speed(speed: float) -> float:
+def _as_float(value: Any) -> float:
+    """``float(value)``, or NaN when it is not a number (the checks then refuse it)."""
     try:
-        s = float(speed)
+        return float(value)
     except (TypeError, ValueError):
-        s = float("nan")
+        return float("nan")
+
+
+def _check_speed(speed: float) -> float:
+    s = _as_float(speed)
     if not (math.isfinite(s) and s > 0):
         raise ConfigError(
             f"compute speed must be a positive number ({speed!r}); e.g. --speed 2 for a 2x device"
@@ -491,10 +496,7 @@ def _check_speed(speed: float) -> float:
 
 
 def _check_jitter(jitter: float) -> float:
-    try:
-        j = float(jitter)
-    except (TypeError, ValueError):
-        j = float("nan")
+    j = _as_float(jitter)
     if not (math.isfinite(j) and j >= 0):
         raise ConfigError(f"compute jitter must be a relative std >= 0 ({jitter!r}); e.g. 0.05 for 5%")
     return j
@@ -511,10 +513,7 @@ def _check_stragglers(stragglers: Mapping[int, float] | None) -> dict[int, float
     for rank, factor in (stragglers or {}).items():
         if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 0:
             raise ConfigError(f"straggler rank must be a non-negative integer ({rank!r}); e.g. {{3: 2.0}}")
-        try:
-            f = float(factor)
-        except (TypeError, ValueError):
-            f = float("nan")
+        f = _as_float(factor)
         if not (math.isfinite(f) and f > 0):
             raise ConfigError(
                 f"straggler factor of rank {rank} must be a positive number ({factor!r}); 2.0 = twice as slow"

@@ -265,8 +265,11 @@ class Engine:
         self.seq += 1
         heapq.heappush(self.heap, (t, rank, self.seq, kind, obj))
 
-    def account(self, r: int) -> None:
-        """Charge rank ``r``'s compute segment so far to its clock (call on entering the engine)."""
+    def account(self, r: int, progress: bool = False) -> None:
+        """Charge rank ``r``'s compute segment so far to its clock (call on entering the engine).
+
+        ``progress``: the call is not a poll (a rank that was polling is no longer).
+        """
         rk = self.ranks[r]
         now = self._clock()
         dt = now - rk.seg_start
@@ -274,6 +277,9 @@ class Engine:
         if dt > 0:
             self.compute_wall += dt
             self.now[r] += self._segment(r, dt)
+        if progress and rk.polling:
+            rk.polling = False
+            self.n_waiting -= 1
 
     def charge(self, r: int, t: int) -> None:
         """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
@@ -323,16 +329,7 @@ class Engine:
         rank's code, whose compute segment is charged first (as :meth:`enter` does).
         """
         if charge:
-            rk = self.ranks[r]
-            clock = self._clock()
-            dt = clock - rk.seg_start
-            rk.seg_start = clock
-            if dt > 0:
-                self.compute_wall += dt
-                self.now[r] += self._segment(r, dt)
-            if rk.polling:
-                rk.polling = False
-                self.n_waiting -= 1
+            self.account(r, True)
         done = 0
         for q in reqs:
             if q.t_done is not None:
@@ -365,16 +362,7 @@ class Engine:
 
     def enter(self, r: int) -> None:
         """Rank ``r`` calls the communicator: charge its compute, and wait for its turn."""
-        rk = self.ranks[r]
-        now = self._clock()
-        dt = now - rk.seg_start
-        rk.seg_start = now
-        if dt > 0:
-            self.compute_wall += dt
-            self.now[r] += self._segment(r, dt)
-        if rk.polling:
-            rk.polling = False
-            self.n_waiting -= 1
+        self.account(r, True)
         heap = self.heap
         if heap:
             top = heap[0]
