@@ -86,3 +86,17 @@ def test_a_deadlocked_command_exits_3_with_the_waits(
         sys.path.remove(str(tmp_path))
     err = capsys.readouterr().err
     assert "rank 2 at t=" in err and "a receive from rank 0, tag 4" in err
+
+
+@pytest.mark.slow
+def test_1024_virtual_ranks_train_digits_mlp(tmp_path: Path) -> None:
+    """The scale case of the issue: 1,024 virtual ranks, random sampler, 10 steps (about 35 s here)."""
+    out = tmp_path / "sim1024.h5"
+    argv = ["-n", "1024", "--network", "ib-hdr", "-m", "hpcdl.train", "--config", "digits-mlp",
+            "--set", "train.steps=10", "--set", "data.sampler=random", "--progress", "none",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    with h5py.File(out) as f:
+        assert f.attrs["ranks"] == 1024 and f.attrs["world"] == "sim" and f.attrs["status"] == "finished"
+        assert f["ranks/compute_time"].shape == (10, 1024)
+        print(f"\n1,024 virtual ranks: peak RSS {f.attrs['peak_rss_mb']:.0f} MiB")
