@@ -134,8 +134,10 @@ class SimRequest:
         if self.t_done is not None and self.t_done <= eng.now[r]:
             eng.progressed(r)
             self._finish(status)
+            eng.leave(r)
             return True
-        eng.poll_failed(r, f"polling ({self.describe()})")
+        eng.poll_failed(r, (_describe_all, "Test", (self,)))
+        eng.leave(r)
         return False
 
     def Wait(self, status: Any = None) -> None:  # noqa: N802
@@ -246,9 +248,18 @@ class SimComm:
             raise ValueError(f"{what} {peer} out of range for a communicator of {self._size} ranks")
         return peer
 
-    def _isend(self, payload: Any, nbytes: int, dest: int, tag: int, context: Any) -> SimRequest:
-        self._engine.enter(self._world_rank)
-        return self._post_send(payload, nbytes, dest, tag, context)
+    def _isend(self, buf: Any, dest: int, tag: int, context: Any) -> SimRequest:
+        """Post a send of ``buf`` (an array, copied; or ``bytes``, kept) from the rank's code."""
+        eng, r = self._engine, self._world_rank
+        eng.enter(r)
+        if type(buf) is bytes:
+            payload, nbytes = buf, len(buf)
+        else:  # the copy is the engine's work, not the rank's compute
+            payload = buf.reshape(-1).view(np.uint8).copy() if type(buf) is np.ndarray else _payload(buf)
+            nbytes = payload.nbytes
+        req = self._post_send(payload, nbytes, dest, tag, context)
+        eng.leave(r)
+        return req
 
     def _post_send(self, payload: Any, nbytes: int, dest: int, tag: int, context: Any) -> SimRequest:
         """Post a send now (the rank has entered the engine)."""
@@ -262,8 +273,11 @@ class SimComm:
         return req
 
     def _irecv(self, buf: Any, source: int, tag: int, context: Any) -> SimRequest:
-        self._engine.enter(self._world_rank)
-        return self._post_recv(buf, source, tag, context)
+        eng, r = self._engine, self._world_rank
+        eng.enter(r)
+        req = self._post_recv(buf, source, tag, context)
+        eng.leave(r)
+        return req
 
     def _post_recv(self, buf: Any, source: int, tag: int, context: Any) -> SimRequest:
         """Post a receive now (the rank has entered the engine): match an unexpected message, or wait."""
@@ -290,8 +304,7 @@ class SimComm:
         return req
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> SimRequest:  # noqa: N802
-        payload = buf.reshape(-1).view(np.uint8).copy() if type(buf) is np.ndarray else _payload(buf)
-        return self._isend(payload, payload.nbytes, dest, tag, self._context)
+        return self._isend(buf, dest, tag, self._context)
 
     def Irecv(self, buf: Any, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> SimRequest:  # noqa: N802
         if type(buf) is not np.ndarray or not buf.flags.c_contiguous:
@@ -316,11 +329,11 @@ class SimComm:
     ) -> None:
         if type(recvbuf) is not np.ndarray or not recvbuf.flags.c_contiguous:
             recvbuf = _array(recvbuf, "Sendrecv recvbuf")
-        payload = (
-            sendbuf.reshape(-1).view(np.uint8).copy() if type(sendbuf) is np.ndarray else _payload(sendbuf)
-        )
         eng, r = self._engine, self._world_rank
         eng.enter(r)
+        payload = (  # copied inside the engine: not the rank's compute
+            sendbuf.reshape(-1).view(np.uint8).copy() if type(sendbuf) is np.ndarray else _payload(sendbuf)
+        )
         rreq = self._post_recv(recvbuf, source, recvtag, self._context)
         sreq = self._post_send(payload, payload.nbytes, dest, sendtag, self._context)
         reqs = (rreq, sreq)
@@ -339,9 +352,11 @@ class SimComm:
             (self._context, r), lambda m: (src < 0 or m.source == src) and (tg < 0 or m.tag == tg)
         )
         if msg is None:
-            eng.poll_failed(r, f"Iprobe(source={source}, tag={tag}) on {self._name(self._context)}")
+            eng.poll_failed(r, (_describe_probe, source, tag, self._name(self._context)))
+            eng.leave(r)
             return False
         eng.progressed(r)
+        eng.leave(r)
         if status is not None:
             status._fill(msg.source, msg.tag, msg.nbytes)
         return True
@@ -354,10 +369,7 @@ class SimComm:
 
     def _csend(self, obj: Any, dest: int, tag: int = 0) -> SimRequest:
         """Send ``obj`` (an array: copied; bytes: as is) on the collective context."""
-        if isinstance(obj, bytes):
-            return self._isend(obj, len(obj), dest, tag, self._coll)
-        payload = _payload(obj)
-        return self._isend(payload, payload.nbytes, dest, tag, self._coll)
+        return self._isend(obj, dest, tag, self._coll)
 
     def _crecv(self, buf: Any, source: int, tag: int = 0) -> SimRequest:
         return self._irecv(buf, source, tag, self._coll)
@@ -595,6 +607,10 @@ class _CollView:
 
     def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> Any:  # noqa: N802
         return self._comm.Iallreduce(sendbuf, recvbuf, op)
+
+
+def _describe_probe(source: int, tag: int, where: str) -> str:
+    return f"polling Iprobe(source={source}, tag={tag}) on {where}"
 
 
 def _describe_all(kind: str, reqs: Sequence[SimRequest]) -> str:

@@ -109,7 +109,7 @@ class _Rank:
     polling: bool = False  # its last operation was a failed poll
     finished: bool = False
     result: Any = None
-    last_op: str = "start"
+    last_op: Any = "start"  # a string or (function, *args): see _text
     observers: tuple[Any, ...] = field(default_factory=tuple)
 
 
@@ -124,10 +124,15 @@ class _Wait:
         self.what = what
 
     def describe(self) -> str:
-        """What the rank waits for: ``what`` is a string, or ``(function, *args)`` giving one."""
-        if isinstance(self.what, tuple):
-            return self.what[0](*self.what[1:])
-        return str(self.what)
+        """What the rank waits for (see :func:`_text`)."""
+        return _text(self.what)
+
+
+def _text(what: Any) -> str:
+    """A description given as a string, or as ``(function, *args)`` built only when needed."""
+    if isinstance(what, tuple):
+        return what[0](*what[1:])
+    return str(what)
 
 
 class Engine:
@@ -281,6 +286,14 @@ class Engine:
             rk.polling = False
             self.n_waiting -= 1
 
+    def leave(self, r: int) -> None:
+        """Rank ``r`` returns to its code: its next compute segment starts now.
+
+        The engine's own work for the call (matching, copying a payload, scheduling) is
+        not the rank's compute, so it is not charged to its clock.
+        """
+        self.ranks[r].seg_start = self._clock()
+
     def charge(self, r: int, t: int) -> None:
         """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
         self.now[r] += t
@@ -359,6 +372,7 @@ class Engine:
             if top[0] < t or (top[0] == t and top[1] <= r):
                 self._push(t, r, _RESUME, None)
                 self._stop(r)
+        self.ranks[r].seg_start = self._clock()  # leave(r), inline
 
     def enter(self, r: int) -> None:
         """Rank ``r`` calls the communicator: charge its compute, and wait for its turn."""
@@ -371,7 +385,7 @@ class Engine:
                 self._push(t, r, _RESUME, None)
                 self._stop(r)
 
-    def poll_failed(self, r: int, what: str) -> None:
+    def poll_failed(self, r: int, what: Any) -> None:
         """A failed ``Test``/``Iprobe`` of rank ``r``: advance its clock, and detect a stall."""
         rk = self.ranks[r]
         t = self.now[r] + self.poll_cost
@@ -480,7 +494,7 @@ class Engine:
         for rk in self.ranks:
             if rk.finished:
                 continue
-            state = rk.blocked.describe() if rk.blocked is not None else rk.last_op
+            state = rk.blocked.describe() if rk.blocked is not None else _text(rk.last_op)
             lines.append(f"  rank {rk.rank} at t={seconds(self.now[rk.rank]):.9f} s: {state}")
         return "\n".join(lines)
 
