@@ -86,7 +86,19 @@ class _Message:
 class SimRequest:
     """A simulated nonblocking send or receive; ``t_done`` is its completion tick (None: not yet)."""
 
-    __slots__ = ("_active", "buf", "comm", "key", "obj", "source", "status", "t_done", "tag", "waiter")
+    __slots__ = (
+        "_active",
+        "buf",
+        "comm",
+        "error",
+        "key",
+        "obj",
+        "source",
+        "status",
+        "t_done",
+        "tag",
+        "waiter",
+    )
 
     def __init__(
         self, comm: SimComm, key: Any = None, buf: Any = None, source: int = 0, tag: int = 0
@@ -100,6 +112,7 @@ class SimRequest:
         self.waiter: int | None = None
         self.status: tuple[int, int, int] | None = None
         self.obj: Any = None
+        self.error: Exception | None = None  # raised in the receiving rank when it completes the request
         self._active = True
 
     # -- matching (receives) ------------------------------------------------------------------
@@ -114,12 +127,13 @@ class SimRequest:
         else:
             payload = msg.payload
             dst = self.buf.reshape(-1).view(np.uint8)
-            if payload.nbytes > dst.nbytes:
-                raise ValueError(
+            if payload.nbytes > dst.nbytes:  # MPI_ERR_TRUNCATE, reported to the receiver
+                self.error = ValueError(
                     f"message truncated: {payload.nbytes} bytes from rank {msg.source} (tag {msg.tag}) "
                     f"into a buffer of {dst.nbytes} bytes"
                 )
-            dst[: payload.nbytes] = payload
+            else:
+                dst[: payload.nbytes] = payload
         self.status = (msg.source, msg.tag, msg.nbytes)
         self.t_done = t
 
@@ -136,7 +150,7 @@ class SimRequest:
             self._finish(status)
             eng.leave(r)
             return True
-        eng.poll_failed(r, (_describe_all, "Test", (self,)))
+        eng.poll_failed(r, (_describe_all, "Test", (self,)), self.t_done)
         eng.leave(r)
         return False
 
@@ -150,6 +164,8 @@ class SimRequest:
         self._active = False
         if status is not None and self.status is not None:
             status._fill(*self.status)
+        if self.error is not None:
+            raise self.error
 
     def __bool__(self) -> bool:
         return self._active
@@ -227,10 +243,12 @@ class SimComm:
                     return False
                 active.append(q)
         if active:
+            if len(active) > 1:
+                active = list({id(q): q for q in active}.values())  # a request listed twice completes once
             what = (_describe_all, "waitall", active)
             self._engine.wait(self._world_rank, active, len(active), what, True)
             for q in active:
-                q._active = False
+                q._finish(None)
         return True
 
     def subcomm(self, ranks: list[int]) -> SimComm:
@@ -338,9 +356,8 @@ class SimComm:
         sreq = self._post_send(payload, payload.nbytes, dest, sendtag, self._context)
         reqs = (rreq, sreq)
         eng.wait(r, reqs, 2, (_describe_all, "Sendrecv", reqs))
-        rreq._active = sreq._active = False
-        if status is not None and rreq.status is not None:
-            status._fill(*rreq.status)
+        sreq._active = False
+        rreq._finish(status)
 
     def Iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG, status: Any = None) -> bool:  # noqa: N802
         eng, r = self._engine, self._world_rank
@@ -533,7 +550,7 @@ class SimComm:
         self._children += 1
         k = self._children
         every = self.allgather((color, key))
-        if color is None or (isinstance(color, int) and color < 0):
+        if color is None or int(color) < 0:  # MPI.UNDEFINED (negative): not in any new communicator
             return None
         members = sorted((kk, r) for r, (c, kk) in enumerate(every) if c == color)
         group = [self._group[r] for _, r in members]
@@ -558,10 +575,12 @@ class SimComm:
         if not active:
             return True, None
         eng, r = self._engine, self._world_rank
-        qs = [reqs[i] for i in active]
+        qs = list({id(reqs[i]): reqs[i] for i in active}.values())
         eng.wait(r, qs, 1, (_describe_all, "waitany", qs), True)
         now = eng.now[r]
-        _, index = min((q.t_done, i) for i, q in zip(active, qs) if q.t_done is not None and q.t_done <= now)
+        _, index = min(
+            (reqs[i].t_done, i) for i in active if reqs[i].t_done is not None and reqs[i].t_done <= now
+        )
         reqs[index]._finish(status)
         return True, index
 

@@ -53,6 +53,13 @@ class SimDeadlock(HpcdlError, RuntimeError):
     """Every unfinished virtual rank waits and nothing is in flight; the message says who waits for what."""
 
 
+class _Stall(BaseException):
+    """Raised inside a rank at a polling stall; :meth:`Engine.run` turns it into :class:`SimDeadlock`.
+
+    A ``BaseException``, so that a rank's ``except Exception`` cannot swallow it.
+    """
+
+
 class SimAbort(BaseException):
     """Raised in a virtual rank by ``Abort``: ends the whole simulation with ``errorcode``."""
 
@@ -107,6 +114,8 @@ class _Rank:
     seg_start: float = 0.0  # perf_counter when its current compute segment began
     blocked: Any = None  # what it waits for (a _Wait), None when running or runnable
     polling: bool = False  # its last operation was a failed poll
+    poll_clean: bool = False  # nothing charged since its last failed poll (a pure polling loop)
+    token: int = 0  # its current wait; resume events of older waits are stale
     finished: bool = False
     result: Any = None
     last_op: Any = "start"  # a string or (function, *args): see _text
@@ -172,6 +181,7 @@ class Engine:
         self.events = 0
         self.t_progress = 0  # virtual time of the last delivery or completion
         self.direct: tuple[int, int] | None = None  # a resume taken straight from a delivery
+        self.closing = False  # tearing down: communicator calls end the calling rank
         self.compute_wall = 0.0  # wall seconds of the ranks' compute segments (the rest is the engine's)
         self.main: Any = None
         self._net_send = network.send  # bound once: called for every message
@@ -200,6 +210,8 @@ class Engine:
         failure: BaseException | None = None
         try:
             self._main_loop()
+        except _Stall as stall:
+            failure = SimDeadlock(str(stall))
         except BaseException as exc:  # noqa: BLE001  (a rank's error surfaces here; re-raised below)
             failure = exc
         finally:
@@ -226,11 +238,11 @@ class Engine:
             rk.seg_start = self._clock()
             try:
                 rk.result = target(r)
-            except (GreenletExit, SimAbort, SimDeadlock):
+            except (GreenletExit, SimAbort, _Stall):
                 raise
             except BaseException as exc:
                 raise RankFailure(r, exc) from exc
-            self.account(r)
+            self.account(r, True)  # a rank that polled last is not polling any more
             rk.finished = True
             rk.last_op = "returned"
             self.n_done += 1
@@ -250,13 +262,17 @@ class Engine:
                 if kind == _ARRIVE:
                     self._deliver(t, obj)
                     continue
+                if obj is not None and obj != self.ranks[k].token:
+                    continue  # the wait it would end is over
             self.now[k] = max(self.now[k], t)
             self.ranks[k].glet.switch()  # returns when a rank ends, or one meets an empty heap
 
     def _tear_down(self) -> None:
+        """End every unfinished rank; from now on any communicator call ends its rank at once."""
+        self.closing = True
         for rk in self.ranks:
             g = rk.glet
-            if g is not None and not g.dead:
+            while g is not None and not g.dead:
                 try:
                     g.throw(GreenletExit)
                 except GreenletExit:
@@ -281,7 +297,10 @@ class Engine:
         rk.seg_start = now
         if dt > 0:
             self.compute_wall += dt
-            self.now[r] += self._segment(r, dt)
+            charged = self._segment(r, dt)
+            if charged:
+                self.now[r] += charged
+                rk.poll_clean = False
         if progress and rk.polling:
             rk.polling = False
             self.n_waiting -= 1
@@ -297,6 +316,8 @@ class Engine:
     def charge(self, r: int, t: int) -> None:
         """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
         self.now[r] += t
+        if t:
+            self.ranks[r].poll_clean = False  # compute between two polls: no jump to the next event
 
     def sync(self, r: int) -> None:
         """Return once rank ``r`` is the earliest thing that can happen (it may run others first)."""
@@ -310,6 +331,8 @@ class Engine:
 
     def _stop(self, r: int) -> None:
         """Rank ``r`` cannot go on: take events until its own resume comes, switching to others."""
+        if self.closing:
+            raise GreenletExit
         heap = self.heap
         while heap or self.direct is not None:
             if self.direct is not None:
@@ -321,6 +344,8 @@ class Engine:
                 if kind == _ARRIVE:
                     self._deliver(t, obj)
                     continue
+                if obj is not None and obj != self.ranks[k].token:
+                    continue  # the wait it would end is over
             if t > self.now[k]:
                 self.now[k] = t
             if k != r:
@@ -343,24 +368,23 @@ class Engine:
         """
         if charge:
             self.account(r, True)
-        done = 0
-        for q in reqs:
-            if q.t_done is not None:
-                done += 1
-        if done < need:
-            rk = self.ranks[r]
-            rk.blocked = _Wait(reqs, need - done, what)
-            self.n_waiting += 1
-            for q in reqs:
-                if q.t_done is None:
-                    q.waiter = r
-            self._stop(r)
-        now = self.now[r]
+        rk = self.ranks[r]
         if need == 1:
+            # done when the earliest known completion is not in the future (a send's may be)
+            known = min((q.t_done for q in reqs if q.t_done is not None), default=None)
+            if known is None or known > self.now[r]:
+                self._block(rk, reqs, 1, what, known)
             t = min(q.t_done for q in reqs if q.t_done is not None)
-            if t > now:
+            if t > self.now[r]:
                 self.now[r] = t
         else:
+            done = 0
+            for q in reqs:
+                if q.t_done is not None:
+                    done += 1
+            if done < need:
+                self._block(rk, reqs, need - done, what, None)
+            now = self.now[r]
             for q in reqs:
                 if q.t_done > now:
                     now = q.t_done
@@ -374,8 +398,31 @@ class Engine:
                 self._stop(r)
         self.ranks[r].seg_start = self._clock()  # leave(r), inline
 
+    def _block(self, rk: _Rank, reqs: Sequence[Any], remaining: int, what: Any, until: int | None) -> None:
+        """Stop rank ``rk`` until ``remaining`` of ``reqs`` complete, or until tick ``until`` (if given)."""
+        r = rk.rank
+        rk.token += 1
+        rk.blocked = _Wait(reqs, remaining, what)
+        self.n_waiting += 1
+        for q in reqs:
+            if q.t_done is None:
+                q.waiter = r
+        if until is not None:  # a completion already known (a send's) ends the wait at the latest
+            self.seq += 1
+            heapq.heappush(self.heap, (until, r, self.seq, _RESUME, rk.token))
+        self._stop(r)
+        if rk.blocked is not None:  # resumed at ``until``, not by a completion
+            rk.blocked = None
+            self.n_waiting -= 1
+            for q in reqs:
+                if q.waiter == r:
+                    q.waiter = None
+        rk.token += 1  # a timer or wake-up of this wait still queued is stale now
+
     def enter(self, r: int) -> None:
         """Rank ``r`` calls the communicator: charge its compute, and wait for its turn."""
+        if self.closing:
+            raise GreenletExit
         self.account(r, True)
         heap = self.heap
         if heap:
@@ -385,12 +432,20 @@ class Engine:
                 self._push(t, r, _RESUME, None)
                 self._stop(r)
 
-    def poll_failed(self, r: int, what: Any) -> None:
-        """A failed ``Test``/``Iprobe`` of rank ``r``: advance its clock, and detect a stall."""
+    def poll_failed(self, r: int, what: Any, known: int | None = None) -> None:
+        """A failed ``Test``/``Iprobe`` of rank ``r``: advance its clock, and detect a stall.
+
+        A failed poll costs ``poll_cost``. When the rank polled before and computed nothing
+        since (a pure polling loop), nothing can change before the next event, so its clock
+        jumps there, but not past ``known`` (a completion time already known: a send's).
+        """
         rk = self.ranks[r]
         t = self.now[r] + self.poll_cost
-        if self.heap and self.heap[0][0] > t:
-            t = self.heap[0][0]  # nothing can change before the next event
+        if rk.polling and rk.poll_clean and self.heap and self.heap[0][0] > t:
+            t = self.heap[0][0]
+            if known is not None and t > known:
+                t = max(known, self.now[r] + self.poll_cost)
+        rk.poll_clean = True
         if not rk.polling:
             rk.polling = True
             self.n_waiting += 1
@@ -398,12 +453,14 @@ class Engine:
         if self.in_flight == 0 and self.n_waiting + self.n_done >= self.size:
             idle = t - self.t_progress
             if idle > self.stall:
-                raise SimDeadlock(
+                raise _Stall(
                     self.deadlock_report(
                         f"the ranks only poll, and nothing was delivered for {seconds(idle):.3g} virtual s"
                     )
                 )
-            t += max(self.poll_cost, idle)  # nothing can ever arrive: reach the stall limit in few steps
+            # nothing can ever arrive: reach the stall limit in ~10^4 polls, each step at most
+            # 1/1024 of the idle time (a wtime() timeout in the loop fires that late at most)
+            t += max(self.poll_cost, idle >> 10)
         self.now[r] = t
 
     def progressed(self, r: int) -> None:
@@ -484,7 +541,7 @@ class Engine:
                 self.direct = (t, r)  # the next thing to run anyway: skip the heap
             else:
                 self.seq += 1
-                heapq.heappush(heap, (t, r, self.seq, _RESUME, None))
+                heapq.heappush(heap, (t, r, self.seq, _RESUME, rk.token))
 
     # -- reports --------------------------------------------------------------------------------
 

@@ -195,3 +195,166 @@ def test_nonblocking_collectives_of_hpcdl_run_in_the_simulator() -> None:
     expected = sum(np.arange(100) + r for r in range(5))
     for out in result.results:
         np.testing.assert_array_equal(out, expected)
+
+
+# -- regressions found in review ----------------------------------------------------------------
+
+
+def _compute(seconds: float) -> None:
+    """Charge ``seconds`` of compute to this rank, as a cost table does for a layer."""
+    w = hc.world()
+    w._engine.charge(w._world_rank, round(seconds * TICKS_PER_SECOND))
+
+
+def test_compute_between_polls_overlaps_the_transfer() -> None:
+    """Test() between layers must not jump the clock: 10 x 0.1 ms of compute hide a 1 ms message."""
+
+    def body():
+        comm = hc.world()
+        buf = np.zeros(10**6, dtype=np.uint8)
+        if comm.Get_rank() == 1:
+            comm.Send(buf, dest=0, tag=1)
+            return None
+        req = comm.Irecv(buf, source=1, tag=1)
+        for _ in range(10):
+            _compute(1e-4)
+            req.Test()
+        t = hc.wtime()
+        req.Wait()
+        return t, hc.wtime()
+
+    t_compute, t_done = run(2, body).results[0]
+    assert t_compute == pytest.approx(1e-3 + 10 * 1e-7, abs=1e-12)  # 10 x (0.1 ms + one failed poll)
+    assert t_done == pytest.approx(1e-6 + 1e-3, abs=1e-12)  # the arrival: compute hid the transfer
+
+
+def test_a_polled_send_completes_when_its_nic_is_done() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            req = comm.Isend(np.zeros(10**6, dtype=np.uint8), dest=1)
+            while not req.Test():
+                pass
+            return hc.wtime()
+        _compute(10e-3)
+        comm.Recv(np.zeros(10**6, dtype=np.uint8), source=0)
+        return None
+
+    assert run(2, body, network=LineNet(alpha_s=1e-3)).results[0] == pytest.approx(1e-3, abs=2e-9)
+
+
+def test_a_rank_that_polled_and_returned_is_not_a_stall() -> None:
+    def body():
+        comm = hc.world()
+        buf = np.zeros(1, dtype=np.uint8)
+        if comm.Get_rank() == 0:
+            comm.Iprobe()
+            return "done"
+        if comm.Get_rank() == 1:
+            req = comm.Irecv(buf, source=2)
+            while not req.Test():
+                pass
+            return hc.wtime()
+        _compute(2.0)
+        comm.Send(buf, dest=1)
+        return None
+
+    assert run(3, body, stall_s=1.0).results[1] == pytest.approx(2.0 + 1e-6, abs=1e-8)
+
+
+def test_waitany_takes_the_receive_done_before_a_long_send() -> None:
+    def body():
+        comm = hc.world()
+        big = np.zeros(10**6, dtype=np.uint8)
+        if comm.Get_rank() == 0:
+            reqs = [comm.Isend(big, dest=1, tag=1), comm.Irecv(np.zeros(1, dtype=np.uint8), source=1, tag=2)]
+            index = hc.waitany(reqs)
+            t = hc.wtime()
+            hc.waitall(reqs)
+            return index, t
+        comm.Send(np.zeros(1, dtype=np.uint8), dest=0, tag=2)
+        comm.Recv(big, source=0, tag=1)
+        return None
+
+    index, t = run(2, body).results[0]
+    assert index == 1 and t == pytest.approx(1e-6 + 1e-9, abs=1e-12)
+
+
+def test_a_wtime_timeout_in_a_polling_loop_fires_on_time() -> None:
+    def body():
+        comm = hc.world()
+        t0 = hc.wtime()
+        while hc.wtime() - t0 < 0.5:
+            comm.Iprobe()
+        return hc.wtime()
+
+    for t in run(2, body, stall_s=10.0).results:
+        assert 0.5 <= t < 0.5 * (1 + 2 / 1024)
+
+
+def test_truncation_is_reported_on_the_receiving_rank() -> None:
+    def body():
+        comm = hc.world()
+        rank = comm.Get_rank()
+        if rank == 0:
+            comm.Recv(np.zeros(1, dtype=np.uint8), source=1)
+        elif rank == 1:
+            comm.Send(np.zeros(8, dtype=np.uint8), dest=0)
+            comm.Recv(np.zeros(1, dtype=np.uint8), source=2)  # blocked: it takes the arrival itself
+        else:
+            _compute(1.0)
+            comm.Send(np.zeros(1, dtype=np.uint8), dest=1)
+
+    with pytest.raises(RankFailure, match="message truncated: 8 bytes from rank 1") as info:
+        run(3, body)
+    assert info.value.rank == 0
+
+
+def test_a_stall_cannot_be_swallowed_by_the_ranks_code() -> None:
+    def body():
+        comm = hc.world()
+        for _ in range(3):
+            try:
+                while not comm.Iprobe():
+                    pass
+            except Exception:  # noqa: BLE001  (a retry loop, as fault-tolerant code writes them)
+                continue
+        return "gave up"
+
+    with pytest.raises(SimDeadlock, match="only poll"):
+        run(2, body, stall_s=0.01)
+
+
+def test_teardown_ends_ranks_that_call_the_communicator_in_finally() -> None:
+    log = []
+
+    def body():
+        comm = hc.world()
+        rank = comm.Get_rank()
+        try:
+            if rank == 0:
+                _compute(1e-3)
+                comm.Iprobe()  # the others run first, and block
+                raise KeyError("boom")
+            comm.Recv(np.zeros(1, dtype=np.uint8), source=0)
+        finally:
+            log.append(rank)
+            if rank != 0:
+                comm.Recv(np.zeros(1, dtype=np.uint8), source=3 - rank)  # never completes
+
+    with pytest.raises(RankFailure):
+        run(3, body)
+    assert sorted(log) == [0, 1, 2]
+
+
+def test_a_request_listed_twice_completes_once() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            req = comm.Irecv(np.zeros(1, dtype=np.uint8), source=1)
+            hc.waitall([req, req])
+            return "ok"
+        comm.Send(np.zeros(1, dtype=np.uint8), dest=0)
+        return "ok"
+
+    assert run(2, body).results == ["ok", "ok"]
