@@ -20,9 +20,10 @@ The engine is a conservative, sequential discrete-event simulator:
 * a rank that waits for something not yet there blocks; the arrival that completes its
   wait queues its resume. A rank that must stop does not go back to a scheduler: it takes
   the next events itself and switches straight to the next rank to run.
-* a failed ``Test``/``Iprobe`` costs ``poll_cost``; nothing can change before the next
-  event, so the clock then jumps to that event's time (a pure polling loop costs one
-  iteration per event, not one per ``poll_cost``).
+* a failed ``Test``/``Iprobe`` costs ``poll_cost``; in a pure polling loop (nothing
+  charged since the rank's last failed poll) nothing can change before the next event,
+  so the clock then jumps to that event's time (one iteration per event, not one per
+  ``poll_cost``), but not past a completion already known (a send's).
 
 The run ends when every rank has returned, when one raises (the others are torn down and
 the error reported with its rank), or in a **deadlock**: every unfinished rank blocked, or
