@@ -390,13 +390,7 @@ class Engine:
                 if q.t_done > now:
                     now = q.t_done
             self.now[r] = now
-        heap = self.heap  # sync(r), inline
-        if heap:
-            top = heap[0]
-            t = self.now[r]
-            if top[0] < t or (top[0] == t and top[1] <= r):
-                self._push(t, r, _RESUME, None)
-                self._stop(r)
+        self.sync(r)
         self.ranks[r].seg_start = self._clock()  # leave(r), inline
 
     def _block(self, rk: _Rank, reqs: Sequence[Any], remaining: int, what: Any, until: int | None) -> None:
@@ -425,13 +419,7 @@ class Engine:
         if self.closing:
             raise GreenletExit
         self.account(r, True)
-        heap = self.heap
-        if heap:
-            top = heap[0]
-            t = self.now[r]
-            if top[0] < t or (top[0] == t and top[1] <= r):  # arrivals to r at t come first
-                self._push(t, r, _RESUME, None)
-                self._stop(r)
+        self.sync(r)
 
     def poll_failed(self, r: int, what: Any, known: int | None = None) -> None:
         """A failed ``Test``/``Iprobe`` of rank ``r``: advance its clock, and detect a stall.
