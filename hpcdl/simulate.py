@@ -16,7 +16,7 @@ import time
 import traceback
 from typing import Any
 
-from hpcdl.cli import EXIT_USAGE, ArgumentParser, parse_args
+from hpcdl.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.runlog import peak_rss_mb
 
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except RankFailure as failure:
         exc = failure.exc
+        if isinstance(exc, HelpRequested):  # the command's --help, printed by the first rank
+            return exc.status
         if isinstance(exc, HpcdlError):
             print(f"{args.module}: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_USAGE

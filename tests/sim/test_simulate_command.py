@@ -53,6 +53,12 @@ def test_a_user_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str
     assert len(err) == 1 and "unknown config key 'nope'" in err[0]
 
 
+def test_the_commands_help_is_printed_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-n", "3", "-m", "hpcdl.train", "--help"]) == 0
+    out = capsys.readouterr()
+    assert out.out.count("usage: python -m hpcdl.train") == 1 and "Traceback" not in out.err
+
+
 def test_bad_options_of_the_simulator_itself() -> None:
     from hpcdl.errors import ConfigError
 
