@@ -142,6 +142,9 @@ class SimRequest:
     def Test(self, status: Any = None) -> bool:  # noqa: N802
         """True when complete at this rank's current virtual time (a failed test costs ``poll_cost``)."""
         comm = self.comm
+        if not self._active:  # completed and reported before: MPI's inactive request
+            self._empty(status)
+            return True
         eng, r = comm._engine, comm._world_rank
         eng.account(r)
         eng.sync(r)
@@ -157,8 +160,16 @@ class SimRequest:
     def Wait(self, status: Any = None) -> None:  # noqa: N802
         """Block (in virtual time) until complete."""
         comm = self.comm
+        if not self._active:
+            self._empty(status)
+            return
         comm._engine.wait(comm._world_rank, (self,), 1, (_describe_all, "Wait", (self,)), True)
         self._finish(status)
+
+    def _empty(self, status: Any) -> None:
+        """MPI's empty status (an inactive request's): any source, any tag, no bytes."""
+        if status is not None:
+            status._fill(self.comm._any_source, self.comm._any_tag, 0)
 
     def _finish(self, status: Any) -> None:
         self._active = False

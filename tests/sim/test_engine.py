@@ -358,3 +358,19 @@ def test_a_request_listed_twice_completes_once() -> None:
         return "ok"
 
     assert run(2, body).results == ["ok", "ok"]
+
+
+def test_an_inactive_request_tests_true_with_an_empty_status() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            req = comm.Irecv(np.zeros(1), source=1, tag=3)
+            req.Wait()
+            status = hc.Status()
+            assert not req and req.Test(status)
+            req.Wait(status)
+            return status.Get_source() == hc.ANY_SOURCE, status.Get_tag() == hc.ANY_TAG, status.Get_count()
+        comm.Send(np.zeros(1), dest=0, tag=3)
+        return None
+
+    assert run(2, body).results[0] == (True, True, 0)
