@@ -208,6 +208,7 @@ class SimComm:
         self._rank = self._group.index(world_rank)
         self._size = len(self._group)
         self._children = 0  # Dup/Split counter: the same on every member (collective calls)
+        self._iallreduces = 0  # nonblocking allreduces started: each gets its own tag
         self._groups: dict[tuple[int, ...], int] = {}
         self._freed = False
         (self._any_source, self._any_tag, self._in_place, self._sum, self._max, self._min) = _constants()
@@ -465,8 +466,8 @@ class SimComm:
         from hpcdl.comm.collectives.schedule import CollRequest
 
         src, dst = self._pair(sendbuf, recvbuf, None)
-        self._children_tag = getattr(self, "_children_tag", 0) + 1  # keep concurrent ones apart
-        tag = 1000 + self._children_tag % 30000
+        self._iallreduces += 1  # keep concurrent ones apart
+        tag = 1000 + self._iallreduces % 30000
         return CollRequest(self._allreduce_schedule(src, dst, self._op(op), tag), "Iallreduce")
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:  # noqa: N802
@@ -635,8 +636,6 @@ class _CollView:
     def Irecv(self, buf: Any, source: int, tag: int = 0) -> SimRequest:  # noqa: N802
         return self._comm._crecv(buf, source, tag)
 
-    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> Any:  # noqa: N802
-        return self._comm.Iallreduce(sendbuf, recvbuf, op)
 
 
 def _describe_probe(source: int, tag: int, where: str) -> str:

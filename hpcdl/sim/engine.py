@@ -252,21 +252,32 @@ class Engine:
         return body
 
     def _main_loop(self) -> None:
-        """Take events until the heap is empty (ranks run from here or switch among themselves)."""
-        while self.heap or self.direct is not None:
+        """Take events until none is left (ranks run from here or switch among themselves)."""
+        while (k := self._next()) is not None:
+            self.ranks[k].glet.switch()  # returns when a rank ends, or one meets an empty heap
+
+    def _next(self) -> int | None:
+        """Take events until one resumes a rank; set its clock and return it (None: none left).
+
+        Arrivals are delivered on the way; resume events of waits already over are skipped.
+        """
+        heap = self.heap
+        while heap or self.direct is not None:
             if self.direct is not None:
                 t, k = self.direct
                 self.direct = None
             else:
-                t, k, _, kind, obj = heapq.heappop(self.heap)
+                t, k, _, kind, obj = heapq.heappop(heap)
                 self.events += 1
                 if kind == _ARRIVE:
                     self._deliver(t, obj)
                     continue
                 if obj is not None and obj != self.ranks[k].token:
                     continue  # the wait it would end is over
-            self.now[k] = max(self.now[k], t)
-            self.ranks[k].glet.switch()  # returns when a rank ends, or one meets an empty heap
+            if t > self.now[k]:
+                self.now[k] = t
+            return k
+        return None
 
     def _tear_down(self) -> None:
         """End every unfinished rank; from now on any communicator call ends its rank at once."""
@@ -334,26 +345,11 @@ class Engine:
         """Rank ``r`` cannot go on: take events until its own resume comes, switching to others."""
         if self.closing:
             raise GreenletExit
-        heap = self.heap
-        while heap or self.direct is not None:
-            if self.direct is not None:
-                t, k = self.direct
-                self.direct = None
-            else:
-                t, k, _, kind, obj = heapq.heappop(heap)
-                self.events += 1
-                if kind == _ARRIVE:
-                    self._deliver(t, obj)
-                    continue
-                if obj is not None and obj != self.ranks[k].token:
-                    continue  # the wait it would end is over
-            if t > self.now[k]:
-                self.now[k] = t
-            if k != r:
-                self.ranks[k].glet.switch()  # comes back when someone takes r's resume event
-            break
-        else:
+        k = self._next()
+        if k is None:
             self.main.switch()  # nothing left: run() reports the deadlock and tears r down
+        elif k != r:
+            self.ranks[k].glet.switch()  # comes back when someone takes r's resume event
         self.ranks[r].seg_start = self._clock()
 
     # -- blocking and polling -------------------------------------------------------------------
@@ -490,16 +486,6 @@ class Engine:
             self.unexpected[key] = [msg]
         else:
             queue.append(msg)
-
-    def match_unexpected(self, req: Any) -> Any:
-        """The first unexpected message ``req`` takes (removed), or None."""
-        queue = self.unexpected.get(req.key)
-        if queue:
-            for i, msg in enumerate(queue):
-                if req.matches(msg):
-                    del queue[i]
-                    return msg
-        return None
 
     def probe_unexpected(self, key: Any, matches: Callable[[Any], bool]) -> Any:
         """The first unexpected message of ``key`` that ``matches``, left in place; or None."""
