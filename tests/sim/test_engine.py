@@ -94,16 +94,17 @@ def test_a_deadlock_names_what_each_rank_waits_for() -> None:
 
 
 def test_polling_for_what_never_comes_is_a_stall() -> None:
+    polls = [0]
+
     def body():
         comm = hc.world()
         if comm.Get_rank() == 0:
             while not comm.Iprobe(source=1, tag=7):
-                pass
+                polls[0] += 1
 
-    t0 = time.perf_counter()
     with pytest.raises(SimDeadlock, match=r"only poll(.|\n)*rank 0 at t=.*Iprobe\(source=1, tag=7\)"):
         run(2, body, stall_s=5.0)
-    assert time.perf_counter() - t0 < 10  # the stall is reached in few steps, not 5 s / poll cost
+    assert polls[0] < 50_000  # the stall is reached in few steps, not 5 s / poll cost = 5e7
 
 
 def test_a_failing_rank_ends_the_run_with_its_number() -> None:
@@ -177,7 +178,7 @@ def test_measured_compute_moves_the_clock() -> None:
         return hc.wtime() - t0
 
     result = run(2, body, compute=Measured())
-    assert all(0.05 <= dt < 0.5 for dt in result.results)
+    assert all(dt >= 0.05 for dt in result.results)  # the sleep is charged (no bound above: load varies)
 
 
 def test_nonblocking_collectives_of_hpcdl_run_in_the_simulator() -> None:
