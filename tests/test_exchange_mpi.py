@@ -149,7 +149,7 @@ def test_accumulation_averages_over_ranks_and_micro_steps(name: str) -> None:
 @pytest.mark.parametrize("compression", ["float16", "bfloat16"])
 def test_bucketed_compression_rounds_once_after_a_float32_sum(compression: str) -> None:
     """The mean of N 2-byte gradients, summed in float32 and rounded once, over several buckets."""
-    from hpcdl.comm.collectives.widening import narrow
+    from hpcdl.comm.pack import narrow_into as narrow
 
     comm = world()
     size = comm.Get_size()

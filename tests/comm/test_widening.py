@@ -17,8 +17,10 @@ import pytest
 import hpcdl.comm as hc
 from hpcdl.comm import Communicator
 from hpcdl.comm.collectives import Collectives, CollRequest
-from hpcdl.comm.collectives.widening import allreduce, narrow, widen
+from hpcdl.comm.collectives.widening import allreduce
 from hpcdl.comm.pack import _bfloat16_bits
+from hpcdl.comm.pack import narrow_into as narrow
+from hpcdl.comm.pack import widen_into as widen
 
 from .test_mpi_conformance import run_everywhere
 

@@ -29,20 +29,10 @@ from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
 from hpcdl.comm.pack import narrow_into, widen_into
 
-__all__ = ["WIRE_FORMATS", "allreduce", "narrow", "widen"]
+__all__ = ["WIRE_FORMATS", "allreduce"]
 
 #: compressed formats this allreduce sums, and the dtype of their buffers
 WIRE_FORMATS: dict[str, np.dtype] = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
-
-
-def widen(wire: str, chunk: Any, out: Any) -> Any:
-    """``out[...] = chunk`` as float32 values (``chunk`` in ``wire`` format); returns ``out``."""
-    return widen_into(wire, chunk, out)
-
-
-def narrow(wire: str, values: Any, out: Any) -> Any:
-    """``out[...] =`` the float32 ``values`` rounded to nearest even in ``wire`` format."""
-    return narrow_into(wire, values, out)
 
 
 def allreduce(
@@ -65,12 +55,12 @@ def allreduce(
     counts = chunk_counts(dst.size, size)
     off = chunk_offsets(counts)
     mine = slice(off[rank], off[rank + 1])
-    acc = widen(wire, src[mine], alloc(src, counts[rank], np.float32))
+    acc = widen_into(wire, src[mine], alloc(src, counts[rank], np.float32))
     tmp = alloc(src, counts[rank], np.float32)
     inbox = alloc(src, counts[rank])
     for k in range(1, size):
         dest, source = (rank + k) % size, (rank - k) % size
         yield sendrecv(comm, src[off[dest] : off[dest + 1]], dest, inbox, source, tag)
-        acc += widen(wire, inbox, tmp)
-    narrow(wire, acc, dst[mine])  # src is read no more: in place is safe from here
+        acc += widen_into(wire, inbox, tmp)
+    narrow_into(wire, acc, dst[mine])  # src is read no more: in place is safe from here
     yield from _ring_allgather(comm, dst, tag, counts)
