@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
-from hpcdl.comm.collectives.fold import fold_in, fold_out, new_rank, old_rank, split_pof2
+from hpcdl.comm.collectives.buffers import Alloc, scratch
+from hpcdl.comm.collectives.fold import folded, old_rank
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
 
@@ -21,16 +21,8 @@ def allreduce(
     comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Alloc = scratch
 ) -> Schedule:
     """Recursive-doubling allreduce of the flat ``src`` into the flat ``dst`` (in place if same)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1 or dst.size == 0:
-        if src is not dst:
-            dst[...] = src
-        return
-    reduce = reduction(op, dst)
-    pof2, rem = split_pof2(size)
-    cur = (yield from fold_in(comm, src, dst, reduce, tag, alloc)) if rem else src  # no fold: no generator
-    if cur is not None:
-        newrank = new_rank(rank, rem)
+
+    def core(cur: Any, newrank: int, pof2: int, rem: int, reduce: Any) -> Schedule:
         theirs = alloc(dst, dst.size)
         mask = 1
         while mask < pof2:
@@ -39,5 +31,5 @@ def allreduce(
             reduce(cur, theirs, out=dst)
             cur = dst
             mask <<= 1
-    if rem:
-        yield from fold_out(comm, dst, tag)
+
+    return folded(comm, src, dst, op, tag, alloc, core)

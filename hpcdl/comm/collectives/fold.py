@@ -9,14 +9,14 @@ and all ranks from ``2 * rem`` on) run the power-of-two algorithm under new rank
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import Alloc, scratch
+from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
 from hpcdl.comm.collectives.schedule import Schedule
 from hpcdl.comm.contract import Communicator, Request
 
-__all__ = ["fold_in", "fold_out", "new_rank", "old_rank", "split_pof2"]
+__all__ = ["fold_in", "fold_out", "folded", "new_rank", "old_rank", "split_pof2"]
 
 
 def split_pof2(size: int) -> tuple[int, int]:
@@ -69,3 +69,29 @@ def fold_out(comm: Communicator, dst: Any, tag: int) -> Schedule:
             yield [comm.Irecv(dst, source=rank + 1, tag=tag)]
         else:
             yield [comm.Isend(dst, dest=rank - 1, tag=tag)]
+
+
+#: The power-of-two part of an allreduce: ``core(cur, newrank, pof2, rem, reduce)`` reduces
+#: ``cur`` (this rank's vector, after the fold) into ``dst`` among the ``pof2`` ranks.
+Core = Callable[[Any, int, int, int, Any], Schedule]
+
+
+def folded(comm: Communicator, src: Any, dst: Any, op: Any, tag: int, alloc: Alloc, core: Core) -> Schedule:
+    """An allreduce of ``src`` into ``dst`` by a power-of-two algorithm ``core``, folded around it.
+
+    One rank or an empty vector: a copy. Otherwise the extra ranks fold in, the ``pof2``
+    ranks run ``core`` (its new rank, ``reduce`` the ufunc of ``op``), and the extra ranks
+    get the result back.
+    """
+    size = comm.Get_size()
+    if size == 1 or dst.size == 0:
+        if src is not dst:
+            dst[...] = src
+        return
+    reduce = reduction(op, dst)
+    pof2, rem = split_pof2(size)
+    cur = (yield from fold_in(comm, src, dst, reduce, tag, alloc)) if rem else src  # no fold: no generator
+    if cur is not None:
+        yield from core(cur, new_rank(comm.Get_rank(), rem), pof2, rem, reduce)
+    if rem:
+        yield from fold_out(comm, dst, tag)

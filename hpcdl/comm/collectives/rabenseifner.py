@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, reduction, scratch
-from hpcdl.comm.collectives.fold import fold_in, fold_out, new_rank, old_rank, split_pof2
+from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, scratch
+from hpcdl.comm.collectives.fold import folded, old_rank
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
 
@@ -25,16 +25,8 @@ def allreduce(
     comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Alloc = scratch
 ) -> Schedule:
     """Rabenseifner's allreduce of the flat ``src`` into the flat ``dst`` (in place if same)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1 or dst.size == 0:
-        if src is not dst:
-            dst[...] = src
-        return
-    reduce = reduction(op, dst)
-    pof2, rem = split_pof2(size)
-    cur = (yield from fold_in(comm, src, dst, reduce, tag, alloc)) if rem else src  # no fold: no generator
-    if cur is not None:
-        newrank = new_rank(rank, rem)
+
+    def core(cur: Any, newrank: int, pof2: int, rem: int, reduce: Any) -> Schedule:
         off = chunk_offsets(chunk_counts(dst.size, pof2))
         theirs = alloc(dst, off[pof2 // 2])  # the larger half: the first blocks are longer
         # reduce-scatter by recursive halving: keep [lo, hi), a range of blocks halved each step
@@ -66,5 +58,5 @@ def allreduce(
                 tag,
             )
             mask <<= 1
-    if rem:
-        yield from fold_out(comm, dst, tag)
+
+    return folded(comm, src, dst, op, tag, alloc, core)
