@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import socket
 import statistics
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl.atomic import write_text_atomic
 from hpcdl.bench.allreduce import parse_size
 from hpcdl.comm import Communicator, world, wtime
 from hpcdl.errors import ConfigError
@@ -189,17 +189,8 @@ def _check_out(out: Path) -> str | None:
 
 
 def _write(text: str, out: Path) -> None:
-    """Write ``text`` to ``out`` atomically (a temporary file beside it, then a rename)."""
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(
-            f"cannot write the network file {out} ({err.strerror or err}): give an --out path in a "
-            "writable directory"
-        ) from None
+    """Write ``text`` to ``out`` atomically."""
+    write_text_atomic(out, text, what="the network file", fix="give an --out path in a writable directory")
 
 
 def calibrate(

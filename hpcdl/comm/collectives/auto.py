@@ -38,6 +38,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from hpcdl.atomic import write_text_atomic
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
 
@@ -370,17 +371,8 @@ def save_table(table: AutoTable, path: str | os.PathLike[str]) -> None:
     Raises:
         ConfigError: the file cannot be written.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(_dumps(table.to_dict()) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(
-            f"cannot write the auto table {path} ({err.strerror or err}): give a --table path in a "
-            "writable directory"
-        ) from None
+    text = _dumps(table.to_dict()) + "\n"
+    write_text_atomic(path, text, what="the auto table", fix="give a --table path in a writable directory")
 
 
 def load_table_bcast(
