@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar, Token
 from typing import Any
 
@@ -123,16 +123,32 @@ def waitall(reqs: Sequence[Request | None]) -> None:
     Args:
         reqs: requests; ``None`` and inactive (falsy) entries are skipped.
     """
-    hook = _world_hook("waitall")
-    if hook is not None:
-        if hook(reqs):  # a simulated world blocks in virtual time when it can
-            return
-    else:
-        from hpcdl.comm import mpi
+    waiter()(reqs)
 
-        if mpi.all_requests(reqs):
-            mpi.waitall(reqs)
-            return
+
+def waiter() -> Callable[[Sequence[Request | None]], None]:
+    """:func:`waitall` for the current world, resolved once (for a loop that waits many times)."""
+    hook = _world_hook("waitall")
+    if hook is None:
+        return _waitall_mpi
+
+    def wait(reqs: Sequence[Request | None]) -> None:
+        if not hook(reqs):  # a simulated world blocks in virtual time when it can
+            _waitall_polling(reqs)
+
+    return wait
+
+
+def _waitall_mpi(reqs: Sequence[Request | None]) -> None:
+    from hpcdl.comm import mpi
+
+    if mpi.all_requests(reqs):
+        mpi.waitall(reqs)
+    else:
+        _waitall_polling(reqs)
+
+
+def _waitall_polling(reqs: Sequence[Request | None]) -> None:
     pending = [reqs[i] for i in _active(reqs)]
     while len(pending) > 1:
         pending = [r for r in pending if not r.Test()]

@@ -73,6 +73,22 @@ def test_collrequest_advances_round_by_round() -> None:
     assert "inactive" in repr(req)
 
 
+def test_collrequest_calls_on_done_once_when_the_schedule_ends() -> None:
+    done: list[str] = []
+
+    def schedule():
+        yield [Countdown(2)]
+        yield [Countdown(2)]
+
+    req = CollRequest(schedule(), "demo", on_done=lambda: done.append("released"))
+    assert not req.Test() and done == []
+    assert not req.Test() and done == []
+    assert req.Test() and done == ["released"]
+    assert req.Test() and done == ["released"]  # reported again: not released twice
+    CollRequest(iter(()), on_done=lambda: done.append("empty"))  # no rounds: done at once
+    assert done == ["released", "empty"]
+
+
 def test_collrequest_stays_active_until_reported() -> None:
     """A schedule that ends at once (one rank, empty buffer) is still reported once, by waitany."""
 
@@ -224,8 +240,8 @@ def test_workspace_reuses_and_bounds_its_buffers() -> None:
 
 
 def test_a_failed_schedule_keeps_its_buffers_out_of_the_pool() -> None:
-    from hpcdl.comm.collectives.api import _leased
     from hpcdl.comm.collectives.buffers import Workspace
+    from hpcdl.comm.collectives.schedule import CollRequest
 
     ws = Workspace()
     lease = ws.lease()
@@ -235,8 +251,7 @@ def test_a_failed_schedule_keeps_its_buffers_out_of_the_pool() -> None:
         yield []
         raise ZeroDivisionError("in the reduction")
 
-    gen = _leased(failing(), lease)
-    next(gen)
+    req = CollRequest(failing(), on_done=lease.release)
     with pytest.raises(ZeroDivisionError):
-        next(gen)
+        req.Test()
     assert ws.nbytes == 0  # a receive might still write there: not reused

@@ -11,7 +11,6 @@ from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree, 
 from hpcdl.comm.collectives.auto import AutoTable, load_table
 from hpcdl.comm.collectives.buffers import (
     Alloc,
-    Lease,
     Reduction,
     Workspace,
     check_pair,
@@ -146,7 +145,7 @@ class Collectives:
         tag = self._seq % TAG_SPAN
         self._seq += 1
         lease = self._workspace.lease()
-        req = CollRequest(_leased(make(comm, tag, lease), lease), name)
+        req = CollRequest(make(comm, tag, lease), name, on_done=lease.release)
         if not req.finished:
             if len(self._inflight) >= 64:  # forget the completed ones now and then
                 self._inflight = [r for r in self._inflight if not r.finished]
@@ -388,9 +387,3 @@ def _check_root(root: int, comm: Communicator) -> int:
     if not 0 <= root < size:
         raise ValueError(f"root must be a rank in [0, {size}) (got {root})")
     return int(root)
-
-
-def _leased(schedule: Schedule, lease: Lease) -> Schedule:
-    """Run ``schedule``, then give its scratch buffers back (not after an error: see Workspace)."""
-    yield from schedule
-    lease.release()

@@ -25,8 +25,7 @@ def _ring_reduce_scatter(
     src: Any,
     reduce: Any,
     tag: int,
-    counts: list[int],
-    target: Callable[[int, int], Any],
+    target: Callable[[int, int, int], Any],
     alloc: Alloc = scratch,
 ) -> Schedule:
     """The rounds of a ring reduce-scatter of ``src``; rank r ends with chunk r in ``target``.
@@ -34,42 +33,45 @@ def _ring_reduce_scatter(
     Round ``step`` sends the partial sum of chunk ``(rank - step - 1) % size`` (at step 0,
     this rank's own contribution) and receives the partial sum of chunk
     ``(rank - step - 2) % size``, adds its own contribution and stores it in
-    ``target(step, chunk)``, which is what the next round sends.
+    ``target(step, lo, hi)`` (the chunk is ``[lo, hi)`` of the vector), which is what the
+    next round sends. Chunk bounds are computed, not looked up: at 1,024 ranks, tables of
+    offsets per rank no longer fit in the cache of a simulation.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     source, dest = (rank - 1) % size, (rank + 1) % size
-    off = chunk_offsets(counts)
-    inbox = alloc(src, max(counts))
-    send_chunk = (rank - 1) % size
-    outgoing = src[off[send_chunk] : off[send_chunk + 1]]
+    q, r = divmod(src.size, size)  # chunk c is [c q + min(c, r), ...) with q + (c < r) elements
+    inbox = alloc(src, q + (r > 0))
+    c = (rank - 1) % size
+    lo = c * q + (c if c < r else r)
+    outgoing = src[lo : lo + q + (c < r)]
     for step in range(size - 1):
-        chunk = (rank - step - 2) % size
-        count = counts[chunk]
-        yield sendrecv(comm, outgoing, dest, inbox[:count], source, tag)
-        partial = target(step, chunk)
-        reduce(src[off[chunk] : off[chunk + 1]], inbox[:count], out=partial)
+        c = (rank - step - 2) % size
+        lo = c * q + (c if c < r else r)
+        hi = lo + q + (c < r)
+        incoming = inbox[: hi - lo]
+        yield sendrecv(comm, outgoing, dest, incoming, source, tag)
+        partial = target(step, lo, hi)
+        reduce(src[lo:hi], incoming, out=partial)
         outgoing = partial
 
 
-def _ring_allgather(comm: Communicator, dst: Any, tag: int, counts: list[int]) -> Schedule:
+def _ring_allgather(comm: Communicator, dst: Any, tag: int) -> Schedule:
     """The rounds of a ring allgather in ``dst``, where rank r's chunk r is already in place.
 
     Round ``step`` sends chunk ``(rank - step) % size`` and receives chunk
-    ``(rank - step - 1) % size``, straight into its place in ``dst``.
+    ``(rank - step - 1) % size``, straight into its place in ``dst`` (chunks as
+    :func:`~hpcdl.comm.collectives.buffers.chunk_counts` cuts them).
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     source, dest = (rank - 1) % size, (rank + 1) % size
-    off = chunk_offsets(counts)
+    q, r = divmod(dst.size, size)
+    c = rank
+    lo = c * q + (c if c < r else r)
     for step in range(size - 1):
-        out_chunk, in_chunk = (rank - step) % size, (rank - step - 1) % size
-        yield sendrecv(
-            comm,
-            dst[off[out_chunk] : off[out_chunk + 1]],
-            dest,
-            dst[off[in_chunk] : off[in_chunk + 1]],
-            source,
-            tag,
-        )
+        out_lo, out_hi = lo, lo + q + (c < r)
+        c = (rank - step - 1) % size
+        lo = c * q + (c if c < r else r)
+        yield sendrecv(comm, dst[out_lo:out_hi], dest, dst[lo : lo + q + (c < r)], source, tag)
 
 
 def allreduce(
@@ -81,14 +83,12 @@ def allreduce(
         if src is not dst:
             dst[...] = src
         return
-    counts = chunk_counts(dst.size, size)
-    off = chunk_offsets(counts)
 
-    def in_dst(step: int, chunk: int) -> Any:
-        return dst[off[chunk] : off[chunk + 1]]
+    def in_dst(step: int, lo: int, hi: int) -> Any:
+        return dst[lo:hi]
 
-    yield from _ring_reduce_scatter(comm, src, reduction(op, dst), tag, counts, in_dst, alloc)
-    yield from _ring_allgather(comm, dst, tag, counts)
+    yield from _ring_reduce_scatter(comm, src, reduction(op, dst), tag, in_dst, alloc)
+    yield from _ring_allgather(comm, dst, tag)
 
 
 def reduce_scatter(
@@ -109,10 +109,10 @@ def reduce_scatter(
         return
     acc = alloc(src, max(counts))
 
-    def partial(step: int, chunk: int) -> Any:
-        return out if step == size - 2 else acc[: counts[chunk]]
+    def partial(step: int, lo: int, hi: int) -> Any:
+        return out if step == size - 2 else acc[: hi - lo]
 
-    yield from _ring_reduce_scatter(comm, src, reduction(op, src), tag, counts, partial, alloc)
+    yield from _ring_reduce_scatter(comm, src, reduction(op, src), tag, partial, alloc)
 
 
 def allgather(comm: Communicator, mine: Any, dst: Any, tag: int) -> Schedule:
@@ -127,4 +127,4 @@ def allgather(comm: Communicator, mine: Any, dst: Any, tag: int) -> Schedule:
         dst[off[rank] : off[rank + 1]] = mine
     if size == 1 or dst.size == 0:
         return
-    yield from _ring_allgather(comm, dst, tag, counts)
+    yield from _ring_allgather(comm, dst, tag)

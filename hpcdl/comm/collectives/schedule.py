@@ -10,10 +10,10 @@ happens only inside ``Test()``/``Wait()``, which a greenlet of the simulator run
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
-from hpcdl.comm.context import waitall
+from hpcdl.comm.context import waiter
 from hpcdl.comm.contract import Request
 
 __all__ = ["CollRequest", "Schedule", "sendrecv"]
@@ -45,14 +45,18 @@ class CollRequest:
     Args:
         schedule: the collective's generator (see :data:`Schedule`).
         name: what the collective is, for ``repr`` and error messages.
+        on_done: called once when the schedule has run to its end (not after an error).
     """
 
-    __slots__ = ("_active", "_name", "_pending", "_schedule")
+    __slots__ = ("_active", "_name", "_on_done", "_pending", "_schedule")
 
-    def __init__(self, schedule: Schedule, name: str = "collective") -> None:
+    def __init__(
+        self, schedule: Schedule, name: str = "collective", on_done: Callable[[], None] | None = None
+    ) -> None:
         self._name = name
         self._schedule: Schedule | None = schedule
-        self._pending: list[Request] = []
+        self._pending: Sequence[Request] = ()
+        self._on_done = on_done
         self._active = True
         self._advance()
 
@@ -60,11 +64,13 @@ class CollRequest:
         """Run the schedule to its next round (or to its end)."""
         assert self._schedule is not None
         try:
-            self._pending = list(next(self._schedule))
+            self._pending = next(self._schedule)
         except StopIteration:
-            self._schedule, self._pending = None, []
+            self._schedule, self._pending = None, ()
+            if self._on_done is not None:
+                self._on_done()
         except BaseException:
-            self._schedule, self._pending = None, []
+            self._schedule, self._pending = None, ()
             raise
 
     def Test(self, status: Any = None) -> bool:  # noqa: N802  (mpi4py's name)
@@ -93,8 +99,9 @@ class CollRequest:
         Args:
             status: accepted for compatibility with mpi4py's ``Wait``; not filled.
         """
+        wait = waiter()  # the world's waitall, looked up once for all the rounds
         while self._schedule is not None:
-            waitall(self._pending)
+            wait(self._pending)
             self._advance()
         self._active = False
 

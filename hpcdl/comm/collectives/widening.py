@@ -63,4 +63,4 @@ def allreduce(
         yield sendrecv(comm, src[off[dest] : off[dest + 1]], dest, inbox, source, tag)
         acc += widen_into(wire, inbox, tmp)
     narrow_into(wire, acc, dst[mine])  # src is read no more: in place is safe from here
-    yield from _ring_allgather(comm, dst, tag, counts)
+    yield from _ring_allgather(comm, dst, tag)
