@@ -96,6 +96,8 @@ class ComputeModel:
     """
 
     name = ""
+    #: whether :meth:`segment` can charge anything (the engine skips the call when not)
+    charges_segments = False
 
     def __init__(
         self,
@@ -155,6 +157,7 @@ class MeasuredCompute(ComputeModel):
     """Charges each segment its measured wall time ``/ speed * straggler * jitter``."""
 
     name = "measured"
+    charges_segments = True
 
     def segment(self, rank: int, measured_s: float) -> int:
         if measured_s <= 0.0:

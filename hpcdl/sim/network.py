@@ -78,6 +78,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hpcdl._ext.simcore import NetCore
 from hpcdl.errors import ConfigError
 from hpcdl.sim.ticks import TICKS_PER_SECOND
 
@@ -133,7 +134,7 @@ class Link:
         return {"latency_us": self.latency_us, "bandwidth_GBps": self.bandwidth_GBps}
 
 
-class Network:
+class Network(NetCore):
     """The NIC/switch/fat-tree model of the module docstring; built by :func:`load_network`.
 
     Args:
@@ -192,64 +193,23 @@ class Network:
     def reset(self, nranks: int) -> None:
         """Fresh, idle channels for a run of ``nranks`` ranks."""
         self.nranks = nranks
-        rpn = self.ranks_per_node
-        nodes = 1 if rpn == 0 else -(-nranks // rpn)
-        nics = nodes if self.nic == "node" else nranks
-        leaves = -(-nodes // self.nodes_per_leaf) if self.fat_tree else 0
-        self._send_free = [0] * nics  # inter-node NIC channels
-        self._recv_free = [0] * nics
-        self._intra_send = [0] * nranks  # shared-memory channels
-        self._intra_recv = [0] * nranks
-        self._up_free = [0] * leaves  # fat tree: each leaf's uplink and downlink
-        self._down_free = [0] * leaves
+        self._configure(
+            self.ranks_per_node,
+            self.intra,
+            self.inter,
+            self._nic_node,
+            self.fat_tree,
+            self.nodes_per_leaf,
+            self.uplink_bps,
+            self.leaf_alpha,
+            nranks,
+        )
 
-    def send(self, src: int, dst: int, nbytes: int, t: int) -> tuple[int, int]:
-        """A message of ``nbytes`` from world rank ``src`` to ``dst``, ready to go at tick ``t``.
-
-        Calls come in nondecreasing ``t``.
-
-        Returns:
-            ``(t_sent, t_arrival)``: when the sender's NIC is done with it (its send request
-            completes), and when the whole message is at the receiver.
-
-        Raises:
-            ValueError: a rank outside ``0 .. nranks - 1`` (``reset(nranks)`` not called?).
-        """
-        if src == dst:
-            return t, t
-        rpn = self.ranks_per_node
-        try:
-            if rpn == 0 or (rpn > 1 and src // rpn == dst // rpn):
-                link = self.intra
-                sf, rf = self._intra_send, self._intra_recv
-                start = max(t, sf[src], rf[dst])
-                end = start - (-nbytes * TICKS_PER_SECOND // link.bps)
-                sf[src] = rf[dst] = end
-                return end, end + link.alpha
-            link = self.inter
-            alpha = link.alpha
-            s, d = (src // rpn, dst // rpn) if self._nic_node else (src, dst)
-            sf, rf = self._send_free, self._recv_free
-            start = max(t, sf[s], rf[d])
-            end = start - (-nbytes * TICKS_PER_SECOND // link.bps)
-            if self.fat_tree:
-                npl = self.nodes_per_leaf
-                ls, ld = src // rpn // npl, dst // rpn // npl
-                if ls != ld:
-                    hold = -(-nbytes * TICKS_PER_SECOND // self.uplink_bps)
-                    up = max(start, self._up_free[ls]) + hold
-                    down = max(start, self._down_free[ld]) + hold
-                    self._up_free[ls] = up
-                    self._down_free[ld] = down
-                    end = max(end, up, down)
-                    alpha += self.leaf_alpha
-            sf[s] = rf[d] = end
-            return end, end + alpha
-        except IndexError:
-            raise ValueError(
-                f"message {src} -> {dst} outside the ranks 0..{self.nranks - 1} of this network: "
-                "call reset(nranks) first"
-            ) from None
+    # send(src, dst, nbytes, t) -> (t_sent, t_arrival) is NetCore's (in C): a message of
+    # ``nbytes`` from world rank ``src`` to ``dst``, ready to go at tick ``t`` (calls come in
+    # nondecreasing ``t``); ``t_sent`` is when the sender's NIC is done with it (its send
+    # request completes), ``t_arrival`` when the whole message is at the receiver. A rank
+    # outside ``0 .. nranks - 1`` is a ValueError.
 
     def describe(self) -> dict[str, Any]:
         """The model's parameters, JSON-able (for run-file attributes)."""

@@ -311,6 +311,21 @@ def test_truncation_is_reported_on_the_receiving_rank() -> None:
     assert info.value.rank == 0
 
 
+def test_a_read_only_receive_buffer_is_reported_on_the_receiving_rank() -> None:
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            buf = np.zeros(4, dtype=np.uint8)
+            buf.flags.writeable = False
+            comm.Recv(buf, source=1)
+        else:
+            comm.Send(np.ones(4, dtype=np.uint8), dest=0)
+
+    with pytest.raises(RankFailure, match="read-only") as info:
+        run(2, body)
+    assert info.value.rank == 0
+
+
 def test_a_stall_cannot_be_swallowed_by_the_ranks_code() -> None:
     def body():
         comm = hc.world()

@@ -1,0 +1,1183 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False, language_level=3
+"""The simulator's core in C: the event queue, clocks, matching, waits, and point-to-point calls.
+
+:mod:`hpcdl.sim.engine` and :mod:`hpcdl.sim.comm` describe the model; this module is
+where their per-message work runs. Everything here is the same algorithm the docstrings
+there describe, typed: every message costs a few microseconds of wall time, most of it
+the greenlet switch and the two copies (the send buffer when posted, into the receive
+buffer when matched), so that 1,024 virtual ranks exchange >100,000 messages per second.
+
+* :class:`Core`: the ranks' clocks (integer ticks), the event heap (a binary heap of C
+  structs ordered by ``(time, rank, sequence)``), per-rank state, MPI matching (posted
+  receives and unexpected messages per ``(context, destination)``), blocking waits and
+  the switch from one rank's greenlet straight to the next one's.
+* :class:`Request` and :class:`Message`: a nonblocking operation, a message in flight.
+  Payloads are ``bytes``: a private copy of the send buffer, taken when the send is posted.
+* :class:`CommBase`: a rank's view of a communicator, with the point-to-point half of
+  DESIGN.md's contract (``Isend``, ``Irecv``, ``Send``, ``Recv``, ``Sendrecv``,
+  ``Iprobe``, the world hooks ``waitall``/``waitany``/``wtime``);
+  :class:`hpcdl.sim.comm.SimComm` adds the collectives. :class:`CollView` is the
+  collective context of one, for hpcdl's collective schedules.
+* :class:`NetCore`: the network model's per-message arithmetic (full-duplex NICs,
+  shared-memory links, the fat tree's leaf links); :class:`hpcdl.sim.network.Network`
+  configures it. Other network models (any object with ``send``) work too, called from here.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.stdint cimport int64_t
+from libc.string cimport memcpy, memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+cimport cython
+cimport numpy as cnp
+
+import numpy as np
+from greenlet import GreenletExit, getcurrent, greenlet
+
+from hpcdl.sim.errors import RankFailure, SimAbort, Stall
+
+cnp.import_array()
+
+cdef object _ndarray = np.ndarray
+cdef object _GreenletExit = GreenletExit
+
+cdef enum:  # event kinds
+    RESUME = 0
+    ARRIVE = 1
+
+cdef int64_t TICKS_PER_SECOND = 1000000000000  # hpcdl.sim.ticks.TICKS_PER_SECOND
+
+
+cdef inline double _wall() noexcept nogil:
+    """Wall seconds (CLOCK_MONOTONIC, as ``time.perf_counter`` on Linux)."""
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + 1e-9 * ts.tv_nsec
+
+
+cdef inline double _seconds(int64_t t) noexcept:
+    return t / <double>TICKS_PER_SECOND
+
+
+# -- buffers ----------------------------------------------------------------------------------------
+
+def check_array(buf, str what):
+    """``buf`` if it is a C-contiguous NumPy array; else a clear ``TypeError``/``ValueError``."""
+    if not isinstance(buf, np.ndarray):
+        if hasattr(buf, "get") and hasattr(buf, "__cuda_array_interface__"):
+            raise TypeError(f"{what}: the simulator takes NumPy arrays (copy CuPy arrays to the host)")
+        raise TypeError(f"{what}: the simulator takes NumPy arrays as buffers (got {type(buf).__name__})")
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{what}: buffers must be C-contiguous")
+    return buf
+
+
+cdef bytes _snapshot(object buf, str what):
+    """A private copy of a send buffer's bytes (``bytes`` are immutable: kept as they are).
+
+    A NumPy array is read through the C API (no buffer export: that allocates per call).
+    """
+    cdef cnp.ndarray a
+    if type(buf) is bytes:
+        return <bytes>buf
+    if type(buf) is not _ndarray or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>buf):
+        check_array(buf, what)  # raises: not an array, or not C-contiguous
+    a = <cnp.ndarray>buf
+    return PyBytes_FromStringAndSize(<char*>cnp.PyArray_DATA(a), cnp.PyArray_NBYTES(a))
+
+
+# -- requests and messages --------------------------------------------------------------------------
+
+@cython.no_gc  # holds no reference cycles: not tracked by the cyclic GC
+@cython.freelist(4096)  # allocated and freed once per message
+cdef class Message:
+    """A message in flight or unexpected: its context and destination (world rank), source rank in the communicator, tag, payload."""
+
+    cdef readonly int64_t cid
+    cdef readonly int dst
+    cdef readonly int source
+    cdef readonly int tag
+    cdef readonly bytes payload
+    cdef readonly int64_t nbytes
+
+
+cdef inline Message _message(int64_t cid, int dst, int source, int tag, bytes payload):
+    cdef Message m = Message.__new__(Message)
+    m.cid = cid
+    m.dst = dst
+    m.source = source
+    m.tag = tag
+    m.payload = payload
+    m.nbytes = PyBytes_GET_SIZE(payload)
+    return m
+
+
+@cython.no_gc  # holds no reference cycles: not tracked by the cyclic GC
+@cython.freelist(4096)
+cdef class Request:
+    """A simulated nonblocking send or receive (mpi4py's request methods).
+
+    ``t_done`` is its completion tick (None: not yet): a send's is known when posted (the
+    network model's), a receive's when matched.
+    """
+
+    cdef readonly CommBase comm
+    cdef readonly int64_t cid  # a receive's context id; -1 for a send
+    cdef readonly object buf  # a receive's buffer (None: an object receive)
+    cdef readonly int source, tag
+    cdef int64_t _t_done  # -1: not complete
+    cdef int waiter  # the blocked rank waiting on it, -1 if none
+    cdef int st_source, st_tag
+    cdef int64_t st_count
+    cdef bint has_status
+    cdef readonly object obj  # an object receive's payload (bytes)
+    cdef object error  # raised in the receiving rank when it completes the request
+    cdef bint _active
+
+    def __cinit__(self):
+        self.cid = -1
+        self._t_done = -1
+        self.waiter = -1
+        self._active = True
+
+    @property
+    def t_done(self):
+        return None if self._t_done < 0 else self._t_done
+
+    cdef void complete(self, Message msg, int64_t t):
+        """Copy ``msg`` into the receive buffer (or keep its bytes) and complete at tick ``t``."""
+        cdef cnp.ndarray a
+        cdef int64_t room
+        if self.buf is None:
+            self.obj = msg.payload
+        else:  # a C-contiguous ndarray (checked when posted)
+            a = <cnp.ndarray>self.buf
+            room = cnp.PyArray_NBYTES(a)
+            if not cnp.PyArray_ISWRITEABLE(a):
+                self.error = ValueError("receive buffer is read-only")
+            elif msg.nbytes > room:  # MPI_ERR_TRUNCATE, reported to the receiver
+                self.error = ValueError(
+                    f"message truncated: {msg.nbytes} bytes from rank {msg.source} (tag {msg.tag}) "
+                    f"into a buffer of {room} bytes"
+                )
+            else:
+                memcpy(cnp.PyArray_DATA(a), PyBytes_AS_STRING(msg.payload), msg.nbytes)
+        self.st_source, self.st_tag, self.st_count = msg.source, msg.tag, msg.nbytes
+        self.has_status = True
+        self._t_done = t
+
+    def Test(self, status=None):  # noqa: N802
+        """True when complete at this rank's current virtual time (a failed test costs ``poll_cost``)."""
+        cdef Core eng = self.comm._engine
+        cdef int r = self.comm._world_rank
+        if not self._active:  # completed and reported before: MPI's inactive request
+            self._empty(status)
+            return True
+        eng._account(r, False)
+        eng._sync(r)
+        if 0 <= self._t_done <= eng.now[r]:
+            eng._progressed(r)
+            self._finish(status)
+            eng.seg_start[r] = _wall()
+            return True
+        eng._poll_failed(r, (describe_all, "Test", (self,)), self._t_done)
+        eng.seg_start[r] = _wall()
+        return False
+
+    def Wait(self, status=None):  # noqa: N802
+        """Block (in virtual time) until complete."""
+        if not self._active:
+            self._empty(status)
+            return
+        self.comm._engine._wait(self.comm._world_rank, (self,), 1, "Wait", True)
+        self._finish(status)
+
+    cdef _empty(self, status):
+        """MPI's empty status (an inactive request's): any source, any tag, no bytes."""
+        if status is not None:
+            status._fill(self.comm._any_source, self.comm._any_tag, 0)
+
+    cdef _finish(self, status):
+        self._active = False
+        if status is not None and self.has_status:
+            status._fill(self.st_source, self.st_tag, self.st_count)
+        if self.error is not None:
+            err, self.error = self.error, None  # no cycle through its traceback (not GC-tracked)
+            raise err
+
+    def __bool__(self):
+        return self._active
+
+    def describe(self):
+        if self.cid < 0:
+            return "a send"
+        src = "ANY_SOURCE" if self.source < 0 else str(self.source)
+        tag = "ANY_TAG" if self.tag < 0 else str(self.tag)
+        where = self.comm._engine.context_of(self.cid)
+        return f"a receive from rank {src}, tag {tag}, on {_name(where)}"
+
+
+def _name(context):
+    return "the world" if context == 0 else f"communicator {context!r}"
+
+
+def describe_all(kind, reqs):
+    """What a wait on ``reqs`` waits for (built only for a deadlock report)."""
+    pending = [q for q in reqs if q.t_done is None]
+    first = pending[0].describe() if pending else "completed requests"
+    return f"{kind} of {len(reqs)} requests, {len(pending)} pending, e.g. {first}"
+
+
+def describe_probe(source, tag, where):
+    return f"polling Iprobe(source={source}, tag={tag}) on {where}"
+
+
+def _text(what):
+    """A description given as a string, or as ``(function, *args)`` built only when needed."""
+    if isinstance(what, tuple):
+        return what[0](*what[1:])
+    return str(what)
+
+
+@cython.no_gc  # holds no reference cycles: not tracked by the cyclic GC
+cdef class _Wait:
+    """A blocked rank's wait: for ``remaining`` more of ``reqs`` to complete in operation ``what``.
+
+    One per rank, reused: a rank waits for one thing at a time.
+    """
+
+    cdef object reqs  # a tuple or list of Request
+    cdef int remaining
+    cdef str what
+
+
+# -- the event heap ---------------------------------------------------------------------------------
+
+cdef list _queue(list table, int rank, int64_t cid, bint create):
+    """``table[rank][cid]``: a rank's posted receives or unexpected messages on one context.
+
+    None when there is none and not ``create``. Indexed lists, not a dict: no key object
+    to build and hash on every message.
+    """
+    cdef list per = <list>table[rank]
+    cdef list q
+    if cid < len(per):
+        q = <list>per[cid]
+        if q is None and create:
+            q = per[cid] = []
+        return q
+    if not create:
+        return None
+    per.extend([None] * (cid + 1 - len(per)))
+    q = per[cid] = []
+    return q
+
+
+cdef struct Event:
+    int64_t t
+    int64_t seq
+    int rank
+    int kind
+    int64_t token  # RESUME: the wait it ends (-1: any); stale when the rank's token moved on
+    PyObject* msg  # ARRIVE: the Message (a reference owned by the heap)
+
+
+cdef inline bint _before(Event* a, Event* b) noexcept nogil:
+    if a.t != b.t:
+        return a.t < b.t
+    if a.rank != b.rank:
+        return a.rank < b.rank
+    return a.seq < b.seq
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+cdef class Core:
+    """Virtual time, the event heap, message matching, and the greenlets of the ranks.
+
+    :class:`hpcdl.sim.engine.Engine` is this with ``run``; see its docstring for the model.
+
+    Args:
+        size: number of virtual ranks.
+        network: the network model: ``send(src, dst, nbytes, t) -> (t_sent, t_arrival)``,
+            ``reset(size)``; a :class:`NetCore` is called in C.
+        compute: the compute model: ``segment(rank, seconds) -> ticks`` (not called when
+            its ``charges_segments`` is False), ``layer_observer(rank, charge)``.
+        poll_cost: ticks a failed ``Test``/``Iprobe`` costs (at least 1).
+        stall: ticks of polling with nothing in flight that count as a deadlock.
+    """
+
+    cdef readonly int size
+    cdef readonly object network, compute
+    cdef object _net_send, _segment
+    cdef NetCore _net
+    cdef bint _charges
+    cdef readonly int64_t poll_cost, stall
+    cdef int64_t* now
+    cdef double* seg_start
+    cdef int64_t* token
+    cdef char* polling  # its last operation was a failed poll
+    cdef char* poll_clean  # nothing charged since its last failed poll (a pure polling loop)
+    cdef char* finished
+    cdef list glets, blocked, waits, last_op, results
+    cdef Event* heap
+    cdef Py_ssize_t n_heap, cap_heap
+    cdef int64_t seq
+    cdef list posted, unexpected  # [world rank][context id] -> list of Request / Message (or None)
+    cdef dict _context_ids
+    cdef list _contexts
+    cdef public int64_t in_flight, n_done, n_waiting, messages, events, t_progress
+    cdef bint has_direct  # a resume taken straight from a delivery
+    cdef int64_t direct_t
+    cdef int direct_r
+    cdef public bint closing  # tearing down: communicator calls end the calling rank
+    cdef public double compute_wall  # wall seconds of the ranks' compute segments
+    cdef public object main
+
+    def __cinit__(self, int size, *args, **kwargs):
+        if size < 1:
+            raise ValueError(f"a simulation needs at least one rank (got {size})")
+        self.size = size
+        self.now = <int64_t*>PyMem_Malloc(size * sizeof(int64_t))
+        self.seg_start = <double*>PyMem_Malloc(size * sizeof(double))
+        self.token = <int64_t*>PyMem_Malloc(size * sizeof(int64_t))
+        self.polling = <char*>PyMem_Malloc(size)
+        self.poll_clean = <char*>PyMem_Malloc(size)
+        self.finished = <char*>PyMem_Malloc(size)
+        self.cap_heap = 4 * size + 16
+        self.heap = <Event*>PyMem_Malloc(self.cap_heap * sizeof(Event))
+        if (not self.now or not self.seg_start or not self.token or not self.polling
+                or not self.poll_clean or not self.finished or not self.heap):
+            raise MemoryError()
+        memset(self.now, 0, size * sizeof(int64_t))
+        memset(self.seg_start, 0, size * sizeof(double))
+        memset(self.token, 0, size * sizeof(int64_t))
+        memset(self.polling, 0, size)
+        memset(self.poll_clean, 0, size)
+        memset(self.finished, 0, size)
+        self.n_heap = 0
+
+    def __init__(self, int size, network, compute, int64_t poll_cost, int64_t stall):
+        self.network = network
+        self.compute = compute
+        self.poll_cost = max(1, poll_cost)
+        self.stall = stall
+        self._net = network if isinstance(network, NetCore) else None
+        self._net_send = network.send  # bound once: called for every message
+        self._segment = compute.segment
+        self._charges = bool(getattr(compute, "charges_segments", True))
+        self.glets = [None] * size
+        self.blocked = [None] * size
+        self.waits = [_Wait.__new__(_Wait) for _ in range(size)]
+        self.last_op = ["start"] * size
+        self.results = [None] * size
+        self.posted = [[] for _ in range(size)]
+        self.unexpected = [[] for _ in range(size)]
+        self._context_ids = {}
+        self._contexts = []
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.heap != NULL:
+            for i in range(self.n_heap):
+                if self.heap[i].msg != NULL:
+                    Py_DECREF(<object>self.heap[i].msg)
+        PyMem_Free(self.now)
+        PyMem_Free(self.seg_start)
+        PyMem_Free(self.token)
+        PyMem_Free(self.polling)
+        PyMem_Free(self.poll_clean)
+        PyMem_Free(self.finished)
+        PyMem_Free(self.heap)
+
+    # -- for Python: clocks, contexts, state ---------------------------------------------------
+
+    def clock(self, int r):
+        """Rank ``r``'s virtual clock, ticks."""
+        return self.now[r]
+
+    def clocks(self):
+        """Every rank's virtual clock, ticks."""
+        return [self.now[r] for r in range(self.size)]
+
+    def context_id(self, context):
+        """A small integer for a communicator context (hashable), the same on every rank."""
+        cid = self._context_ids.get(context)
+        if cid is None:
+            cid = self._context_ids[context] = len(self._contexts)
+            self._contexts.append(context)
+        return cid
+
+    def context_of(self, int64_t cid):
+        """The context of a context id."""
+        return self._contexts[cid]
+
+    def heap_size(self):
+        return self.n_heap
+
+    # -- the heap --------------------------------------------------------------------------------
+
+    cdef void _push(self, int64_t t, int rank, int kind, int64_t token, object msg) except *:
+        cdef Py_ssize_t i, parent
+        cdef Event ev
+        if self.n_heap == self.cap_heap:
+            grown = <Event*>PyMem_Realloc(self.heap, 2 * self.cap_heap * sizeof(Event))
+            if grown == NULL:
+                raise MemoryError()
+            self.heap = grown
+            self.cap_heap *= 2
+        self.seq += 1
+        ev.t, ev.seq, ev.rank, ev.kind, ev.token = t, self.seq, rank, kind, token
+        if msg is None:
+            ev.msg = NULL
+        else:
+            Py_INCREF(msg)
+            ev.msg = <PyObject*>msg
+        i = self.n_heap
+        self.n_heap += 1
+        while i > 0:  # sift up
+            parent = (i - 1) >> 1
+            if _before(&ev, &self.heap[parent]):
+                self.heap[i] = self.heap[parent]
+                i = parent
+            else:
+                break
+        self.heap[i] = ev
+
+    cdef Event _pop(self) noexcept:
+        cdef Event top = self.heap[0]
+        cdef Event last
+        cdef Py_ssize_t i = 0, child, n
+        self.n_heap -= 1
+        n = self.n_heap
+        if n > 0:
+            last = self.heap[n]
+            while True:  # sift down
+                child = 2 * i + 1
+                if child >= n:
+                    break
+                if child + 1 < n and _before(&self.heap[child + 1], &self.heap[child]):
+                    child += 1
+                if _before(&self.heap[child], &last):
+                    self.heap[i] = self.heap[child]
+                    i = child
+                else:
+                    break
+            self.heap[i] = last
+        return top
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    cdef int _next(self) except -2:
+        """Take events until one resumes a rank; set its clock and return it (-1: none left).
+
+        Arrivals are delivered on the way; resume events of waits already over are skipped.
+        """
+        cdef Event ev
+        cdef int64_t t
+        cdef int k
+        while self.n_heap or self.has_direct:
+            if self.has_direct:
+                t, k = self.direct_t, self.direct_r
+                self.has_direct = False
+            else:
+                ev = self._pop()
+                self.events += 1
+                if ev.kind == ARRIVE:
+                    msg = <Message>ev.msg
+                    Py_DECREF(msg)  # the heap's reference; ``msg`` holds one
+                    self._deliver(ev.t, msg)
+                    continue
+                if ev.token >= 0 and ev.token != self.token[ev.rank]:
+                    continue  # the wait it would end is over
+                t, k = ev.t, ev.rank
+            if t > self.now[k]:
+                self.now[k] = t
+            return k
+        return -1
+
+    def _main_loop(self):
+        """Take events until none is left (ranks run from here or switch among themselves)."""
+        cdef int k
+        while True:
+            k = self._next()
+            if k < 0:
+                return
+            self.glets[k].switch()  # returns when a rank ends, or one meets an empty heap
+
+    def _start(self, int r, glet):
+        """Register rank ``r``'s greenlet (started, back at its first switch) and queue its start."""
+        self.glets[r] = glet
+        self._push(0, r, RESUME, -1, None)
+
+    def _begin(self, int r):
+        """Rank ``r``'s first compute segment starts now."""
+        self.seg_start[r] = _wall()
+
+    def _returned(self, int r, result):
+        """Rank ``r``'s code returned ``result``."""
+        self._account(r, True)  # a rank that polled last is not polling any more
+        self.results[r] = result
+        self.finished[r] = 1
+        self.last_op[r] = "returned"
+        self.n_done += 1
+        if self.now[r] > self.t_progress:
+            self.t_progress = self.now[r]
+
+    def _tear_down(self):
+        """End every unfinished rank; from now on any communicator call ends its rank at once."""
+        self.closing = True
+        for g in self.glets:
+            while g is not None and not g.dead:
+                try:
+                    g.throw(_GreenletExit)
+                except _GreenletExit:
+                    pass
+                except BaseException:  # a rank's cleanup failing while torn down: ignore
+                    pass
+
+    def results_list(self):
+        return list(self.results)
+
+    cdef void _account(self, int r, bint progress) except *:
+        """Charge rank ``r``'s compute segment so far to its clock (on entering the engine)."""
+        cdef double now = _wall()
+        cdef double dt = now - self.seg_start[r]
+        cdef int64_t charged
+        self.seg_start[r] = now
+        if dt > 0:
+            self.compute_wall += dt
+            if self._charges:
+                charged = self._segment(r, dt)
+                if charged:
+                    self.now[r] += charged
+                    self.poll_clean[r] = 0
+        if progress and self.polling[r]:
+            self.polling[r] = 0
+            self.n_waiting -= 1
+
+    def account(self, int r, bint progress=False):
+        """Charge rank ``r``'s compute segment so far to its clock (call on entering the engine)."""
+        self._account(r, progress)
+
+    def leave(self, int r):
+        """Rank ``r`` returns to its code: its next compute segment starts now (the engine's work is not its compute)."""
+        self.seg_start[r] = _wall()
+
+    def charge(self, int r, int64_t t):
+        """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
+        self.now[r] += t
+        if t:
+            self.poll_clean[r] = 0  # compute between two polls: no jump to the next event
+
+    cdef void _sync(self, int r) except *:
+        """Return once rank ``r`` is the earliest thing that can happen (it may run others first)."""
+        cdef Event* top
+        cdef int64_t t
+        if self.n_heap:
+            top = &self.heap[0]
+            t = self.now[r]
+            if top.t < t or (top.t == t and top.rank <= r):  # arrivals to r at t come first
+                self._push(t, r, RESUME, -1, None)
+                self._stop(r)
+
+    def sync(self, int r):
+        self._sync(r)
+
+    cdef void _stop(self, int r) except *:
+        """Rank ``r`` cannot go on: take events until its own resume comes, switching to others."""
+        cdef int k
+        if self.closing:
+            raise _GreenletExit
+        k = self._next()
+        if k < 0:
+            self.main.switch()  # nothing left: run() reports the deadlock and tears r down
+        elif k != r:
+            self.glets[k].switch()  # comes back when someone takes r's resume event
+        self.seg_start[r] = _wall()
+
+    cdef void _enter(self, int r) except *:
+        """Rank ``r`` calls the communicator: charge its compute, and wait for its turn."""
+        if self.closing:
+            raise _GreenletExit
+        self._account(r, True)
+        self._sync(r)
+
+    def enter(self, int r):
+        self._enter(r)
+
+    # -- blocking and polling ----------------------------------------------------------------------
+
+    cdef void _wait(self, int r, object reqs, int need, str what, bint charge) except *:
+        """Block rank ``r`` until ``need`` of ``reqs`` (1: any; all) have completed."""
+        cdef Request q
+        cdef int64_t known = -1, now
+        cdef int done = 0
+        if charge:
+            self._account(r, True)
+        if need == 1:
+            # done when the earliest known completion is not in the future (a send's may be)
+            for q in reqs:
+                if q._t_done >= 0 and (known < 0 or q._t_done < known):
+                    known = q._t_done
+            if known < 0 or known > self.now[r]:
+                self._block(r, reqs, 1, what, known)
+                known = -1
+                for q in reqs:
+                    if q._t_done >= 0 and (known < 0 or q._t_done < known):
+                        known = q._t_done
+            if known > self.now[r]:
+                self.now[r] = known
+        else:
+            for q in reqs:
+                if q._t_done >= 0:
+                    done += 1
+            if done < need:
+                self._block(r, reqs, need - done, what, -1)
+            now = self.now[r]
+            for q in reqs:
+                if q._t_done > now:
+                    now = q._t_done
+            self.now[r] = now
+        self._sync(r)
+        self.seg_start[r] = _wall()
+
+    def wait(self, int r, reqs, int need, str what, bint charge=False):
+        """Block rank ``r`` until ``need`` of ``reqs`` have completed; its clock ends at the completion.
+
+        ``need`` is 1 (any) or ``len(reqs)`` (all). ``what`` names the operation for a
+        deadlock report (``"waitall"``, ...). ``charge``: called from the rank's code,
+        whose compute segment is charged first.
+        """
+        self._wait(r, reqs, need, what, charge)
+
+    cdef void _block(self, int r, object reqs, int remaining, str what, int64_t until) except *:
+        """Stop rank ``r`` until ``remaining`` of ``reqs`` complete, or until tick ``until`` (if >= 0)."""
+        cdef Request q
+        cdef _Wait w = <_Wait>self.waits[r]
+        w.reqs, w.remaining, w.what = reqs, remaining, what
+        self.token[r] += 1
+        self.blocked[r] = w
+        self.n_waiting += 1
+        for q in reqs:
+            if q._t_done < 0:
+                q.waiter = r
+        if until >= 0:  # a completion already known (a send's) ends the wait at the latest
+            self._push(until, r, RESUME, self.token[r], None)
+        self._stop(r)
+        if self.blocked[r] is not None:  # resumed at ``until``, not by a completion
+            self.blocked[r] = None
+            w.reqs = None
+            self.n_waiting -= 1
+            for q in reqs:
+                if q.waiter == r:
+                    q.waiter = -1
+        self.token[r] += 1  # a timer or wake-up of this wait still queued is stale now
+
+    cdef void _poll_failed(self, int r, object what, int64_t known) except *:
+        """A failed ``Test``/``Iprobe``: advance the clock; in a pure polling loop jump to the next event.
+
+        Not past ``known`` (a completion already known: a send's; -1: none). Raises
+        :class:`~hpcdl.sim.errors.Stall` when the ranks only poll and nothing is in flight
+        for ``stall`` ticks.
+        """
+        cdef int64_t t = self.now[r] + self.poll_cost
+        cdef int64_t idle, step
+        if self.polling[r] and self.poll_clean[r] and self.n_heap and self.heap[0].t > t:
+            t = self.heap[0].t
+            if known >= 0 and t > known:
+                t = max(known, self.now[r] + self.poll_cost)
+        self.poll_clean[r] = 1
+        if not self.polling[r]:
+            self.polling[r] = 1
+            self.n_waiting += 1
+        self.last_op[r] = what
+        if self.in_flight == 0 and self.n_waiting + self.n_done >= self.size:
+            idle = t - self.t_progress
+            if idle > self.stall:
+                raise Stall(self.deadlock_report(
+                    f"the ranks only poll, and nothing was delivered for {_seconds(idle):.3g} virtual s"
+                ))
+            # nothing can ever arrive: reach the stall limit in ~10^4 polls, each step at most
+            # 1/1024 of the idle time (a wtime() timeout in the loop fires that late at most)
+            step = idle >> 10
+            t += step if step > self.poll_cost else self.poll_cost
+        self.now[r] = t
+
+    def poll_failed(self, int r, what, known=None):
+        self._poll_failed(r, what, -1 if known is None else known)
+
+    cdef inline void _progressed(self, int r) noexcept:
+        """Rank ``r`` did something other than a failed poll."""
+        if self.polling[r]:
+            self.polling[r] = 0
+            self.n_waiting -= 1
+
+    def progressed(self, int r):
+        self._progressed(r)
+
+    # -- messages --------------------------------------------------------------------------------
+
+    cdef int64_t _post_send(self, int r, Message msg, int dst) except -1:
+        """Send ``msg`` from world rank ``r`` to ``dst`` now; returns ``t_sent``."""
+        cdef int64_t t_sent, t_arrival
+        if self._net is not None:
+            self._net.transfer(r, dst, msg.nbytes, self.now[r], &t_sent, &t_arrival)
+        else:
+            t_sent, t_arrival = self._net_send(r, dst, msg.nbytes, self.now[r])
+        self.in_flight += 1
+        self._push(t_arrival, dst, ARRIVE, -1, msg)
+        return t_sent
+
+    cdef void _deliver(self, int64_t t, Message msg) except *:
+        """An arrival event: match ``msg`` with the first posted receive that takes it, or keep it."""
+        cdef list posted, queue
+        cdef Request req
+        cdef Py_ssize_t i
+        self.in_flight -= 1
+        self.messages += 1
+        self.t_progress = t
+        posted = _queue(self.posted, msg.dst, msg.cid, False)
+        if posted:
+            for i in range(len(posted)):
+                req = <Request>posted[i]
+                if (req.source < 0 or req.source == msg.source) and (req.tag < 0 or req.tag == msg.tag):
+                    del posted[i]
+                    req.complete(msg, t)
+                    if req.waiter >= 0:
+                        self._wake(req)
+                    return
+        _queue(self.unexpected, msg.dst, msg.cid, True).append(msg)
+
+    cdef void _wake(self, Request req) except *:
+        """``req`` completed: resume its waiter if nothing else of its wait is missing."""
+        cdef int r = req.waiter
+        cdef _Wait w
+        cdef Request q
+        cdef int64_t t
+        if r < 0:
+            return
+        req.waiter = -1
+        w = <_Wait>self.blocked[r]
+        w.remaining -= 1
+        if w.remaining <= 0:
+            self.blocked[r] = None
+            self.n_waiting -= 1
+            for q in w.reqs:
+                q.waiter = -1
+            w.reqs = None
+            t = req._t_done
+            if t < self.now[r]:
+                t = self.now[r]
+            if not self.has_direct and (
+                not self.n_heap or t < self.heap[0].t or (t == self.heap[0].t and r < self.heap[0].rank)
+            ):
+                self.has_direct, self.direct_t, self.direct_r = True, t, r  # next anyway: skip the heap
+            else:
+                self._push(t, r, RESUME, self.token[r], None)
+
+    cdef Message _take_unexpected(self, int rank, int64_t cid, int source, int tag, bint remove):
+        """The first unexpected message to ``rank`` on ``cid`` matching ``source``/``tag`` (-1: any), or None."""
+        cdef list queue = _queue(self.unexpected, rank, cid, False)
+        cdef Message msg
+        cdef Py_ssize_t i
+        if queue:
+            for i in range(len(queue)):
+                msg = <Message>queue[i]
+                if (source < 0 or source == msg.source) and (tag < 0 or tag == msg.tag):
+                    if remove:
+                        del queue[i]
+                    return msg
+        return None
+
+    # -- reports ---------------------------------------------------------------------------------
+
+    def deadlock_report(self, why):
+        """One line per unfinished rank: what it waits for (operation, source, tag)."""
+        lines = [f"simulation stalled: {why}"]
+        for r in range(self.size):
+            if self.finished[r]:
+                continue
+            w = self.blocked[r]
+            if w is not None:
+                state = describe_all((<_Wait>w).what, (<_Wait>w).reqs)
+            else:
+                state = _text(self.last_op[r])
+            lines.append(f"  rank {r} at t={_seconds(self.now[r]):.9f} s: {state}")
+        return "\n".join(lines)
+
+
+# -- communicators ----------------------------------------------------------------------------------
+
+cdef class CommBase:
+    """One virtual rank's view of a simulated communicator: its point-to-point half.
+
+    Args:
+        engine: the engine (a :class:`Core`).
+        world_rank: the owning virtual rank.
+        context: this communicator's context (hashable, the same on every member); its
+            collectives use ``(context, "coll")``.
+        group: the world ranks of the members, by rank in this communicator.
+    """
+
+    cdef readonly Core _engine
+    cdef readonly int _world_rank, _rank, _size
+    cdef readonly object _context
+    cdef readonly tuple _group
+    cdef readonly int64_t _cid, _ccid  # context ids of the point-to-point and the collective context
+    cdef readonly object _any_source, _any_tag, _in_place, _sum, _max, _min
+    cdef dict __dict__  # SimComm's own attributes
+
+    def __init__(self, Core engine, int world_rank, context, group):
+        import hpcdl.comm as hc
+
+        self._engine = engine
+        self._world_rank = world_rank
+        self._context = context
+        self._group = tuple(group)
+        self._rank = self._group.index(world_rank)
+        self._size = len(self._group)
+        self._cid = engine.context_id(context)
+        self._ccid = engine.context_id((context, "coll"))
+        self._any_source, self._any_tag, self._in_place = hc.ANY_SOURCE, hc.ANY_TAG, hc.IN_PLACE
+        self._sum, self._max, self._min = hc.SUM, hc.MAX, hc.MIN
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def size(self):
+        return self._size
+
+    def Get_rank(self):  # noqa: N802
+        return self._rank
+
+    def Get_size(self):  # noqa: N802
+        return self._size
+
+    def _name(self, context):
+        return _name(context)
+
+    # -- world hooks (hpcdl.comm) ----------------------------------------------------------------
+
+    def wtime(self):
+        """This rank's virtual clock, in seconds (its compute so far charged first)."""
+        self._engine._account(self._world_rank, False)
+        return _seconds(self._engine.now[self._world_rank])
+
+    def waitall(self, reqs):
+        """Block until every request completes, if all are simulated ones; False otherwise."""
+        cdef list active = []
+        cdef Request q
+        cdef Py_ssize_t i, j, n
+        for x in reqs:
+            if x is not None and x:
+                if type(x) is not Request:
+                    return False
+                active.append(x)
+        n = len(active)
+        if n:
+            if n > 1:  # a request listed twice completes once
+                for i in range(n - 1, 0, -1):
+                    for j in range(i):
+                        if active[j] is active[i]:
+                            del active[i]
+                            break
+                n = len(active)
+            self._engine._wait(self._world_rank, active, n, "waitall", True)
+            for q in active:
+                q._finish(None)
+        return True
+
+    def waitany(self, reqs, status=None):
+        """Block until one request completes, if all are simulated ones.
+
+        Returns:
+            ``(True, index)`` (``index`` None when no request is active), or ``(False, None)``
+            when some request is not a simulated one (the caller polls instead).
+        """
+        cdef Core eng = self._engine
+        cdef int r = self._world_rank
+        cdef Request q
+        active = [i for i, x in enumerate(reqs) if x is not None and x]
+        if not all(type(reqs[i]) is Request for i in active):
+            return False, None
+        if not active:
+            return True, None
+        qs = list({id(reqs[i]): reqs[i] for i in active}.values())
+        eng._wait(r, qs, 1, "waitany", True)
+        now = eng.now[r]
+        _, index = min(
+            ((<Request>reqs[i])._t_done, i) for i in active
+            if 0 <= (<Request>reqs[i])._t_done <= now
+        )
+        (<Request>reqs[index])._finish(status)
+        return True, index
+
+    # -- point-to-point --------------------------------------------------------------------------
+
+    cdef int _peer(self, int peer, str what) except -1:
+        if not 0 <= peer < self._size:
+            raise ValueError(f"{what} {peer} out of range for a communicator of {self._size} ranks")
+        return peer
+
+    cdef Request _isend(self, object buf, int dest, int tag, int64_t cid):
+        """Post a send of ``buf`` (an array, copied; or ``bytes``, kept) from the rank's code."""
+        cdef Core eng = self._engine
+        cdef Request req
+        eng._enter(self._world_rank)
+        req = self._post_send(_snapshot(buf, "Isend"), dest, tag, cid)  # the copy is the engine's work
+        eng.seg_start[self._world_rank] = _wall()
+        return req
+
+    cdef Request _post_send(self, bytes payload, int dest, int tag, int64_t cid):
+        """Post a send now (the rank has entered the engine)."""
+        cdef int dst
+        cdef Request req
+        if not 0 <= dest < self._size:
+            self._peer(dest, "dest")
+        dst = self._group[dest]
+        req = Request.__new__(Request)
+        req.comm = self
+        req._t_done = self._engine._post_send(
+            self._world_rank, _message(cid, dst, self._rank, tag, payload), dst
+        )
+        return req
+
+    cdef Request _irecv(self, object buf, object source, object tag, int64_t cid):
+        cdef Core eng = self._engine
+        cdef Request req
+        eng._enter(self._world_rank)
+        req = self._post_recv(buf, source, tag, cid)
+        eng.seg_start[self._world_rank] = _wall()
+        return req
+
+    cdef Request _post_recv(self, object buf, object source, object tag, int64_t cid):
+        """Post a receive now (the rank has entered the engine): match an unexpected message, or wait."""
+        cdef Core eng = self._engine
+        cdef int src, tg
+        cdef Request req
+        cdef Message msg
+        cdef list posted
+        if source is self._any_source or source == -1:
+            src = -1
+        else:
+            src = self._peer(source, "source")
+        tg = -1 if tag is self._any_tag or tag == -1 else tag
+        req = Request.__new__(Request)
+        req.comm, req.cid, req.buf, req.source, req.tag = self, cid, buf, src, tg
+        msg = eng._take_unexpected(self._world_rank, cid, src, tg, True)
+        if msg is not None:
+            req.complete(msg, eng.now[self._world_rank])
+            return req
+        _queue(eng.posted, self._world_rank, cid, True).append(req)
+        return req
+
+    def Isend(self, buf, int dest, int tag=0):  # noqa: N802
+        return self._isend(buf, dest, tag, self._cid)
+
+    def Irecv(self, buf, source=-1, tag=-1):  # noqa: N802
+        if type(buf) is not _ndarray or not buf.flags.c_contiguous:
+            buf = check_array(buf, "Irecv")
+        return self._irecv(buf, source, tag, self._cid)
+
+    def Send(self, buf, int dest, int tag=0):  # noqa: N802
+        self.Isend(buf, dest, tag).Wait()
+
+    def Recv(self, buf, source=-1, tag=-1, status=None):  # noqa: N802
+        self.Irecv(buf, source, tag).Wait(status)
+
+    def Sendrecv(self, sendbuf, int dest, int sendtag=0, recvbuf=None, source=-1, recvtag=-1, status=None):  # noqa: N802
+        cdef Core eng = self._engine
+        cdef int r = self._world_rank
+        cdef Request rreq, sreq
+        if type(recvbuf) is not _ndarray or not recvbuf.flags.c_contiguous:
+            recvbuf = check_array(recvbuf, "Sendrecv recvbuf")
+        eng._enter(r)
+        payload = _snapshot(sendbuf, "Sendrecv sendbuf")  # copied inside the engine: not the rank's compute
+        rreq = self._post_recv(recvbuf, source, recvtag, self._cid)
+        sreq = self._post_send(payload, dest, sendtag, self._cid)
+        reqs = (rreq, sreq)
+        eng._wait(r, reqs, 2, "Sendrecv", False)
+        sreq._active = False
+        rreq._finish(status)
+
+    def Iprobe(self, source=-1, tag=-1, status=None):  # noqa: N802
+        cdef Core eng = self._engine
+        cdef int r = self._world_rank
+        cdef int src = -1 if source is self._any_source or source == -1 else source
+        cdef int tg = -1 if tag is self._any_tag or tag == -1 else tag
+        cdef Message msg
+        eng._account(r, False)
+        eng._sync(r)
+        msg = eng._take_unexpected(r, self._cid, src, tg, False)
+        if msg is None:
+            eng._poll_failed(r, (describe_probe, source, tag, _name(self._context)), -1)
+            eng.seg_start[r] = _wall()
+            return False
+        eng._progressed(r)
+        eng.seg_start[r] = _wall()
+        if status is not None:
+            status._fill(msg.source, msg.tag, msg.nbytes)
+        return True
+
+    # -- the collective context ------------------------------------------------------------------
+
+    def _csend(self, obj, int dest, int tag=0):
+        """Send ``obj`` (an array: copied; bytes: as is) on the collective context."""
+        return self._isend(obj, dest, tag, self._ccid)
+
+    def _crecv(self, buf, source, int tag=0):
+        return self._irecv(buf, source, tag, self._ccid)
+
+    def _collective_view(self):
+        """The collective context, with the point-to-point methods hpcdl's schedules call."""
+        cdef CollView v = CollView.__new__(CollView)
+        v._comm = self
+        return v
+
+
+cdef class CollView:
+    """The collective context of a communicator: ``Get_rank``, ``Get_size``, ``Isend``, ``Irecv``."""
+
+    cdef CommBase _comm
+
+    def Get_rank(self):  # noqa: N802
+        return self._comm._rank
+
+    def Get_size(self):  # noqa: N802
+        return self._comm._size
+
+    def Isend(self, buf, int dest, int tag=0):  # noqa: N802
+        return self._comm._isend(buf, dest, tag, self._comm._ccid)
+
+    def Irecv(self, buf, source, int tag=0):  # noqa: N802
+        return self._comm._irecv(buf, source, tag, self._comm._ccid)
+
+
+# -- the network model's arithmetic -----------------------------------------------------------------
+
+cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept:
+    return -((-a) // b)
+
+
+cdef extern from *:
+    """
+    /* ticks (ps) to move nbytes at bps bytes/s, rounded up; 128-bit: nbytes * 10^12 overflows 64 */
+    static inline int64_t hpcdl_xfer_ticks(int64_t nbytes, int64_t bps) {
+        __int128 num = (__int128)nbytes * (__int128)1000000000000LL;
+        return (int64_t)((num + bps - 1) / bps);
+    }
+    """
+    int64_t _xfer_ticks "hpcdl_xfer_ticks"(int64_t nbytes, int64_t bps) noexcept nogil
+
+
+cdef class NetCore:
+    """Per-message channel arithmetic of :class:`hpcdl.sim.network.Network` (see there for the model).
+
+    Channels: each NIC's send and receive side (per rank, or per node), each rank's
+    shared-memory send and receive side, and in a fat tree each leaf's uplink and downlink;
+    a message occupies its channels from ``max(t, their free times)`` for ``nbytes / B``.
+    """
+
+    cdef int64_t* _chan  # free times: [inter send | inter recv | intra send | intra recv | up | down]
+    cdef Py_ssize_t _nchan
+    cdef int64_t _n_nics, _n_ranks, _n_leaves
+    cdef int64_t _rpn, _npl
+    cdef int64_t _intra_alpha, _intra_bps, _inter_alpha, _inter_bps, _uplink_bps, _leaf_alpha
+    cdef bint _nic_node, _fat_tree
+
+    def __dealloc__(self):
+        PyMem_Free(self._chan)
+
+    def _configure(self, int64_t ranks_per_node, intra, inter, bint nic_node, bint fat_tree,
+                   int64_t nodes_per_leaf, int64_t uplink_bps, int64_t leaf_alpha, int64_t nranks):
+        """Set the parameters and fresh, idle channels for ``nranks`` ranks (``intra``/``inter``: Links or None)."""
+        cdef int64_t nodes
+        self._rpn = ranks_per_node
+        self._npl = nodes_per_leaf
+        self._nic_node, self._fat_tree = nic_node, fat_tree
+        self._intra_alpha = intra.alpha if intra is not None else 0
+        self._intra_bps = intra.bps if intra is not None else 1
+        self._inter_alpha = inter.alpha if inter is not None else 0
+        self._inter_bps = inter.bps if inter is not None else 1
+        self._uplink_bps = max(1, uplink_bps)
+        self._leaf_alpha = leaf_alpha
+        nodes = 1 if ranks_per_node == 0 else _ceil_div(nranks, ranks_per_node)
+        self._n_ranks = nranks
+        self._n_nics = nodes if nic_node else nranks
+        self._n_leaves = _ceil_div(nodes, nodes_per_leaf) if fat_tree else 0
+        PyMem_Free(self._chan)
+        self._nchan = 2 * self._n_nics + 2 * nranks + 2 * self._n_leaves
+        self._chan = <int64_t*>PyMem_Malloc((self._nchan + 1) * sizeof(int64_t))
+        if self._chan == NULL:
+            raise MemoryError()
+        memset(self._chan, 0, (self._nchan + 1) * sizeof(int64_t))
+
+    cdef void transfer(self, int64_t src, int64_t dst, int64_t nbytes, int64_t t,
+                       int64_t* t_sent, int64_t* t_arrival) except *:
+        cdef int64_t* sf
+        cdef int64_t* rf
+        cdef int64_t s, d, start, end, alpha, hold, up, down, ls, ld
+        cdef int64_t* upf
+        cdef int64_t* downf
+        cdef int64_t* chan = self._chan
+        if src == dst:
+            t_sent[0] = t_arrival[0] = t
+            return
+        if not (0 <= src < self._n_ranks and 0 <= dst < self._n_ranks):
+            raise ValueError(
+                f"message {src} -> {dst} outside the ranks 0..{self._n_ranks - 1} of this network: "
+                "call reset(nranks) first"
+            )
+        if self._rpn == 0 or (self._rpn > 1 and src // self._rpn == dst // self._rpn):
+            sf = chan + 2 * self._n_nics
+            rf = sf + self._n_ranks
+            start = t
+            if sf[src] > start:
+                start = sf[src]
+            if rf[dst] > start:
+                start = rf[dst]
+            end = start + _xfer_ticks(nbytes, self._intra_bps)
+            sf[src] = rf[dst] = end
+            t_sent[0], t_arrival[0] = end, end + self._intra_alpha
+            return
+        alpha = self._inter_alpha
+        if self._nic_node:
+            s, d = src // self._rpn, dst // self._rpn
+        else:
+            s, d = src, dst
+        sf = chan
+        rf = chan + self._n_nics
+        start = t
+        if sf[s] > start:
+            start = sf[s]
+        if rf[d] > start:
+            start = rf[d]
+        end = start + _xfer_ticks(nbytes, self._inter_bps)
+        if self._fat_tree:
+            ls, ld = src // self._rpn // self._npl, dst // self._rpn // self._npl
+            if ls != ld:
+                hold = _xfer_ticks(nbytes, self._uplink_bps)
+                upf = chan + 2 * self._n_nics + 2 * self._n_ranks  # each leaf's uplink, then downlink
+                downf = upf + self._n_leaves
+                up = (start if start > upf[ls] else upf[ls]) + hold
+                down = (start if start > downf[ld] else downf[ld]) + hold
+                upf[ls] = up
+                downf[ld] = down
+                if up > end:
+                    end = up
+                if down > end:
+                    end = down
+                alpha += self._leaf_alpha
+        sf[s] = rf[d] = end
+        t_sent[0], t_arrival[0] = end, end + alpha
+
+    def send(self, int64_t src, int64_t dst, int64_t nbytes, int64_t t):
+        """A message of ``nbytes`` from world rank ``src`` to ``dst``, ready at tick ``t``: ``(t_sent, t_arrival)``."""
+        cdef int64_t t_sent, t_arrival
+        self.transfer(src, dst, nbytes, t, &t_sent, &t_arrival)
+        return t_sent, t_arrival
