@@ -870,6 +870,27 @@ cdef class CommBase:
 
     def waitall(self, reqs):
         """Block until every request completes, if all are simulated ones; False otherwise."""
+        return self._waitall(reqs)
+
+    def run_rounds(self, gen, pending):
+        """World hook: wait for each round of a collective schedule, advance it, until it ends.
+
+        What :meth:`hpcdl.comm.collectives.schedule.CollRequest.Wait` does round by round,
+        in C. ``gen`` is the schedule (a generator yielding each round's requests),
+        ``pending`` the current round's requests. Returns when ``gen`` is exhausted; its
+        exceptions propagate.
+        """
+        while True:
+            if not self._waitall(pending):  # not only simulated requests: poll them
+                from hpcdl.comm.context import _waitall_polling
+
+                _waitall_polling(pending)
+            try:
+                pending = next(gen)
+            except StopIteration:
+                return
+
+    cdef bint _waitall(self, reqs) except -1:
         cdef list active = []
         cdef Request q
         cdef Py_ssize_t i, j, n

@@ -196,7 +196,10 @@ class WorldHooks(Protocol):
       :func:`hpcdl.comm.subcomm` (on any communicator, not only the world);
     * ``waitall(reqs) -> bool`` and ``waitany(reqs, status) -> (bool, index)``: block on
       the world's own requests in :func:`hpcdl.comm.waitall`/:func:`~hpcdl.comm.waitany`
-      (False: some request is not the world's own; the caller polls them all).
+      (False: some request is not the world's own; the caller polls them all);
+    * ``run_rounds(schedule, pending)``: wait for each round of a collective schedule and
+      advance it until it ends, used by ``CollRequest.Wait``
+      (:mod:`hpcdl.comm.collectives.schedule`) instead of its own loop.
     """
 
     def wtime(self) -> float:
@@ -209,4 +212,8 @@ class WorldHooks(Protocol):
 
     def subcomm(self, ranks: list[int]) -> Communicator:
         """The communicator of ``ranks`` (in that order); only members call it."""
+        ...
+
+    def run_rounds(self, schedule: Any, pending: Any) -> None:
+        """Wait for ``pending``, advance ``schedule`` to its next round's requests, until it ends."""
         ...

@@ -390,3 +390,50 @@ def test_an_inactive_request_tests_true_with_an_empty_status() -> None:
         return None
 
     assert run(2, body).results[0] == (True, True, 0)
+
+
+def test_collrequest_wait_runs_its_rounds_through_the_world_hook() -> None:
+    """``CollRequest.Wait`` on virtual ranks: simulated and foreign requests, completion, errors."""
+    from hpcdl.comm.collectives.schedule import CollRequest
+
+    class Countdown:  # not a simulated request: the rounds that hold one are polled
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def Test(self, status=None) -> bool:  # noqa: N802
+            self.n -= 1
+            return self.n <= 0
+
+        def Wait(self, status=None) -> None:  # noqa: N802
+            self.n = 0
+
+    def body():
+        comm = hc.world()
+        rank, size = comm.Get_rank(), comm.Get_size()
+        got = np.zeros(1)
+        done = []
+
+        def schedule():
+            yield [Countdown(3)]
+            yield [
+                comm.Irecv(got, (rank - 1) % size, 5),
+                comm.Isend(np.full(1, rank + 1.0), (rank + 1) % size, 5),
+            ]
+            yield [Countdown(2), comm.Isend(np.zeros(1), rank, 6), comm.Irecv(np.zeros(1), rank, 6)]
+
+        req = CollRequest(schedule(), on_done=lambda: done.append(True))
+        req.Wait()
+        assert not req and req.finished and done == [True]
+
+        def failing():
+            yield [comm.Isend(np.zeros(1), rank, 7), comm.Irecv(np.zeros(1), rank, 7)]
+            raise ZeroDivisionError("in a reduction")
+
+        bad = CollRequest(failing(), on_done=lambda: done.append(False))
+        with pytest.raises(ZeroDivisionError):
+            bad.Wait()
+        assert bad.finished and done == [True]
+        return float(got[0])
+
+    res = run(3, body)
+    assert res.results == [3.0, 1.0, 2.0]
