@@ -364,7 +364,8 @@ cdef class Core:
         self.compute = compute
         self.poll_cost = max(1, poll_cost)
         self.stall = stall
-        self._net = network if isinstance(network, NetCore) else None
+        # NetCore's arithmetic is called in C unless a subclass redefines send()
+        self._net = network if getattr(type(network), "send", None) is NetCore.send else None
         self._net_send = network.send  # bound once: called for every message
         self._segment = compute.segment
         self._charges = bool(getattr(compute, "charges_segments", True))

@@ -96,8 +96,6 @@ class ComputeModel:
     """
 
     name = ""
-    #: whether :meth:`segment` can charge anything (the engine skips the call when not)
-    charges_segments = False
 
     def __init__(
         self,
@@ -118,6 +116,11 @@ class ComputeModel:
     def segment(self, rank: int, measured_s: float) -> int:
         """Ticks to charge ``rank`` for a compute segment that took ``measured_s`` wall seconds."""
         return 0
+
+    @property
+    def charges_segments(self) -> bool:
+        """Whether :meth:`segment` can charge anything: the engine does not call it when not."""
+        return type(self).segment is not ComputeModel.segment
 
     def layer_observer(self, rank: int, charge: Callable[[int], None]) -> LayerObserver | None:
         """An observer for :mod:`hpcdl.nn`'s per-layer hook on ``rank`` (``None``: not used).
@@ -157,7 +160,6 @@ class MeasuredCompute(ComputeModel):
     """Charges each segment its measured wall time ``/ speed * straggler * jitter``."""
 
     name = "measured"
-    charges_segments = True
 
     def segment(self, rank: int, measured_s: float) -> int:
         if measured_s <= 0.0:

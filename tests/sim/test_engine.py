@@ -437,3 +437,34 @@ def test_collrequest_wait_runs_its_rounds_through_the_world_hook() -> None:
 
     res = run(3, body)
     assert res.results == [3.0, 1.0, 2.0]
+
+
+def test_subclassed_models_are_called_as_written() -> None:
+    """A Network subclass redefining send() and a ComputeModel subclass redefining segment() are used."""
+    from hpcdl.sim.compute import ComputeModel, make_compute
+    from hpcdl.sim.network import Link, Network
+
+    class SlowNet(Network):
+        def send(self, src, dst, nbytes, t):
+            return t, t + TICKS_PER_SECOND  # every message takes a second
+
+    class Flat(ComputeModel):
+        def segment(self, rank, measured_s):
+            return TICKS_PER_SECOND // 1000  # every segment a millisecond
+
+    assert Flat().charges_segments and make_compute("measured").charges_segments
+    assert not make_compute("none").charges_segments
+
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            comm.Send(np.zeros(1), dest=1)
+        else:
+            comm.Recv(np.zeros(1), source=0)
+        return hc.wtime()
+
+    net = SlowNet("slow", inter=Link(1.0, 1.0))
+    res = simulate(2, body, network=net, compute=Flat())
+    # rank 1: a segment before Recv (1 ms), the message sent at rank 0's 1 ms arrives a second
+    # later, then the segment before wtime() (1 ms)
+    assert res.results[1] == pytest.approx(1.0 + 0.002, abs=1e-12)
