@@ -71,7 +71,22 @@ def check_array(buf, str what):
         raise TypeError(f"{what}: the simulator takes NumPy arrays as buffers (got {type(buf).__name__})")
     if not buf.flags.c_contiguous:
         raise ValueError(f"{what}: buffers must be C-contiguous")
+    if buf.dtype.hasobject:
+        raise TypeError(f"{what}: arrays of Python objects cannot be buffers (send them with the lower-case methods)")
     return buf
+
+
+cdef inline bint _plain_array(object buf):
+    """An exact ndarray, C-contiguous, of plain numbers: its bytes can be copied as they are.
+
+    False is not an error: :func:`check_array` then says whether the buffer is usable.
+    """
+    return (
+        type(buf) is _ndarray
+        and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>buf)
+        and not cnp.PyArray_ISOBJECT(<cnp.ndarray>buf)
+        and not cnp.PyArray_HASFIELDS(<cnp.ndarray>buf)  # a record might hold objects: checked in Python
+    )
 
 
 cdef bytes _snapshot(object buf, str what):
@@ -82,8 +97,8 @@ cdef bytes _snapshot(object buf, str what):
     cdef cnp.ndarray a
     if type(buf) is bytes:
         return <bytes>buf
-    if type(buf) is not _ndarray or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>buf):
-        check_array(buf, what)  # raises: not an array, or not C-contiguous
+    if not _plain_array(buf):
+        check_array(buf, what)  # raises: not an array, not C-contiguous, or of objects
     a = <cnp.ndarray>buf
     return PyBytes_FromStringAndSize(<char*>cnp.PyArray_DATA(a), cnp.PyArray_NBYTES(a))
 
@@ -114,7 +129,6 @@ cdef inline Message _message(int64_t cid, int dst, int source, int tag, bytes pa
     return m
 
 
-@cython.no_gc  # holds no reference cycles: not tracked by the cyclic GC
 @cython.freelist(4096)
 cdef class Request:
     """A simulated nonblocking send or receive (mpi4py's request methods).
@@ -135,6 +149,9 @@ cdef class Request:
     cdef readonly object obj  # an object receive's payload (bytes)
     cdef object error  # raised in the receiving rank when it completes the request
     cdef bint _active
+
+    def __init__(self):
+        raise TypeError("requests are made by the simulated communicator (Isend, Irecv, ...)")
 
     def __cinit__(self):
         self.cid = -1
@@ -241,7 +258,6 @@ def _text(what):
     return str(what)
 
 
-@cython.no_gc  # holds no reference cycles: not tracked by the cyclic GC
 cdef class _Wait:
     """A blocked rank's wait: for ``remaining`` more of ``reqs`` to complete in operation ``what``.
 
@@ -365,7 +381,11 @@ cdef class Core:
         self.poll_cost = max(1, poll_cost)
         self.stall = stall
         # NetCore's arithmetic is called in C unless a subclass redefines send()
-        self._net = network if getattr(type(network), "send", None) is NetCore.send else None
+        self._net = (
+            network
+            if getattr(type(network), "send", None) is NetCore.send and "send" not in getattr(network, "__dict__", ())
+            else None
+        )
         self._net_send = network.send  # bound once: called for every message
         self._segment = compute.segment
         self._charges = bool(getattr(compute, "charges_segments", True))
@@ -395,8 +415,15 @@ cdef class Core:
 
     # -- for Python: clocks, contexts, state ---------------------------------------------------
 
+    cdef int _check(self, int r) except -1:
+        """Refuse a rank outside the run (the C arrays are not bounds-checked)."""
+        if not 0 <= r < self.size:
+            raise IndexError(f"rank {r} outside the {self.size} ranks of this simulation")
+        return 0
+
     def clock(self, int r):
         """Rank ``r``'s virtual clock, ticks."""
+        self._check(r)
         return self.now[r]
 
     def clocks(self):
@@ -510,15 +537,18 @@ cdef class Core:
 
     def _start(self, int r, glet):
         """Register rank ``r``'s greenlet (started, back at its first switch) and queue its start."""
+        self._check(r)
         self.glets[r] = glet
         self._push(0, r, RESUME, -1, None)
 
     def _begin(self, int r):
         """Rank ``r``'s first compute segment starts now."""
+        self._check(r)
         self.seg_start[r] = _wall()
 
     def _returned(self, int r, result):
         """Rank ``r``'s code returned ``result``."""
+        self._check(r)
         self._account(r, True)  # a rank that polled last is not polling any more
         self.results[r] = result
         self.finished[r] = 1
@@ -561,14 +591,17 @@ cdef class Core:
 
     def account(self, int r, bint progress=False):
         """Charge rank ``r``'s compute segment so far to its clock (call on entering the engine)."""
+        self._check(r)
         self._account(r, progress)
 
     def leave(self, int r):
         """Rank ``r`` returns to its code: its next compute segment starts now (the engine's work is not its compute)."""
+        self._check(r)
         self.seg_start[r] = _wall()
 
     def charge(self, int r, int64_t t):
         """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
+        self._check(r)
         self.now[r] += t
         if t:
             self.poll_clean[r] = 0  # compute between two polls: no jump to the next event
@@ -585,6 +618,7 @@ cdef class Core:
                 self._stop(r)
 
     def sync(self, int r):
+        self._check(r)
         self._sync(r)
 
     cdef void _stop(self, int r) except *:
@@ -607,6 +641,7 @@ cdef class Core:
         self._sync(r)
 
     def enter(self, int r):
+        self._check(r)
         self._enter(r)
 
     # -- blocking and polling ----------------------------------------------------------------------
@@ -652,6 +687,10 @@ cdef class Core:
         deadlock report (``"waitall"``, ...). ``charge``: called from the rank's code,
         whose compute segment is charged first.
         """
+        self._check(r)
+        reqs = list(reqs)
+        if not all(type(q) is Request for q in reqs):
+            raise TypeError("Core.wait takes the simulator's own requests only")
         self._wait(r, reqs, need, what, charge)
 
     cdef void _block(self, int r, object reqs, int remaining, str what, int64_t until) except *:
@@ -708,6 +747,7 @@ cdef class Core:
         self.now[r] = t
 
     def poll_failed(self, int r, what, known=None):
+        self._check(r)
         self._poll_failed(r, what, -1 if known is None else known)
 
     cdef inline void _progressed(self, int r) noexcept:
@@ -717,6 +757,7 @@ cdef class Core:
             self.n_waiting -= 1
 
     def progressed(self, int r):
+        self._check(r)
         self._progressed(r)
 
     # -- messages --------------------------------------------------------------------------------
@@ -983,7 +1024,8 @@ cdef class CommBase:
         cdef int src, tg
         cdef Request req
         cdef Message msg
-        cdef list posted
+        if buf is not None and not _plain_array(buf):
+            check_array(buf, "Irecv")  # raises
         if source is self._any_source or source == -1:
             src = -1
         else:
@@ -1002,8 +1044,8 @@ cdef class CommBase:
         return self._isend(buf, dest, tag, self._cid)
 
     def Irecv(self, buf, source=-1, tag=-1):  # noqa: N802
-        if type(buf) is not _ndarray or not buf.flags.c_contiguous:
-            buf = check_array(buf, "Irecv")
+        if buf is None:
+            check_array(buf, "Irecv")  # raises: None is for the lower-case (object) methods
         return self._irecv(buf, source, tag, self._cid)
 
     def Send(self, buf, int dest, int tag=0):  # noqa: N802
@@ -1016,8 +1058,8 @@ cdef class CommBase:
         cdef Core eng = self._engine
         cdef int r = self._world_rank
         cdef Request rreq, sreq
-        if type(recvbuf) is not _ndarray or not recvbuf.flags.c_contiguous:
-            recvbuf = check_array(recvbuf, "Sendrecv recvbuf")
+        if not _plain_array(recvbuf):
+            check_array(recvbuf, "Sendrecv recvbuf")
         eng._enter(r)
         payload = _snapshot(sendbuf, "Sendrecv sendbuf")  # copied inside the engine: not the rank's compute
         rreq = self._post_recv(recvbuf, source, recvtag, self._cid)
@@ -1067,6 +1109,9 @@ cdef class CollView:
 
     cdef CommBase _comm
 
+    def __init__(self):
+        raise TypeError("a collective view is made by its communicator (_collective_view)")
+
     def Get_rank(self):  # noqa: N802
         return self._comm._rank
 
@@ -1083,7 +1128,8 @@ cdef class CollView:
 # -- the network model's arithmetic -----------------------------------------------------------------
 
 cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept:
-    return -((-a) // b)
+    """``ceil(a / b)`` for ``a >= 0, b > 0`` (C division truncates: ``-(-a // b)`` would not do)."""
+    return (a + b - 1) // b
 
 
 cdef extern from *:

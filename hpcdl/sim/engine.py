@@ -94,7 +94,8 @@ class Engine(Core):
     def __init__(
         self, size: int, network: Any, compute: Any, *, poll_cost_s: float = 1e-7, stall_s: float = 10.0
     ) -> None:
-        super().__init__(size, network, compute, ticks(poll_cost_s), ticks(stall_s))
+        # ticks are int64 picoseconds: a stall limit beyond ~100 days means "never"
+        super().__init__(size, network, compute, ticks(poll_cost_s), min(ticks(stall_s), 2**62))
 
     def run(self, target: Callable[[int], Any], contexts: Sequence[contextvars.Context]) -> SimResult:
         """Run ``target(rank)`` on every virtual rank, each in its context; return when all end.

@@ -170,6 +170,11 @@ class Network(NetCore):
             raise ValueError("ranks_per_node != 1 needs an intra-node link")
         if ranks_per_node != 0 and inter is None:
             raise ValueError("ranks_per_node != 0 needs an inter-node link")
+        if ranks_per_node < 0 or nodes_per_leaf < 1:
+            raise ValueError(
+                "ranks_per_node must be >= 0 and nodes_per_leaf >= 1 "
+                f"(got {ranks_per_node}, {nodes_per_leaf})"
+            )
         self.name = name
         self.source = source
         self.path = path

@@ -113,7 +113,36 @@ def test_collrequest_wait_and_errors() -> None:
     req = CollRequest(failing())
     with pytest.raises(ZeroDivisionError):
         req.Wait()
-    assert req.finished
+    assert req.finished and req and "failed: ZeroDivisionError" in repr(req)
+    with pytest.raises(ZeroDivisionError):  # a failed collective does not report success later
+        req.Wait()
+    with pytest.raises(ZeroDivisionError):
+        req.Test()
+
+    class Broken:  # a request whose completion fails (a truncated receive, say)
+        def Test(self, status: Any = None) -> bool:  # noqa: N802
+            raise OverflowError("message truncated")
+
+        def Wait(self, status: Any = None) -> None:  # noqa: N802
+            raise OverflowError("message truncated")
+
+    closed = []
+
+    def waits_on_broken():
+        try:
+            yield [Broken(), Done()]
+            yield [Done()]
+        finally:
+            closed.append(True)
+
+    for finish in ("Wait", "Test"):
+        closed.clear()
+        req = CollRequest(waits_on_broken(), on_done=lambda: closed.append("done"))
+        with pytest.raises(OverflowError):
+            getattr(req, finish)()
+        assert req.finished and req and closed == [True]  # the schedule is closed, on_done not called
+        with pytest.raises(OverflowError):
+            req.Test()
 
 
 # -- every schedule on N virtual ranks of a loopback communicator ------------------------------

@@ -468,3 +468,64 @@ def test_subclassed_models_are_called_as_written() -> None:
     # rank 1: a segment before Recv (1 ms), the message sent at rank 0's 1 ms arrives a second
     # later, then the segment before wtime() (1 ms)
     assert res.results[1] == pytest.approx(1.0 + 0.002, abs=1e-12)
+
+
+def test_a_run_that_leaves_a_receive_posted_is_freed() -> None:
+    """Requests, communicators and the engine form cycles the garbage collector must see."""
+    import gc
+    import weakref
+
+    worlds = []
+
+    def pending():
+        comm = hc.world()
+        worlds.append(weakref.ref(comm))
+        comm.Irecv(np.empty(4), hc.ANY_SOURCE, 99)  # never matched, never waited on
+
+    def deadlocked():
+        comm = hc.world()
+        worlds.append(weakref.ref(comm))
+        if comm.Get_rank() == 0:
+            comm.Recv(np.empty(4), 1, 7)  # never sent
+
+    run(2, pending)
+    with pytest.raises(SimDeadlock):
+        run(2, deadlocked)
+    gc.collect()
+    assert len(worlds) == 4 and all(w() is None for w in worlds)
+
+
+def test_buffers_of_python_objects_are_refused() -> None:
+    objects = np.empty(2, dtype=object)
+
+    def sends_objects():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            comm.Send(objects, dest=1)
+
+    def receives_into_objects():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            comm.Recv(objects, source=1)
+        else:
+            comm.Send(np.zeros(2), dest=0)
+
+    for body in (sends_objects, receives_into_objects):
+        with pytest.raises(RankFailure, match="arrays of Python objects") as info:
+            run(2, body)
+        assert info.value.rank == 0
+
+
+def test_engine_internals_refuse_what_would_corrupt_memory() -> None:
+    from hpcdl.sim.comm import SimRequest
+    from hpcdl.sim.engine import Engine
+
+    with pytest.raises(TypeError, match="made by the simulated communicator"):
+        SimRequest()
+    eng = Engine(2, LineNet(), NoCompute())
+    with pytest.raises(IndexError, match="rank 5 outside the 2 ranks"):
+        eng.charge(5, 1)
+    with pytest.raises(IndexError):
+        eng.clock(-1)
+    with pytest.raises(TypeError, match="own requests"):
+        eng.wait(0, [None], 1, "waitall")

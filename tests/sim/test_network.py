@@ -380,3 +380,72 @@ def test_missing_file_or_unknown_preset(tmp_path: Path) -> None:
         load_network(tmp_path / "absent.toml")
     with pytest.raises(ConfigError, match="network file ib-ndr not found: give a preset"):
         load_network("ib-ndr")
+
+
+class ReferenceNetwork:
+    """The channel model of the module docstring in plain Python integers (the C arithmetic's reference)."""
+
+    def __init__(self, n: Network, nranks: int) -> None:
+        self.n = n
+        rpn = n.ranks_per_node
+        nodes = 1 if rpn == 0 else -(-nranks // rpn)
+        nics = nodes if n.nic == "node" else nranks
+        leaves = -(-nodes // n.nodes_per_leaf) if n.fat_tree else 0
+        self.sf, self.rf = [0] * nics, [0] * nics
+        self.isf, self.irf = [0] * nranks, [0] * nranks
+        self.up, self.down = [0] * leaves, [0] * leaves
+
+    def send(self, src: int, dst: int, nbytes: int, t: int) -> tuple[int, int]:
+        n, rpn = self.n, self.n.ranks_per_node
+        if src == dst:
+            return t, t
+        if rpn == 0 or (rpn > 1 and src // rpn == dst // rpn):
+            start = max(t, self.isf[src], self.irf[dst])
+            end = start + -(-nbytes * TICKS_PER_SECOND // n.intra.bps)
+            self.isf[src] = self.irf[dst] = end
+            return end, end + n.intra.alpha
+        s, d = (src // rpn, dst // rpn) if n.nic == "node" else (src, dst)
+        start = max(t, self.sf[s], self.rf[d])
+        end = start + -(-nbytes * TICKS_PER_SECOND // n.inter.bps)
+        alpha = n.inter.alpha
+        if n.fat_tree:
+            ls, ld = src // rpn // n.nodes_per_leaf, dst // rpn // n.nodes_per_leaf
+            if ls != ld:
+                hold = -(-nbytes * TICKS_PER_SECOND // n.uplink_bps)
+                self.up[ls] = max(start, self.up[ls]) + hold
+                self.down[ld] = max(start, self.down[ld]) + hold
+                end = max(end, self.up[ls], self.down[ld])
+                alpha += n.leaf_alpha
+        self.sf[s] = self.rf[d] = end
+        return end, end + alpha
+
+
+@pytest.mark.parametrize("kind", ["switch", "fat-tree"])
+@pytest.mark.parametrize("nic", ["rank", "node"])
+@pytest.mark.parametrize("rpn", [0, 1, 2, 3, 4])
+def test_channel_arithmetic_matches_the_reference_for_any_rank_count(kind: str, nic: str, rpn: int) -> None:
+    """Random traffic, rank counts that do not fill the last node or leaf included."""
+    for npl, nranks in [(1, 5), (2, 6), (3, 7), (2, 9), (3, 10)]:
+        n = net(
+            ranks_per_node=rpn,
+            intra={"latency_us": 0.5, "bandwidth_GBps": 50.0},
+            inter={"latency_us": 2.0, "bandwidth_GBps": 10.0, "nic": nic},
+            topology=(
+                {"kind": kind, "nodes_per_leaf": npl, "oversubscription": 2.0, "leaf_latency_us": 0.3}
+                if kind == "fat-tree"
+                else {"kind": kind}
+            ),
+        )
+        n.reset(nranks)
+        ref = ReferenceNetwork(n, nranks)
+        rnd = random.Random(rpn * 100 + nranks)
+        t = 0
+        for _ in range(300):
+            src, dst, nbytes = rnd.randrange(nranks), rnd.randrange(nranks), rnd.randrange(1, 10**5)
+            t += rnd.randrange(0, 10**6)
+            assert n.send(src, dst, nbytes, t) == ref.send(src, dst, nbytes, t), (kind, nic, rpn, npl, nranks)
+
+
+def test_bad_topology_numbers_are_refused() -> None:
+    with pytest.raises(ValueError, match="nodes_per_leaf >= 1"):
+        Network("x", inter=Link(1.0, 1.0), kind="fat-tree", nodes_per_leaf=0)

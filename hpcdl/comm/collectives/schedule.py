@@ -40,7 +40,8 @@ class CollRequest:
     Like an mpi4py request, it stays active (truthy) until a ``Test()`` returning True or a
     ``Wait()`` has reported its completion; then it is falsy (inactive), and those functions
     skip it as they skip ``MPI.REQUEST_NULL``. So a ``waitany`` loop sees every request
-    complete exactly once.
+    complete exactly once. A collective that failed (an error from a request or from the
+    schedule) is finished and stays active: every later ``Test``/``Wait`` raises that error.
 
     Args:
         schedule: the collective's generator (see :data:`Schedule`).
@@ -48,7 +49,7 @@ class CollRequest:
         on_done: called once when the schedule has run to its end (not after an error).
     """
 
-    __slots__ = ("_active", "_name", "_on_done", "_pending", "_schedule")
+    __slots__ = ("_active", "_error", "_name", "_on_done", "_pending", "_schedule")
 
     def __init__(
         self, schedule: Schedule, name: str = "collective", on_done: Callable[[], None] | None = None
@@ -58,6 +59,7 @@ class CollRequest:
         self._pending: Sequence[Request] = ()
         self._on_done = on_done
         self._active = True
+        self._error: BaseException | None = None
         self._advance()
 
     def _advance(self) -> None:
@@ -77,6 +79,12 @@ class CollRequest:
         if self._on_done is not None:
             self._on_done()
 
+    def _fail(self, exc: BaseException) -> None:
+        """The collective failed with ``exc``: no more progress; later calls raise it again."""
+        schedule, self._schedule, self._pending, self._error = self._schedule, None, (), exc
+        if schedule is not None:
+            schedule.close()
+
     def Test(self, status: Any = None) -> bool:  # noqa: N802  (mpi4py's name)
         """Advance the schedule without blocking.
 
@@ -89,11 +97,17 @@ class CollRequest:
         Returns:
             True when the collective has completed.
         """
-        while self._schedule is not None:
-            self._pending = [r for r in self._pending if not r.Test()]
-            if self._pending:
-                return False
-            self._advance()
+        if self._error is not None:
+            raise self._error
+        try:
+            while self._schedule is not None:
+                self._pending = [r for r in self._pending if not r.Test()]
+                if self._pending:
+                    return False
+                self._advance()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
         self._active = False
         return True
 
@@ -103,20 +117,22 @@ class CollRequest:
         Args:
             status: accepted for compatibility with mpi4py's ``Wait``; not filled.
         """
+        if self._error is not None:
+            raise self._error
         if self._schedule is not None:
             drive = _world_hook("run_rounds")  # a simulated world runs the rounds in C
-            if drive is not None:
-                try:
+            try:
+                if drive is not None:
                     drive(self._schedule, self._pending)
-                except BaseException:
-                    self._schedule, self._pending = None, ()
-                    raise
-                self._end()
-            else:
-                wait = waiter()  # the world's waitall, looked up once for all the rounds
-                while self._schedule is not None:
-                    wait(self._pending)
-                    self._advance()
+                    self._end()
+                else:
+                    wait = waiter()  # the world's waitall, looked up once for all the rounds
+                    while self._schedule is not None:
+                        wait(self._pending)
+                        self._advance()
+            except BaseException as exc:
+                self._fail(exc)
+                raise
         self._active = False
 
     @property
@@ -129,7 +145,9 @@ class CollRequest:
         return self._active
 
     def __repr__(self) -> str:
-        if self._schedule is not None:
+        if self._error is not None:
+            state = f"failed: {type(self._error).__name__}: {self._error}"
+        elif self._schedule is not None:
             state = f"{len(self._pending)} requests pending"
         else:
             state = "completed" if self._active else "completed, inactive"
