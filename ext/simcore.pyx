@@ -442,9 +442,6 @@ cdef class Core:
         """The context of a context id."""
         return self._contexts[cid]
 
-    def heap_size(self):
-        return self.n_heap
-
     # -- the heap --------------------------------------------------------------------------------
 
     cdef void _push(self, int64_t t, int rank, int kind, int64_t token, object msg) except *:
@@ -589,16 +586,6 @@ cdef class Core:
             self.polling[r] = 0
             self.n_waiting -= 1
 
-    def account(self, int r, bint progress=False):
-        """Charge rank ``r``'s compute segment so far to its clock (call on entering the engine)."""
-        self._check(r)
-        self._account(r, progress)
-
-    def leave(self, int r):
-        """Rank ``r`` returns to its code: its next compute segment starts now (the engine's work is not its compute)."""
-        self._check(r)
-        self.seg_start[r] = _wall()
-
     def charge(self, int r, int64_t t):
         """Add ``t`` ticks to rank ``r``'s clock (a cost-table layer, a modelled copy)."""
         self._check(r)
@@ -616,10 +603,6 @@ cdef class Core:
             if top.t < t or (top.t == t and top.rank <= r):  # arrivals to r at t come first
                 self._push(t, r, RESUME, -1, None)
                 self._stop(r)
-
-    def sync(self, int r):
-        self._check(r)
-        self._sync(r)
 
     cdef void _stop(self, int r) except *:
         """Rank ``r`` cannot go on: take events until its own resume comes, switching to others."""
@@ -639,10 +622,6 @@ cdef class Core:
             raise _GreenletExit
         self._account(r, True)
         self._sync(r)
-
-    def enter(self, int r):
-        self._check(r)
-        self._enter(r)
 
     # -- blocking and polling ----------------------------------------------------------------------
 
@@ -746,19 +725,11 @@ cdef class Core:
             t += step if step > self.poll_cost else self.poll_cost
         self.now[r] = t
 
-    def poll_failed(self, int r, what, known=None):
-        self._check(r)
-        self._poll_failed(r, what, -1 if known is None else known)
-
     cdef inline void _progressed(self, int r) noexcept:
         """Rank ``r`` did something other than a failed poll."""
         if self.polling[r]:
             self.polling[r] = 0
             self.n_waiting -= 1
-
-    def progressed(self, int r):
-        self._check(r)
-        self._progressed(r)
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -899,9 +870,6 @@ cdef class CommBase:
 
     def Get_size(self):  # noqa: N802
         return self._size
-
-    def _name(self, context):
-        return _name(context)
 
     # -- world hooks (hpcdl.comm) ----------------------------------------------------------------
 
@@ -1132,6 +1100,15 @@ cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept:
     return (a + b - 1) // b
 
 
+cdef inline int64_t _free(int64_t a, int64_t b, int64_t t) noexcept:
+    """When a transfer ready at ``t`` can start on channels free from ``a`` and ``b``: the latest."""
+    if a > t:
+        t = a
+    if b > t:
+        t = b
+    return t
+
+
 cdef extern from *:
     """
     /* ticks (ps) to move nbytes at bps bytes/s, rounded up; 128-bit: nbytes * 10^12 overflows 64 */
@@ -1204,12 +1181,7 @@ cdef class NetCore:
         if self._rpn == 0 or (self._rpn > 1 and src // self._rpn == dst // self._rpn):
             sf = chan + 2 * self._n_nics
             rf = sf + self._n_ranks
-            start = t
-            if sf[src] > start:
-                start = sf[src]
-            if rf[dst] > start:
-                start = rf[dst]
-            end = start + _xfer_ticks(nbytes, self._intra_bps)
+            end = _free(sf[src], rf[dst], t) + _xfer_ticks(nbytes, self._intra_bps)
             sf[src] = rf[dst] = end
             t_sent[0], t_arrival[0] = end, end + self._intra_alpha
             return
@@ -1220,11 +1192,7 @@ cdef class NetCore:
             s, d = src, dst
         sf = chan
         rf = chan + self._n_nics
-        start = t
-        if sf[s] > start:
-            start = sf[s]
-        if rf[d] > start:
-            start = rf[d]
+        start = _free(sf[s], rf[d], t)
         end = start + _xfer_ticks(nbytes, self._inter_bps)
         if self._fat_tree:
             ls, ld = src // self._rpn // self._npl, dst // self._rpn // self._npl
@@ -1232,8 +1200,8 @@ cdef class NetCore:
                 hold = _xfer_ticks(nbytes, self._uplink_bps)
                 upf = chan + 2 * self._n_nics + 2 * self._n_ranks  # each leaf's uplink, then downlink
                 downf = upf + self._n_leaves
-                up = (start if start > upf[ls] else upf[ls]) + hold
-                down = (start if start > downf[ld] else downf[ld]) + hold
+                up = _free(upf[ls], 0, start) + hold
+                down = _free(downf[ld], 0, start) + hold
                 upf[ls] = up
                 downf[ld] = down
                 if up > end:
