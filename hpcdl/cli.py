@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.errors import ConfigError, HpcdlError, file_error
 
 __all__ = ["entry", "parse_args", "ArgumentParser", "HelpRequested", "EXIT_USAGE"]
 
@@ -35,10 +35,11 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
     """Run ``main(sys.argv[1:])`` and exit with its status.
 
     A :class:`~hpcdl.errors.HpcdlError` prints one line ``prog: error: ...`` and
-    exits 2. Any other exception prints ``[rank R]`` and the traceback on that
-    rank's stderr. Under mpiexec with more than one rank both end the whole job
-    with ``MPI_Abort`` (a plain exit of one rank would leave the others
-    waiting in a collective forever); rank 0 reports first, so that an error
+    exits 2; so does an ``OSError`` about a path that no caller turned into one (a
+    file-system error: permissions, a full disk). Any other exception prints
+    ``[rank R]`` and the traceback on that rank's stderr. Under mpiexec with more
+    than one rank both end the whole job with ``MPI_Abort`` (a plain exit of one
+    rank would leave the others waiting in a collective forever); rank 0 reports first, so that an error
     every rank hits is printed once.
     """
     if stop_signals:  # SIGUSR1/SIGTERM/SIGINT ask the loop for a checkpoint and a clean exit
@@ -51,7 +52,11 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
         code = main(sys.argv[1:])
     except HelpRequested as done:
         code = done.status
-    except HpcdlError as err:
+    except (HpcdlError, OSError) as err:
+        if isinstance(err, OSError) and not isinstance(err, HpcdlError):
+            if err.filename is None:  # not about a path: a failure to show with its traceback
+                _abort(err)
+            err = file_error(None, err, verb="use")  # a file-system error no caller named: still one line
         rank, size = _world_rank_size()
         if size > 1 and rank != 0:
             # A heuristic, not a protocol: if rank 0 hit the same error (a bad config is
@@ -64,11 +69,15 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
     except BaseException as err:  # noqa: BLE001  (any failure must end every rank)
         if isinstance(err, SystemExit):
             raise
-        from hpcdl.comm import abort_on_exception
-
-        abort_on_exception(err, drain_s=DRAIN_S)  # "[rank R] Traceback ..."; aborts if size > 1
-        sys.exit(1)
+        _abort(err)
     sys.exit(code)
+
+
+def _abort(err: BaseException) -> NoReturn:
+    from hpcdl.comm import abort_on_exception
+
+    abort_on_exception(err, drain_s=DRAIN_S)  # "[rank R] Traceback ..."; aborts if size > 1
+    sys.exit(1)
 
 
 #: seconds a rank waits after writing its last words and before MPI_Abort: the launcher
