@@ -58,14 +58,14 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
                 _abort(err)
             err = file_error(None, err, verb="use")  # a file-system error no caller named: still one line
         rank, size = _world_rank_size()
-        if size > 1 and rank != 0:
+        if size > 1 and rank != 0 and err.exit_status == EXIT_USAGE:
             # A heuristic, not a protocol: if rank 0 hit the same error (a bad config is
             # seen by every rank), its Abort usually ends this rank before it prints the
             # line a second time. An error only this rank sees is printed after the pause.
             time.sleep(1.0)
         where = f" (rank {rank})" if size > 1 and rank != 0 else ""
         print(f"{prog}: error{where}: {err}", file=sys.stderr, flush=True)
-        _end(EXIT_USAGE, size)
+        _end(err.exit_status, size)
     except BaseException as err:  # noqa: BLE001  (any failure must end every rank)
         if isinstance(err, SystemExit):
             raise

@@ -134,6 +134,13 @@ SCHEMA: dict[str, Key] = {
     "log.flush_every": Key(
         int, 10, "steps between writes of the run file (a crash loses at most these)", minimum=1
     ),
+    "debug.stall_s": Key(
+        float,
+        600.0,
+        "stall watchdog under MPI: seconds a rank may wait in one communication before the job is "
+        "aborted with a report (0: off)",
+        minimum=0.0,
+    ),
 }
 
 

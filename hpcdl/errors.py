@@ -16,6 +16,9 @@ class HpcdlError(Exception):
     traceback: the message must name the problem and how to fix it.
     """
 
+    #: the exit status of a command that ends with this error
+    exit_status: int = 2
+
 
 class ConfigError(HpcdlError, ValueError):
     """A config key is unknown, has the wrong type, or an invalid value."""

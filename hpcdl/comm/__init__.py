@@ -13,6 +13,8 @@ from typing import Any
 from hpcdl.comm.abort import abort_on_exception
 from hpcdl.comm.context import (
     Status,
+    long_wait,
+    notes,
     reset_world,
     set_world,
     subcomm,
@@ -24,6 +26,8 @@ from hpcdl.comm.context import (
 )
 from hpcdl.comm.contract import Communicator, Request, WorldHooks
 from hpcdl.comm.contract import Status as StatusProtocol
+from hpcdl.comm.watchdog import StallError
+from hpcdl.comm.watched import WatchedComm, watch
 
 __all__ = [
     "ANY_SOURCE",
@@ -34,10 +38,14 @@ __all__ = [
     "SUM",
     "Communicator",
     "Request",
+    "StallError",
     "Status",
     "StatusProtocol",
+    "WatchedComm",
     "WorldHooks",
     "abort_on_exception",
+    "long_wait",
+    "notes",
     "reset_world",
     "set_world",
     "subcomm",
@@ -45,6 +53,7 @@ __all__ = [
     "waitall",
     "waitany",
     "world",
+    "watch",
     "wtime",
 ]
 

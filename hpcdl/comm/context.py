@@ -12,6 +12,8 @@ from hpcdl.comm.contract import Status as StatusLike
 
 __all__ = [
     "Status",
+    "long_wait",
+    "notes",
     "reset_world",
     "set_world",
     "subcomm",
@@ -107,6 +109,35 @@ def _world_hook(name: str) -> Any:
     """The current world's optional hook ``name`` (:class:`~hpcdl.comm.contract.WorldHooks`), or None."""
     comm = _WORLD.get()
     return getattr(comm, name, None) if comm is not None else None
+
+
+def notes() -> dict[str, Any]:
+    """Where code notes what this rank is doing (step, phase, buckets) for stall reports.
+
+    Returns:
+        The stall watchdog's notes when the world has one (:func:`hpcdl.comm.watch`):
+        keys and values are shown as ``key value`` in its reports. Elsewhere a fresh
+        dict that nobody reads, so that noting costs a dict assignment either way.
+    """
+    hook = _world_hook("notes")
+    return hook() if hook is not None else {}
+
+
+def long_wait(reason: str) -> contextlib.AbstractContextManager[None]:
+    """Waits inside this block are long by design: the stall watchdog never fires on them.
+
+    For a parameter server idle between pushes, a worker held back by a staleness bound,
+    ranks waiting while rank 0 writes a checkpoint. Such waits still answer a stalled
+    rank's questions (as "waiting by design: REASON").
+
+    Args:
+        reason: what the wait is, for reports.
+
+    Returns:
+        A context manager (does nothing in a world without a watchdog).
+    """
+    hook = _world_hook("long_wait")
+    return hook(reason) if hook is not None else contextlib.nullcontext()
 
 
 def _active(reqs: Sequence[Request | None]) -> list[int]:

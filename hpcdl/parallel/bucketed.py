@@ -10,7 +10,7 @@ import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
 from hpcdl.backend import synchronize
-from hpcdl.comm import Communicator, waitall, wtime
+from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives, CollRequest
 from hpcdl.comm.collectives.auto import AutoTable
@@ -87,6 +87,7 @@ class BucketedExchange(LocalExchange):
         self._layer_params: dict[int, list[int]] = {}
         self._reqs: list[CollRequest | None] = []
         self._marked: set[int] = set()  # gradients final in this backward
+        notes()["buckets"] = _InFlight(self)  # read by stall reports only: no cost per step
 
     def broadcast_parameters(self, root: int = 0) -> None:
         broadcast_parameters(self.comm, self.params, root)
@@ -174,3 +175,19 @@ class BucketedExchange(LocalExchange):
     def free(self) -> None:
         """Release the duplicated communicator of the collectives (collective)."""
         self.coll.free()
+
+
+class _InFlight:
+    """``2 of 4 in flight (1, 3)``: the buckets whose allreduce has not completed, for stall reports."""
+
+    def __init__(self, exchange: BucketedExchange) -> None:
+        self.exchange = exchange
+
+    def __str__(self) -> str:
+        reqs = self.exchange._reqs
+        waiting = [b for b, r in enumerate(reqs) if r is not None and not r.finished]
+        started = len(reqs)
+        total = len(self.exchange.buckets)
+        if not waiting:
+            return f"{started} of {total} started, none in flight"
+        return f"{started} of {total} started, in flight: {', '.join(map(str, waiting))}"

@@ -136,6 +136,16 @@ class CollRequest:
         self._active = False
 
     @property
+    def name(self) -> str:
+        """What the collective is (``allreduce[ring]``, ...)."""
+        return self._name
+
+    @property
+    def round_requests(self) -> tuple[Request, ...]:
+        """The requests the current round waits for (empty when finished): for stall reports."""
+        return tuple(self._pending)
+
+    @property
     def finished(self) -> bool:
         """True when the schedule has run to its end (reported by ``Test``/``Wait`` or not)."""
         return self._schedule is None

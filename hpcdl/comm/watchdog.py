@@ -1,0 +1,391 @@
+"""The stall watchdog of real MPI runs: every wait polls with a deadline, and a stalled rank
+finds out which rank holds it up.
+
+Horovod's stall inspector, without its background thread (DESIGN.md: no threads in
+``comm/``). A :class:`Watchdog` waits for requests by polling ``Test()``; when one wait has
+lasted ``stall_s`` seconds, the rank *asks* every other rank, on a private duplicate of the
+world, what it is doing. Ranks that are waiting too answer from inside their own waits
+(they poll the private communicator every :data:`CHECK_S`); a rank that is computing,
+stopped (SIGSTOP), dead or stuck outside hpcdl's waits does not. After ``grace_s`` the
+asking rank raises :class:`StallError` with the report: the ranks that did not answer
+(those holding the others up), and what each waiting rank waits for (operation, peer,
+tag, communicator, and the notes the caller left: step, phase, buckets). When every rank
+answers, every rank is waiting for another: a deadlock, and each rank's wait is listed.
+
+The first rank to stall reports; ranks that stall while another rank's question is
+recent leave the report to it (when two ask at once, the lower rank reports), and report
+themselves only if the job is still alive :data:`FALLBACK_S` after that. A wait that
+completes while its rank is asking was slow, not hung: it prints one warning line and goes
+on. Waits a strategy means to be long are wrapped in :meth:`Watchdog.long_wait` (an idle
+parameter server, a worker held back by a staleness bound): they answer questions
+("waits by design") but never stall.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any, TextIO
+
+from hpcdl.errors import HpcdlError
+
+__all__ = ["CHECK_S", "FALLBACK_S", "StallError", "Watchdog"]
+
+#: seconds between looks at the clock and at the other ranks' questions while a wait goes on
+CHECK_S = 0.01
+#: seconds a rank that left the report to another one waits for the job to end before it
+#: reports itself (the reporter may have died)
+FALLBACK_S = 10.0
+#: ranks listed one per line in a report; more are summarised
+LISTED = 8
+
+_ASK, _REPLY = 1, 2  # tags on the watchdog's private communicator
+
+
+class StallError(HpcdlError):
+    """A wait lasted longer than ``debug.stall_s``: the report of what every rank waits for.
+
+    The entry points print it and end the job with exit status 3 (the simulator's status for
+    a deadlock). ``requests`` are the requests still pending when it was raised: a caller
+    that recovers in-process must complete them before their buffers go away.
+    """
+
+    exit_status = 3
+
+    def __init__(self, message: str, requests: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.requests = list(requests)
+
+
+class Watchdog:
+    """Polling waits with a stall deadline, over an MPI communicator of all the ranks.
+
+    Creating it duplicates ``comm`` (collective); :meth:`free` releases the duplicate.
+
+    Args:
+        comm: the world (an ``mpi4py`` intracommunicator); every rank creates its watchdog.
+        stall_s: seconds one wait may last before the rank asks the others and reports.
+        grace_s: seconds the asking rank waits for answers (default: ``stall_s / 10``
+            within [1, 5]).
+        stream: where warnings go (stderr).
+    """
+
+    def __init__(
+        self, comm: Any, stall_s: float, *, grace_s: float | None = None, stream: TextIO | None = None
+    ) -> None:
+        from hpcdl.comm import mpi
+
+        if stall_s <= 0:
+            raise ValueError(f"stall_s must be > 0 (got {stall_s})")
+        self.stall_s = float(stall_s)
+        self.grace_s = float(grace_s) if grace_s is not None else min(5.0, max(1.0, stall_s / 10))
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._clock = mpi.wtime
+        self._any_source, self._any_tag = mpi.ANY_SOURCE, mpi.ANY_TAG
+        self._probe_status = mpi.new_status()
+        self._notes = comm.Dup()  # questions and answers never match the program's messages
+        self._stream = stream
+        #: what the caller is doing (step, phase, buckets): shown in reports
+        self.context: dict[str, Any] = {}
+        self._posted: deque[tuple[int, str, int, int, str]] = deque(maxlen=1024)
+        self._patient: list[str] = []
+        self._seq = 0
+        self._asked: tuple[int, float] | None = None  # (lowest recent asker, when)
+        self._replies: dict[int, tuple[str, bool]] | None = None  # while asking
+        self._outbox: list[Any] = []
+
+    # -- what the program tells the watchdog -----------------------------------------------
+    def posted(self, req: Any, op: str, peer: int, tag: int, comm: str) -> None:
+        """Remember what a nonblocking point-to-point request is, for reports."""
+        self._posted.append((id(req), op, peer, tag, comm))
+
+    @contextlib.contextmanager
+    def long_wait(self, reason: str) -> Iterator[None]:
+        """Waits inside are long by design: they answer questions but never stall."""
+        self._patient.append(reason)
+        try:
+            yield
+        finally:
+            self._patient.pop()
+
+    # -- waiting ---------------------------------------------------------------------------
+    def wait(self, reqs: Sequence[Any], what: Any, status: Any = None) -> None:
+        """Wait until every request of ``reqs`` has completed.
+
+        Args:
+            reqs: MPI requests or hpcdl's (``CollRequest``); ``None`` and inactive ones
+                are skipped.
+            what: the operation, for reports: a string, or a tuple ``(op, peer, tag,
+                comm)`` formatted only when needed.
+            status: filled by the first request's completion (a receive's status).
+
+        Raises:
+            StallError: the wait lasted ``stall_s`` and the rank reported it.
+        """
+        pending = _test(reqs, status)
+        if not pending:
+            return
+        clock = self._clock
+        t0 = clock()
+        check = t0 + CHECK_S
+        while True:
+            pending = _test(pending, status)
+            if not pending:
+                return
+            now = clock()
+            if now >= check:
+                check = now + CHECK_S
+                self._serve(what, pending, now - t0)
+                if now - t0 >= self.stall_s and not self._patient:
+                    self._stalled(_AllOf(pending, status), what, t0)
+                    return
+
+    def wait_any(self, reqs: Sequence[Any], what: Any, status: Any = None) -> int | None:
+        """Wait until one request of ``reqs`` completes; its index (None: none is active).
+
+        Raises:
+            StallError: the wait lasted ``stall_s`` and the rank reported it.
+        """
+        active = [i for i, r in enumerate(reqs) if r is not None and r]
+        if not active:
+            return None
+        clock = self._clock
+        t0 = clock()
+        check = t0 + CHECK_S
+        waiting = _AnyOf(reqs, active, status)
+        while True:
+            if waiting.poll():
+                return waiting.found
+            now = clock()
+            if now >= check:
+                check = now + CHECK_S
+                self._serve(what, waiting.pending(), now - t0)
+                if now - t0 >= self.stall_s and not self._patient:
+                    self._stalled(waiting, what, t0)
+                    return waiting.found
+
+    # -- a stall ---------------------------------------------------------------------------
+    def _stalled(self, waiting: _AllOf | _AnyOf, what: Any, t0: float) -> None:
+        """Ask the others, collect their answers for ``grace_s``, then raise the report.
+
+        Args:
+            waiting: the requests waited for.
+            what: the operation waited in.
+            t0: when the wait began.
+
+        Returns only when the wait completed meanwhile (after a warning line).
+        """
+        clock = self._clock
+        now = clock()
+        reporting = not self._someone_else_reports(now)
+        if reporting:
+            self._seq += 1
+            self._replies = {}
+            mine = self._describe(what, waiting.pending(), now - t0)
+            for r in range(self.size):
+                if r != self.rank:
+                    self._outbox.append(self._notes.isend((self._seq, mine), r, _ASK))
+            deadline = now + self.grace_s
+        else:
+            deadline = self._asked[1] + self.grace_s + FALLBACK_S  # type: ignore[index]
+        check = now
+        try:
+            while True:
+                if waiting.poll():
+                    self._warn(what, clock() - t0)
+                    return
+                now = clock()
+                if now >= check:
+                    check = now + CHECK_S
+                    self._serve(what, waiting.pending(), now - t0)
+                    if reporting and self._someone_else_reports(now):  # a lower rank asked too
+                        reporting = False
+                        deadline = self._asked[1] + self.grace_s + FALLBACK_S  # type: ignore[index]
+                    if reporting and len(self._replies or ()) == self.size - 1:
+                        break
+                if now >= deadline:
+                    break
+            waited = clock() - t0
+            mine = self._describe(what, waiting.pending(), waited)
+            if reporting:
+                raise StallError(self._report(mine, self._replies or {}, waited), waiting.pending())
+            asker = self._asked[0] if self._asked else "?"
+            raise StallError(
+                f"stall: rank {self.rank} waits {mine}; rank {asker} was reporting a stall but the job "
+                f"did not end within {FALLBACK_S:g} s (debug.stall_s = {self.stall_s:g})",
+                waiting.pending(),
+            )
+        finally:
+            self._replies = None
+
+    def _someone_else_reports(self, now: float) -> bool:
+        """A lower rank (or, before this rank asked, any rank) asked recently."""
+        if self._asked is None:
+            return False
+        asker, when = self._asked
+        recent = now - when < self.grace_s + FALLBACK_S
+        return recent and (self._replies is None or asker < self.rank)
+
+    def _serve(self, what: Any, pending: Sequence[Any], waited: float) -> None:
+        """Answer the questions of stalled ranks; collect answers to this rank's own."""
+        notes, st = self._notes, self._probe_status
+        while notes.Iprobe(self._any_source, self._any_tag, st):
+            source, tag = st.Get_source(), st.Get_tag()
+            seq, text = notes.recv(source=source, tag=tag)
+            if tag == _ASK:
+                now = self._clock()
+                if (
+                    self._asked is None
+                    or now - self._asked[1] >= self.grace_s + FALLBACK_S
+                    or (source < self._asked[0])
+                ):
+                    self._asked = (source, now)
+                answer = (self._describe(what, pending, waited), bool(self._patient))
+                self._outbox.append(notes.isend((seq, answer), source, _REPLY))
+            elif self._replies is not None and seq == self._seq:  # stale answers are dropped
+                self._replies[source] = text
+        self._outbox = [r for r in self._outbox if not r.Test()]
+
+    # -- words -----------------------------------------------------------------------------
+    def _describe(self, what: Any, pending: Sequence[Any], waited: float) -> str:
+        """``12.0 s in Recv from rank 1 tag 0 on world (step 7, phase exchange): ...``"""
+        text = f"{waited:.1f} s in {_what_text(what)}"
+        if self._patient:
+            text += f" (by design: {self._patient[-1]})"
+        first = [k for k in ("step", "phase") if k in self.context]
+        keys = first + [k for k in self.context if k not in first]
+        notes = ", ".join(f"{k} {self.context[k]}" for k in keys if self.context[k] is not None)
+        if notes:
+            text += f" ({notes})"
+        parts = [self._request_text(r) for r in pending[:4]]
+        parts = [p for p in parts if p]
+        if parts:
+            text += ": " + "; ".join(parts) + ("; ..." if len(pending) > 4 else "")
+        return text
+
+    def _request_text(self, req: Any) -> str:
+        inner = getattr(req, "round_requests", None)
+        if inner is not None:  # one of hpcdl's collectives: its name and its round's requests
+            rounds = ", ".join(filter(None, (self._request_text(r) for r in inner)))
+            return f"{req.name}" + (f" ({rounds})" if rounds else "")
+        key = id(req)
+        for ident, op, peer, tag, comm in reversed(self._posted):  # the newest with this id is it
+            if ident == key:
+                return f"{op} rank {peer} tag {tag} on {comm}"
+        return ""
+
+    def _report(self, mine: str, replies: dict[int, tuple[str, bool]], waited: float) -> str:
+        silent = [r for r in range(self.size) if r != self.rank and r not in replies]
+        waits = {self.rank: mine, **{r: text for r, (text, _) in replies.items()}}
+        if silent:
+            head = (
+                f"stall: {_ranks_text(silent)} did not respond (stopped, dead, or busy outside any "
+                f"communication for longer than debug.stall_s = {self.stall_s:g} s); "
+                f"{'it holds' if len(silent) == 1 else 'they hold'} up the others"
+            )
+        else:
+            head = (
+                f"stall: every rank is waiting for another (a deadlock): no communication completed "
+                f"for {waited:.1f} s (debug.stall_s = {self.stall_s:g} s)"
+            )
+        lines = [head]
+        shown = sorted(waits)[:LISTED]
+        lines += [f"  rank {r} waits {waits[r]}" for r in shown]
+        if len(waits) > LISTED:
+            lines.append(f"  ... and {len(waits) - LISTED} more waiting ranks")
+        lines.append(
+            "  the job is aborted; if such waits are expected, raise debug.stall_s (0 turns the watchdog off)"
+        )
+        return "\n".join(lines)
+
+    def _warn(self, what: Any, waited: float) -> None:
+        stream = self._stream if self._stream is not None else sys.stderr
+        stream.write(
+            f"hpcdl: rank {self.rank} waited {waited:.1f} s in {_what_text(what)}, longer than "
+            f"debug.stall_s = {self.stall_s:g} s, and it completed: raise debug.stall_s if this is expected\n"
+        )
+        stream.flush()
+
+    def free(self) -> None:
+        """Release the private communicator (collective over the world; a second call does nothing)."""
+        if self._notes is None:
+            return
+        for req in self._outbox:  # answers are small: sent eagerly, complete locally
+            req.Wait()
+        self._outbox = []
+        notes, self._notes = self._notes, None
+        notes.Free()
+
+
+def _test(reqs: Sequence[Any], status: Any) -> list[Any]:
+    """The requests of ``reqs`` still pending after one ``Test()`` each (``status``: the first's)."""
+    pending = []
+    first = True
+    for r in reqs:
+        if r is not None and r and not r.Test(status if first else None):
+            pending.append(r)
+        first = False
+    return pending
+
+
+class _AllOf:
+    """The requests of a wait for all of them (a stalled one: tested from :meth:`Watchdog._stalled`)."""
+
+    __slots__ = ("reqs", "status")
+
+    def __init__(self, reqs: list[Any], status: Any) -> None:
+        self.reqs, self.status = reqs, status
+
+    def poll(self) -> bool:
+        self.reqs = _test(self.reqs, self.status)
+        return not self.reqs
+
+    def pending(self) -> list[Any]:
+        return self.reqs
+
+
+class _AnyOf:
+    """The requests of a wait for any one of them; ``found`` is the index that completed."""
+
+    __slots__ = ("active", "found", "reqs", "status")
+
+    def __init__(self, reqs: Sequence[Any], active: list[int], status: Any) -> None:
+        self.reqs, self.active, self.status = reqs, active, status
+        self.found: int | None = None
+
+    def poll(self) -> bool:
+        for i in self.active:
+            if self.reqs[i].Test(self.status):
+                self.found = i
+                return True
+        return False
+
+    def pending(self) -> list[Any]:
+        return [self.reqs[i] for i in self.active]
+
+
+def _what_text(what: Any) -> str:
+    if isinstance(what, tuple):
+        op, peer, tag, comm = what
+        if peer is None:
+            return f"{op} on {comm}"
+        return f"{op} rank {_peer_text(peer)}" + (f" tag {tag}" if tag is not None else "") + f" on {comm}"
+    return str(what)
+
+
+def _peer_text(peer: int) -> str:
+    return "any" if peer < 0 else str(peer)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 1, 4``, ``ranks 2-7, 9`` (runs of consecutive ranks joined)."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -1,0 +1,86 @@
+"""The stall watchdog under mpiexec: the contract holds on a watched world, and a stall is reported.
+
+Run with ``tests/run_mpi.sh N tests/comm`` (N = 2 and 3 in ``make test``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import hpcdl.comm as hc
+from hpcdl.comm import Communicator, StallError, WatchedComm, long_wait, notes, watch
+
+from .conformance import CHECKS
+from .test_mpi_conformance import run_everywhere
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
+def test_conformance_on_a_watched_world(check: Callable[[Communicator], None], comm: Communicator) -> None:
+    """Every conformance body passes on the watched world (waitall/waitany through its hooks)."""
+    with watch(60.0) as watched:
+        assert isinstance(watched, WatchedComm) and hc.world() is watched
+        run_everywhere(check, watched)
+    assert hc.world() is comm  # back to MPI's own world
+
+
+def test_watch_is_off_at_zero_and_inside_a_watched_world(comm: Communicator) -> None:
+    with watch(0.0) as world:
+        assert world is comm
+    with watch(60.0) as outer, watch(5.0) as inner:
+        assert inner is outer
+
+
+def _late_sender(comm: Communicator, *, patient: bool) -> tuple[StallError | None, np.ndarray]:
+    """Rank 0 sleeps 2.5 s (outside any wait), then sends each rank its number; the others
+    wait in ``Recv`` with ``stall_s = 1`` (inside ``long_wait`` when ``patient``)."""
+    got = np.full(1, -1.0)
+    error: StallError | None = None
+    with watch(1.0, grace_s=0.5) as world:
+        note = notes()
+        note["step"], note["phase"] = 7, "late sender test"
+        if world.Get_rank() == 0:
+            time.sleep(2.5)
+            for r in range(1, world.Get_size()):
+                world.Send(np.full(1, float(r)), dest=r, tag=5)
+            got[0] = 0.0
+        else:
+            try:
+                with long_wait("a test's planned wait") if patient else _nothing():
+                    world.Recv(got, source=0, tag=5)
+            except StallError as err:
+                error = err
+                hc.waitall(err.requests)  # the receive is still posted: complete it
+        world.Barrier()
+    return error, got
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_a_rank_outside_any_wait_is_named(comm: Communicator) -> None:
+    error, got = _late_sender(comm, patient=False)
+    assert got[0] == comm.Get_rank()  # the message arrived in the end, on every rank
+    reports = comm.allgather(str(error) if error is not None else None)
+    raised = [r for r, text in enumerate(reports) if text is not None]
+    assert len(raised) == 1 and raised[0] != 0, reports  # one report, by a waiting rank
+    text = reports[raised[0]]
+    assert text.startswith("stall: rank 0 did not respond"), text
+    assert f"rank {raised[0]} waits" in text and "Recv from rank 0 tag 5 on world" in text, text
+    assert "step 7" in text and "phase late sender test" in text, text
+    assert all(f"rank {r} waits" in text for r in range(1, comm.Get_size())), text
+
+
+def test_a_long_wait_by_design_does_not_stall(comm: Communicator) -> None:
+    error, got = _late_sender(comm, patient=True)
+    assert error is None and got[0] == comm.Get_rank()
