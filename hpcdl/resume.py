@@ -8,6 +8,7 @@ rank's own state (BatchNorm statistics, its dropout stream) travels by ``gather`
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from hpcdl.nn import Sequential
 from hpcdl.optim import Optimizer
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint
 
-__all__ = ["capture", "restore", "check_fits", "find_resume", "FIT_KEYS"]
+__all__ = ["capture", "restore", "check_fits", "check_run_config", "find_resume", "FIT_KEYS"]
 
 #: config keys a checkpoint must agree on: they fix the trajectory of the run
 FIT_KEYS = (
@@ -111,23 +112,87 @@ def find_resume(
 ) -> Checkpoint | None:
     """The checkpoint ``--resume`` names (rank 0 only).
 
-    ``auto`` takes the newest checkpoint of ``run_file`` that loads and fits,
-    telling on stderr why newer ones were passed over; None if there is none
-    (a fresh start). A path must load and fit.
+    ``auto`` takes the newest checkpoint of ``run_file`` that loads and fits, telling on
+    stderr why newer ones were passed over; None if the run has no checkpoint. A path must
+    load and fit.
 
     Raises:
-        CheckpointError: an explicit checkpoint is damaged or does not fit.
+        CheckpointError: an explicit checkpoint is damaged or does not fit; or, for
+            ``auto``, the run has checkpoints and none of them loads and fits (the first
+            reason is named: continuing would silently start the run over).
     """
     if resume != "auto":
         ckpt = load_checkpoint(resume)
         check_fits(ckpt, config, model, ranks)
         return ckpt
+    refused: list[CheckpointError] = []
     for path in list_checkpoints(run_file):
         try:
             ckpt = load_checkpoint(path)
             check_fits(ckpt, config, model, ranks)
         except CheckpointError as err:
-            print(f"hpcdl.train: skipping a checkpoint: {err}", file=sys.stderr, flush=True)
+            refused.append(err)
             continue
+        for err in refused:
+            print(f"hpcdl.train: skipping a checkpoint: {err}", file=sys.stderr, flush=True)
         return ckpt
-    return None
+    if not refused:
+        return None
+    more = f" (and {len(refused) - 1} more checkpoint{'s' * (len(refused) > 2)} refused)" * (len(refused) > 1)
+    raise CheckpointError(
+        f"no checkpoint of {run_file} can continue this run: {refused[0]}{more}; nothing was changed: "
+        "continue with the run's own settings, or start a new run with another --out"
+    )
+
+
+def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[str, tuple[Any, Any]]:
+    """Check that an existing run file can be continued by this run; its other changed settings.
+
+    The run file's ``config`` attribute must agree with ``config`` on every key of
+    :data:`FIT_KEYS` (they fix the trajectory), and its rank count with ``ranks``: a run
+    may have no checkpoint yet, so this is checked on the run file itself.
+
+    Args:
+        attrs: the run file's root attributes (:func:`hpcdl.store.runfile.read_attrs`).
+        config: this run's config.
+        ranks: this run's rank count.
+
+    Returns:
+        The other keys whose values differ, ``{key: (in the run, now)}``: settings a
+        resume may change (more steps, another learning rate), recorded in the run file.
+
+    Raises:
+        CheckpointError: the rank count or a key of :data:`FIT_KEYS` differs (named, with
+            both values).
+    """
+    path = attrs.get("path", "the run file")
+    if int(attrs.get("ranks", ranks)) != ranks:
+        raise CheckpointError(
+            f"{path} was written by {int(attrs['ranks'])} ranks and this run has {ranks}: continue it on "
+            f"{int(attrs['ranks'])} ranks, or start a new run with another --out"
+        )
+    try:
+        saved = _flatten(tomllib.loads(str(attrs.get("config", ""))))
+    except tomllib.TOMLDecodeError as err:
+        raise CheckpointError(f"{path} has a damaged config attribute ({err}): start a new run") from None
+    changed = {}
+    for key, value in config.values.items():
+        if key not in saved or saved[key] == value:
+            continue
+        if key in FIT_KEYS:
+            raise CheckpointError(
+                f"{path} was written with {key} = {saved[key]!r}; this run has {value!r}: continue it "
+                "with its own settings, or start a new run with another --out (nothing was changed)"
+            )
+        changed[key] = (saved[key], value)
+    return changed
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for k, v in table.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[prefix + k] = v
+    return flat

@@ -3,7 +3,6 @@ per-step metrics from every rank into rank 0's copy, gathered every few steps.""
 
 from __future__ import annotations
 
-import datetime
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,10 @@ from hpcdl.comm import Communicator
 from hpcdl.config import Config
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential
-from hpcdl.resume import find_resume
-from hpcdl.store import RunFile
-from hpcdl.store.checkpoint import Checkpoint, CheckpointError
+from hpcdl.resume import check_run_config, find_resume
+from hpcdl.store import RunFile, RunFileError
+from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, orphaned_temporaries
+from hpcdl.store.runfile import heartbeat_now, read_attrs
 
 __all__ = ["RunLog", "open_run", "checkpoint_attrs", "now"]
 
@@ -31,7 +31,11 @@ class RunLog:
     every rank at the same step), which appends them with its metrics rows and
     flushes the file. Waiting time is estimated per step as a rank's
     communication time minus the smallest over the ranks: the part of the
-    exchange spent waiting for slower ranks rather than moving data.
+    exchange spent waiting for slower ranks rather than moving data. A rank's
+    *other* time is what it spent between the end of the previous step and the
+    start of this one (metrics agreement, evaluation, logging, checkpoints), so that
+    compute + communication + other is each rank's wall time per step. Each flush
+    also writes the ``heartbeat`` attribute: the run is alive.
     """
 
     def __init__(self, comm: Communicator, runfile: RunFile | None, flush_every: int) -> None:
@@ -39,33 +43,38 @@ class RunLog:
         self.runfile = runfile  # only rank 0 has one
         self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
-        self._times: list[tuple[float, float, float]] = []
+        self._times: list[tuple[float, float, float, float]] = []
 
-    def record(self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float) -> None:
+    def record(
+        self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float = 0.0
+    ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
-        ``exposed_s`` is the part of ``comm_s`` the step spent waiting after backward.
+        ``exposed_s`` is the part of ``comm_s`` the step spent waiting after backward;
+        ``other_s`` the time since the previous step ended, outside any step.
         """
         if self.runfile is not None:
             self._rows.append(row)
-        self._times.append((compute_s, comm_s, exposed_s))
+        self._times.append((compute_s, comm_s, exposed_s, other_s))
         if len(self._times) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
-        mine = np.array(self._times, dtype=np.float64).reshape(-1, 3)
+        mine = np.array(self._times, dtype=np.float64).reshape(-1, 4)
         every = self.comm.gather(mine, root=0)
         self._times = []
         if self.runfile is None:
             return
-        times = np.stack(every, axis=1)  # steps, ranks, 3
-        compute, comm_t, exposed = times[..., 0], times[..., 1], times[..., 2]
+        times = np.stack(every, axis=1)  # steps, ranks, 4
+        compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
         self.runfile.append_metrics(self._rows)
         self.runfile.append_ranks(
-            {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed}
-        )
+            {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
+             "other_time": other}
+        )  # fmt: skip
+        self.runfile.heartbeat()
         self.runfile.flush()
         self._rows = []
 
@@ -81,10 +90,16 @@ class RunLog:
         """After a failure on this rank: mark the file and close it, without collectives.
 
         Rows still buffered are dropped (their per-rank timings cannot be gathered);
-        what was flushed stays.
+        what was flushed stays. After a failed write (a full disk) nothing more is
+        written: the status stays ``running`` and the heartbeat tells it is over.
         """
         if self.runfile is not None:
-            self.runfile.set_attrs(status=status)
+            if self.runfile.failed is None:
+                try:
+                    self.runfile.set_attrs(status=status, end_time=now())
+                    self.runfile.flush()
+                except HpcdlError:
+                    pass
             self.runfile.close()
             self.runfile = None
 
@@ -107,24 +122,78 @@ def open_run(
     outcome: tuple[str, Any] = ("ok", None)
     if comm.Get_rank() == 0:
         try:
-            if resume == "auto" and run_path is None:
-                raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
-            if resume is not None:
-                ckpt = find_resume(resume, run_path or Path(resume), cfg, model, comm.Get_size())
-            if run_path is not None:
-                if resume is not None and run_path.exists():  # continue it; no checkpoint: from step 0
-                    runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, comm.Get_size())
-                else:
-                    runfile = RunFile.create(run_path, _run_attrs(cfg, comm), comm.Get_size())
+            ckpt, runfile = _open_on_root(comm, cfg, model, run_path, resume)
             outcome = ("ok", ckpt)
         except HpcdlError as err:
-            outcome = ("error", str(err))
+            outcome = ("error", (type(err), str(err)))
     status, payload = comm.bcast(outcome if comm.Get_rank() == 0 else None, root=0)
     if status == "error":
-        raise CheckpointError(payload)
+        kind, message = payload
+        raise (kind if issubclass(kind, HpcdlError) else CheckpointError)(message)
     if ckpt is not None and comm.Get_rank() == 0:
         print(f"hpcdl.train: resuming from {ckpt.path} (step {ckpt.step})", file=sys.stderr, flush=True)
     return payload, runfile
+
+
+def _open_on_root(
+    comm: Communicator, cfg: Config, model: Sequential, run_path: Path | None, resume: str | None
+) -> tuple[Checkpoint | None, RunFile | None]:
+    """What :func:`open_run` does on rank 0: check everything first, then change files.
+
+    * No ``--resume``: a new run; refused if the run file or checkpoints of its name exist
+      (a fresh start never deletes another run's checkpoints).
+    * ``--resume auto``: a fresh start only when there is no run yet. An existing run file
+      must fit (rank count, the keys that fix the trajectory); its newest checkpoint that
+      loads and fits is taken; checkpoints that exist but none fit is an error. Settings
+      the resume changes (more steps, say) are recorded in the run file.
+    * ``--resume CKPT``: that checkpoint must load and fit.
+
+    Partial checkpoint files a killed run left (``*.tmp``) are removed once the run file is
+    open (its lock keeps another job off it).
+    """
+    ranks = comm.Get_size()
+    if resume == "auto" and run_path is None:
+        raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
+    if run_path is None:
+        return (find_resume(resume, Path(resume), cfg, model, ranks) if resume else None), None
+    changes: dict[str, tuple[Any, Any]] = {}
+    exists = run_path.exists()
+    if resume is None:
+        if exists:
+            raise RunFileError(
+                f"{run_path} already exists: continue it with --resume auto, or choose another --out"
+            )
+        left = list_checkpoints(run_path)
+        if left:
+            raise RunFileError(
+                f"{left[0]} of an earlier run lies beside {run_path}: continue that run with --resume auto, "
+                "or choose another --out"
+            )
+    elif exists:
+        attrs = {**read_attrs(run_path), "path": str(run_path)}
+        changes = check_run_config(attrs, cfg, ranks)
+    ckpt = find_resume(resume, run_path, cfg, model, ranks) if resume is not None else None
+    if resume is not None and exists:  # continue it; no checkpoint yet: from step 0
+        runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, ranks)
+        if changes:
+            step = ckpt.step if ckpt else 0
+            runfile.record_config_change(step, changes, cfg.toml())
+            shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            print(f"hpcdl.train: {run_path} continues with changed settings: {shown}", file=sys.stderr)
+    else:
+        runfile = RunFile.create(run_path, _run_attrs(cfg, comm), ranks)
+    orphans = orphaned_temporaries(run_path)
+    for tmp in orphans:
+        tmp.unlink(missing_ok=True)
+    if orphans:
+        names = ", ".join(p.name for p in orphans)
+        print(
+            f"hpcdl.train: removed {len(orphans)} partial checkpoint file{'s' * (len(orphans) > 1)} "
+            f"a killed run left: {names}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ckpt, runfile
 
 
 def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
@@ -199,4 +268,5 @@ def _git_commit() -> str:
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    """The current time as the run file writes it (ISO 8601, UTC, seconds)."""
+    return heartbeat_now()

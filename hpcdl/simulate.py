@@ -11,6 +11,7 @@ an ``Abort``; 3 for a deadlock (which rank waits for what).
 from __future__ import annotations
 
 import importlib
+import shlex
 import sys
 import time
 import traceback
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             compute=compute,
             poll_cost_s=args.poll_cost_us * 1e-6,
             stall_s=args.stall_s,
+            launcher=shlex.join(["python", "-m", "hpcdl.simulate", *argv[:split]]),
         )
     except RankFailure as failure:
         exc = failure.exc

@@ -7,6 +7,8 @@ import datetime
 import math
 import os
 import shlex
+import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,10 @@ import numpy as np
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, to_numpy
 from hpcdl.cli import ArgumentParser, parse_args
-from hpcdl.comm import Communicator, world, wtime
+from hpcdl.comm import Communicator, long_wait, notes, watch, world, wtime
 from hpcdl.config import Config, load_config
 from hpcdl.data import DistributedSampler, gather_batch
-from hpcdl.errors import ConfigError, DataError, HpcdlError
+from hpcdl.errors import ConfigError, DataError, FileError, HpcdlError
 from hpcdl.factory import build, evaluate, exchange_for, load_data, make_optimizer, make_schedule, observers
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy
 from hpcdl.optim import Optimizer
@@ -183,12 +185,20 @@ def run(
     global_batch = size * micro_steps * cfg["data.batch_size"]
     agree = np.zeros(6)  # [loss, correct, stop] in, the sums over the ranks out
     stopped_by = ""
+    note = notes()  # what this rank is doing, for the stall watchdog's reports
     t_segment = wtime()
+    t_end: float | None = None  # when the previous step ended: the time since is "other"
 
     def save(step: int) -> Path | None:
-        """Flush the log, then write a checkpoint of the state after ``step`` (collective)."""
+        """Flush the log, then write a checkpoint of the state after ``step`` (collective).
+
+        The other ranks wait while rank 0 writes (a wait the stall watchdog must not
+        take for a hang), and all learn whether it worked: a failed write (a full disk)
+        ends every rank with the same error.
+        """
         if run_path is None:
             return None
+        note["phase"] = "checkpoint"
         log.flush()
         meta = {"counters": {**counters, "elapsed_s": counters["elapsed_s"] + wtime() - t_segment},
                 "exchange": {k: v for k, v in cfg.values.items() if k.startswith("exchange.")}}  # fmt: skip
@@ -197,17 +207,28 @@ def run(
         ckpt = capture(
             comm, model, optimizer, sampler, dropout_rng, cfg, step, meta, checkpoint_attrs(run_path)
         )
-        if ckpt is None:
-            return None
-        path = save_checkpoint(ckpt, checkpoint_path(run_path, step))
-        prune_checkpoints(run_path, cfg["checkpoint.keep"])
-        return path
+        outcome: tuple[str, str] = ("ok", "")
+        if ckpt is not None:  # rank 0
+            try:
+                path = save_checkpoint(ckpt, checkpoint_path(run_path, step))
+                prune_checkpoints(run_path, cfg["checkpoint.keep"])
+                outcome = ("ok", str(path))
+            except FileError as err:
+                outcome = ("error", str(err))
+        if size > 1:
+            with long_wait("rank 0 writes a checkpoint"):
+                outcome = comm.bcast(outcome, root=0)
+        if outcome[0] == "error":
+            raise FileError(outcome[1])
+        return Path(outcome[1])
 
     try:
         while step < total_steps and not stopped_by:
             epoch = sampler.epoch
             for i_batch, indices in sampler:  # the sampler keeps its position (for resume)
                 t0 = wtime()
+                other = t0 - t_end if t_end is not None else 0.0
+                note["step"], note["phase"] = step + 1, "forward/backward"
                 optimizer.lr = schedule(step)
                 local_loss, correct = 0.0, 0
                 for m, part in enumerate(np.split(indices, micro_steps)):
@@ -221,6 +242,7 @@ def run(
                     local_loss += micro_loss / micro_steps
                     correct += micro_correct
                 comm_before = exchange.comm_time
+                note["phase"] = "gradient exchange"
                 t_exchange = wtime()
                 exchange.exchange()  # with buckets in flight since backward: only the rest
                 exposed = wtime() - t_exchange
@@ -230,7 +252,9 @@ def run(
                 counters["compute_s"] += dt - step_comm
                 counters["train_s"] += dt
                 step += 1
+                t_end = wtime()
                 # one small Allreduce, outside the step time: global metrics, and agreement on a stop
+                note["phase"] = "metrics and stop vote"
                 loss, train_acc, stop_votes = _agree(
                     comm, agree, local_loss, correct, len(indices), stop.requested
                 )
@@ -250,13 +274,15 @@ def run(
                     or (not eval_every and end_of_epoch)
                     or (step == total_steps)
                 ):
+                    note["phase"] = "evaluation"
                     acc, test_loss = evaluate(model, data, comm, xp, dtype)
                     row.update(test_accuracy=acc, test_loss=test_loss)
                     bar.write(
                         f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {test_loss:.4f}"
                     )
                 history.append(row)
-                log.record(row, dt - step_comm, step_comm, exposed)
+                note["phase"] = "run file"
+                log.record(row, dt - step_comm, step_comm, exposed, other)
                 bar.update(step, loss=loss, samples_per_s=global_batch * step / counters["train_s"])
                 if stop_votes:
                     stopped_by = stop.name or "a signal to another rank"
@@ -268,12 +294,13 @@ def run(
                     save(step)
                 if step >= total_steps:
                     break
-    except BaseException:
-        log.abandon("failed")
+    except BaseException as exc:
+        log.abandon("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
         raise
     finally:
         bar.close()
     if not stopped_by and (not history or "test_accuracy" not in history[-1]):
+        note["phase"] = "evaluation"
         acc, test_loss = evaluate(model, data, comm, xp, dtype)
     ckpt_path = save(step) if run_path is not None else None
     counters["elapsed_s"] += wtime() - t_segment
@@ -353,8 +380,16 @@ def run_file_of(checkpoint: str) -> Path:
     return path.with_name(f"{stem}.h5")
 
 
-def _resume_command(argv: list[str], out: Path) -> str:
-    """This command line with ``--out OUT --resume auto`` in place of its own."""
+def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
+    """The command that continues this run, as the user can paste it.
+
+    ``HPCDL_CONTINUE`` when a job script set it (the script knows how it was submitted);
+    inside the simulator, its own command line; under MPI, ``mpiexec -n N``; this
+    command's arguments, with ``--out OUT --resume auto`` in place of its own.
+    """
+    script = os.environ.get("HPCDL_CONTINUE", "").strip()
+    if script:
+        return script
     kept, skip = [], False
     for arg in argv:
         if skip:
@@ -363,7 +398,19 @@ def _resume_command(argv: list[str], out: Path) -> str:
             skip = True
         elif not arg.startswith(("--out=", "--resume=")):
             kept.append(shlex.quote(arg))
-    return " ".join(["python -m hpcdl.train", *kept, "--out", shlex.quote(str(out)), "--resume auto"])
+    args = [*kept, "--out", shlex.quote(str(out)), "--resume auto"]
+    launcher = getattr(comm, "launcher", None)
+    if launcher is not None:  # a simulated world: its own command line
+        return " ".join([launcher(), "hpcdl.train", *args])
+    python = "python" if _python_on_path() else shlex.quote(sys.executable)
+    mpi = [f"mpiexec -n {comm.Get_size()}"] if comm.Get_size() > 1 else []
+    return " ".join([*mpi, python, "-m hpcdl.train", *args])
+
+
+def _python_on_path() -> bool:
+    """True when ``python`` on PATH is this interpreter (then the command can say ``python``)."""
+    found = shutil.which("python")
+    return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,15 +427,17 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
     else:
         out = run_file_of(args.resume)
-    result = run(cfg, comm, progress=args.progress, out=out, resume=args.resume)
-    if comm.Get_rank() == 0:
-        if result.stopped_by:
-            print(
-                f"{cfg['name']}: stopped by {result.stopped_by} after step {result.steps}, "
-                f"checkpoint {result.checkpoint}; continue with: {_resume_command(list(argv or []), out)}",
-                flush=True,
-            )
-        print(result.summary(), flush=True)
+    with watch(cfg["debug.stall_s"]) as comm:
+        result = run(cfg, comm, progress=args.progress, out=out, resume=args.resume)
+        if comm.Get_rank() == 0:
+            if result.stopped_by:
+                print(
+                    f"{cfg['name']}: stopped by {result.stopped_by} after step {result.steps}, "
+                    f"checkpoint {result.checkpoint}; continue with: "
+                    f"{continue_command(list(argv or []), out, comm)}",
+                    flush=True,
+                )
+            print(result.summary(), flush=True)
     return 0
 
 

@@ -277,6 +277,10 @@ class SimWorld(SimComm):
     def __init__(self, engine: Engine, world_rank: int) -> None:
         super().__init__(engine, world_rank, 0, range(engine.size))
 
+    def launcher(self) -> str:
+        """The command line that started this simulation, up to the command's own arguments."""
+        return self._engine.launcher or f"python -m hpcdl.simulate -n {self.Get_size()} -m"
+
     def sim_attrs(self) -> dict[str, Any]:
         """What a run file records of the simulated world (root attributes)."""
         import json

@@ -96,6 +96,8 @@ class Engine(Core):
     ) -> None:
         # ticks are int64 picoseconds: a stall limit beyond ~100 days means "never"
         super().__init__(size, network, compute, ticks(poll_cost_s), min(ticks(stall_s), 2**62))
+        #: the command line that started the simulation, up to the command's own arguments
+        self.launcher = ""
 
     def run(self, target: Callable[[int], Any], contexts: Sequence[contextvars.Context]) -> SimResult:
         """Run ``target(rank)`` on every virtual rank, each in its context; return when all end.
@@ -160,6 +162,7 @@ def simulate(
     compute: Any = None,
     poll_cost_s: float = 1e-7,
     stall_s: float = 10.0,
+    launcher: str = "",
 ) -> SimResult:
     """Run ``target()`` on ``size`` virtual ranks, each with :func:`hpcdl.comm.world` its own.
 
@@ -170,6 +173,9 @@ def simulate(
         compute: a compute model (default: ``measured``).
         poll_cost_s: virtual cost of a failed ``Test``/``Iprobe``.
         stall_s: virtual seconds of fruitless polling that count as a deadlock.
+        launcher: the command line that starts this simulation, up to the command's own
+            arguments (``python -m hpcdl.simulate -n 4 ... -m hpcdl.train``): what a
+            command prints to say how to run it again (each rank's ``world().launcher()``).
 
     Returns:
         The :class:`SimResult`.
@@ -190,6 +196,7 @@ def simulate(
 
         compute = make_compute("measured")
     engine = Engine(size, network, compute, poll_cost_s=poll_cost_s, stall_s=stall_s)
+    engine.launcher = launcher
     contexts = []
     for r in range(size):
         ctx = contextvars.copy_context()

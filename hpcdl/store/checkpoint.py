@@ -30,7 +30,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcdl.errors import HpcdlError
+from hpcdl.errors import HpcdlError, file_error
 
 __all__ = [
     "CKPT_VERSION",
@@ -39,6 +39,7 @@ __all__ = [
     "checkpoint_path",
     "list_checkpoints",
     "load_checkpoint",
+    "orphaned_temporaries",
     "prune_checkpoints",
     "save_checkpoint",
 ]
@@ -106,12 +107,31 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
     """Write ``ckpt`` to a temporary file, flush it to disk, and rename it to ``path``.
 
     A process killed while writing leaves only the temporary file (``*.tmp``), which
-    :func:`list_checkpoints` ignores: the previous checkpoint stays the newest.
+    :func:`list_checkpoints` ignores: the previous checkpoint stays the newest (and
+    :func:`orphaned_temporaries` finds it for ``--resume auto`` to remove).
+
+    Raises:
+        FileError: the file cannot be written (permissions, a full disk): the temporary
+            file is removed, earlier checkpoints are untouched.
     """
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        _write(ckpt, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        fix = "the earlier checkpoints are kept; free space or write elsewhere"
+        raise file_error(path, err, what="checkpoint", fix=fix) from None
+    return path
+
+
+def _write(ckpt: Checkpoint, tmp: Path) -> None:
     groups = _array_groups(ckpt)
-    with h5py.File(tmp, "w") as h5:
+    h5 = h5py.File(tmp, "w")
+    try:
         h5.attrs.update(
             {
                 "format_version": CKPT_VERSION,
@@ -131,10 +151,13 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
             for key, a in arrays.items():
                 g.create_dataset(key, data=np.asarray(a))
         h5.flush()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    except BaseException:
+        try:  # the temporary file is thrown away: no flush error of its closing matters
+            h5.close()
+        except (OSError, RuntimeError):
+            pass
+        raise
+    h5.close()
 
 
 def _read_group(group: h5py.Group) -> dict[str, np.ndarray]:
@@ -189,6 +212,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if _digest(_array_groups(ckpt)) != attrs.get("digest"):
         raise CheckpointError(f"checkpoint {path} is damaged: its arrays do not match their SHA-256 digest")
     return ckpt
+
+
+def orphaned_temporaries(run_file: str | os.PathLike[str]) -> list[Path]:
+    """Temporary checkpoint files of ``run_file`` (``RUN.ckpt-N.h5.PID.tmp``) left by a killed run."""
+    run_file = Path(run_file)
+    pattern = re.compile(rf"^{re.escape(run_file.stem)}\.ckpt-\d{{8,}}\.h5\.\d+\.tmp$")
+    return sorted(p for p in run_file.parent.glob(f"{run_file.stem}.ckpt-*.tmp") if pattern.match(p.name))
 
 
 def prune_checkpoints(run_file: str | os.PathLike[str], keep: int) -> list[Path]:

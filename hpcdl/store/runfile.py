@@ -10,12 +10,20 @@ Layout (format version 1)::
                                    (the process's peak resident set: in a simulation, all
                                    virtual ranks together), resumed_at (steps resumed
                                    from), rows_cut (rows dropped by resumes); in a
-                                   simulation network and compute are JSON (the models)
+                                   simulation network and compute are JSON (the models);
+                                   host, pid (rank 0's, of the latest segment) and
+                                   heartbeat (ISO 8601, UTC: the last write), so that a
+                                   run killed without a word (SIGKILL, a dead node) can be
+                                   told from a live one; config_changes (JSON list:
+                                   settings changed by resumes, with the step)
     /metrics/<series>       1-D, one row per step: step, epoch, time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
                             evaluated), lr, step_time, samples_per_s, bytes_sent
     /ranks/<series>         2-D (steps, ranks): compute_time, comm_time, wait_time,
-                            exposed_comm_time (the part of comm_time after backward ended)
+                            exposed_comm_time (the part of comm_time after backward ended),
+                            other_time (the rank's time between the end of the previous
+                            step and this one: metrics agreement, evaluation, logging,
+                            checkpoints; compute + comm + other is the wall time per step)
     /trace/<field>          1-D, one row per event: rank, kind, start, end, microbatch
     /profile/<column>       1-D, one row per layer (when profile.layers is on): layer, kind,
                             forward_s, backward_s, calls, output_bytes, output_shape
@@ -23,11 +31,21 @@ Layout (format version 1)::
 Only rank 0 writes it (the h5py wheel has no MPI driver): the training command gathers
 the other ranks' rows first. Every dataset is chunked and resizable; rows are appended
 and the file flushed every few steps, so a crash loses at most those.
+
+**A full disk loses nothing already written.** HDF5 updates its metadata in place, so a
+write that fails half way (no space left, a file size limit) can leave a file that no
+longer opens. Before each write, :class:`RunFile` therefore allocates the space the write
+may take beyond the file's end (``posix_fallocate``): on a full disk that allocation
+fails, before HDF5 has touched the file, and the run file keeps every row of its last
+flush. (Copy-on-write file systems such as btrfs or ZFS can still fail an in-place write.)
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,9 +53,18 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcdl.errors import HpcdlError
+from hpcdl.errors import FileError, HpcdlError, file_error
 
-__all__ = ["RunFile", "RunFileError", "FORMAT_VERSION", "METRICS", "RANK_SERIES", "TRACE_FIELDS"]
+__all__ = [
+    "RunFile",
+    "RunFileError",
+    "FORMAT_VERSION",
+    "METRICS",
+    "RANK_SERIES",
+    "TRACE_FIELDS",
+    "heartbeat_now",
+    "read_attrs",
+]
 
 FORMAT_VERSION = 1
 
@@ -56,7 +83,7 @@ METRICS: dict[str, Any] = {
     "bytes_sent": np.int64,
 }
 #: the ranks/ series, each (steps, ranks)
-RANK_SERIES = ("compute_time", "comm_time", "wait_time", "exposed_comm_time")
+RANK_SERIES = ("compute_time", "comm_time", "wait_time", "exposed_comm_time", "other_time")
 #: the trace/ fields
 TRACE_FIELDS: dict[str, Any] = {
     "rank": np.int32,
@@ -66,18 +93,62 @@ TRACE_FIELDS: dict[str, Any] = {
     "microbatch": np.int32,
 }
 _CHUNK = 1024
+#: bytes reserved beyond the file's end for metadata (B-tree nodes, heaps, attributes)
+_SLACK = 1 << 20
+_FIX_WRITE = "rows up to the last flush are kept; free space or write elsewhere, then --resume auto"
 
 
 class RunFileError(HpcdlError):
     """The run file cannot be created, opened or continued."""
 
 
+def heartbeat_now() -> str:
+    """The time written as ``heartbeat`` (and ``start_time``, ``end_time``): ISO 8601, UTC."""
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
 class RunFile:
-    """Rank 0's handle on a run file (create with :meth:`create`, continue with :meth:`resume`)."""
+    """Rank 0's handle on a run file (create with :meth:`create`, continue with :meth:`resume`).
+
+    Every write first reserves its space on disk (see the module's docstring); a write that
+    fails raises :class:`~hpcdl.errors.FileError` and leaves the file as its last flush
+    left it. After that the handle writes nothing more (closing it included).
+    """
 
     def __init__(self, h5: h5py.File) -> None:
         self.h5 = h5
         self.path = Path(h5.filename)
+        self.failed: FileError | None = None  # the write error after which nothing is written
+        self._padded = False  # space reserved past HDF5's end of file, trimmed by close()
+
+    # -- guarded writes ---------------------------------------------------------------------
+    def _reserve(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` (+ slack for metadata) past HDF5's end of file, or raise.
+
+        Raises:
+            FileError: no space (or a file size limit): nothing was written.
+        """
+        if self.failed is not None:
+            raise self.failed
+        end = int(self.h5.id.get_filesize())
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, end, int(nbytes) + _SLACK)
+            finally:
+                os.close(fd)
+            self._padded = True
+        except OSError as err:
+            self.failed = file_error(self.path, err, what="run file", fix=_FIX_WRITE)
+            raise self.failed from None
+
+    def _written(self, what: str, call: Any, *args: Any) -> Any:
+        """Run an HDF5 write; an ``OSError`` becomes the :class:`FileError` of this file."""
+        try:
+            return call(*args)
+        except OSError as err:
+            self.failed = file_error(self.path, err, what=f"run file ({what})", fix=_FIX_WRITE)
+            raise self.failed from None
 
     # -- opening ------------------------------------------------------------------------
     @classmethod
@@ -92,30 +163,42 @@ class RunFile:
             raise RunFileError(
                 f"{path} already exists: continue it with --resume auto, or choose another --out"
             )
-        path.parent.mkdir(parents=True, exist_ok=True)
+        fix = "choose another --out, or fix the permissions or free space"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            where = err.filename or path.parent
+            raise file_error(where, err, what="directory", verb="create", fix=fix) from None
         try:
             h5 = h5py.File(path, "w-")
         except OSError as err:
-            raise RunFileError(f"cannot create run file {path}: {err}") from None
-        h5.attrs["format_version"] = FORMAT_VERSION
-        h5.attrs["status"] = "running"
-        h5.attrs["resumed_at"] = np.zeros(0, dtype=np.int64)
-        h5.attrs["rows_cut"] = 0
-        for key, value in attrs.items():
-            h5.attrs[key] = value
-        metrics = h5.create_group("metrics")
-        for name, dtype in METRICS.items():
-            metrics.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,))
-        group = h5.create_group("ranks")
-        for name in RANK_SERIES:
-            group.create_dataset(
-                name, shape=(0, ranks), maxshape=(None, ranks), dtype=np.float64, chunks=(_CHUNK, ranks)
-            )
-        trace = h5.create_group("trace")
-        for name, dtype in TRACE_FIELDS.items():
-            trace.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,))
-        h5.create_group("profile")
-        h5.flush()
+            raise file_error(path, err, what="run file", verb="create", fix=fix) from None
+        try:
+            h5.attrs["format_version"] = FORMAT_VERSION
+            h5.attrs["status"] = "running"
+            h5.attrs["resumed_at"] = np.zeros(0, dtype=np.int64)
+            h5.attrs["rows_cut"] = 0
+            h5.attrs["config_changes"] = "[]"
+            for key, value in {**attrs, **_alive()}.items():
+                h5.attrs[key] = value
+            metrics = h5.create_group("metrics")
+            for name, dtype in METRICS.items():
+                metrics.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,))
+            group = h5.create_group("ranks")
+            for name in RANK_SERIES:
+                _rank_series(group, name, 0, ranks)
+            trace = h5.create_group("trace")
+            for name, dtype in TRACE_FIELDS.items():
+                trace.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,))
+            h5.create_group("profile")
+            h5.flush()
+        except OSError as err:  # a new file of ours, not yet worth keeping
+            try:
+                h5.close()
+            except (OSError, RuntimeError):
+                pass
+            path.unlink(missing_ok=True)
+            raise file_error(path, err, what="run file", verb="create", fix=fix) from None
         return cls(h5)
 
     @classmethod
@@ -135,13 +218,25 @@ class RunFile:
         try:
             h5 = h5py.File(path, "r+")
         except OSError as err:
-            raise RunFileError(f"cannot open run file {path} to continue it: {err}") from None
+            raise file_error(path, err, what="run file", verb="open", fix="check the path") from None
         if h5.attrs.get("format_version") != FORMAT_VERSION or "metrics" not in h5:
             h5.close()
             raise RunFileError(f"{path} is not an hpcdl run file (format {FORMAT_VERSION})")
-        if int(h5.attrs["ranks"]) != ranks:
+        written_by = int(h5.attrs["ranks"])
+        if written_by != ranks:
             h5.close()
-            raise RunFileError(f"{path} was written by {int(h5.attrs['ranks'])} ranks, not {ranks}")
+            raise RunFileError(
+                f"{path} was written by {written_by} ranks and this run has {ranks}: continue it on "
+                f"{written_by} ranks, or start a new run with another --out"
+            )
+        runfile = cls(h5)
+        runfile._reserve(0)
+        runfile._written("resume", runfile._cut, step, ranks)
+        return runfile
+
+    def _cut(self, step: int, ranks: int) -> None:
+        """Cut the rows after ``step`` and mark the file as running again (see :meth:`resume`)."""
+        h5 = self.h5
         steps = h5["metrics/step"][...]
         keep = int(np.searchsorted(steps, step, side="right"))  # steps are increasing
         cut = len(steps) - keep
@@ -149,6 +244,8 @@ class RunFile:
         for name in METRICS:
             h5["metrics"][name].resize((keep,))
         for name in RANK_SERIES:
+            if name not in h5["ranks"]:  # a series newer than the file: NaN for the rows it has
+                _rank_series(h5["ranks"], name, len(steps), ranks, fill=np.nan)
             h5["ranks"][name].resize((keep, ranks))
         starts = h5["trace/start"][...]
         n_events = int(np.count_nonzero(starts <= last_time)) if keep else 0
@@ -157,8 +254,9 @@ class RunFile:
         h5.attrs["rows_cut"] = int(h5.attrs["rows_cut"]) + cut
         h5.attrs["resumed_at"] = np.append(h5.attrs["resumed_at"], step).astype(np.int64)
         h5.attrs["status"] = "running"
+        for key, value in _alive().items():
+            h5.attrs[key] = value
         h5.flush()
-        return cls(h5)
 
     # -- appending ----------------------------------------------------------------------
     def append_metrics(self, rows: Sequence[Mapping[str, float]]) -> None:
@@ -166,24 +264,52 @@ class RunFile:
         if not rows:
             return
         group = self.h5["metrics"]
+        columns = {}
         for name, dtype in METRICS.items():
             default = np.nan if np.dtype(dtype).kind == "f" else 0
-            values = np.array([row.get(name, default) for row in rows], dtype=dtype)
-            _append(group[name], values)
+            columns[name] = np.array([row.get(name, default) for row in rows], dtype=dtype)
+        self._append_all(group, columns, "metrics")
 
     def append_ranks(self, series: Mapping[str, np.ndarray]) -> None:
         """Append (steps, ranks) blocks of :data:`RANK_SERIES`."""
-        for name in RANK_SERIES:
-            _append(self.h5["ranks"][name], np.asarray(series[name], dtype=np.float64))
+        columns = {name: np.asarray(series[name], dtype=np.float64) for name in RANK_SERIES}
+        self._append_all(self.h5["ranks"], columns, "ranks")
 
     def append_trace(self, events: Mapping[str, Sequence[Any]]) -> None:
         """Append events: equal-length sequences for each of :data:`TRACE_FIELDS`."""
-        for name, dtype in TRACE_FIELDS.items():
-            values = np.asarray(events[name], dtype=object if name == "kind" else dtype)
-            _append(self.h5["trace"][name], values)
+        columns = {
+            name: np.asarray(events[name], dtype=object if name == "kind" else dtype)
+            for name, dtype in TRACE_FIELDS.items()
+        }
+        self._append_all(self.h5["trace"], columns, "trace")
+
+    def _append_all(self, group: h5py.Group, columns: Mapping[str, np.ndarray], what: str) -> None:
+        """Append each column to its dataset of ``group``, after reserving the space.
+
+        Rows go into chunks allocated whole when first written; only the chunks this
+        append starts need new space (plus the metadata slack).
+        """
+        need = 0
+        for name, values in columns.items():
+            dataset = group[name]
+            chunk_rows = dataset.chunks[0]
+            old = dataset.shape[0]
+            new_chunks = -(-(old + len(values)) // chunk_rows) - (-(-old // chunk_rows))
+            row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+            if dataset.dtype.kind == "O":  # variable-length strings: their heap grows too
+                row_bytes += 64 + max((len(str(v)) for v in values), default=0)
+                need += row_bytes * len(values)
+            need += new_chunks * chunk_rows * row_bytes
+        self._reserve(need)
+        for name, values in columns.items():
+            self._written(what, _append, group[name], values)
 
     def write_profile(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Replace ``profile/`` by the per-layer profiler's table (one row per layer)."""
+        self._reserve(256 * len(rows) * 8)
+        self._written("profile", self._write_profile, rows)
+
+    def _write_profile(self, rows: Sequence[Mapping[str, Any]]) -> None:
         group = self.h5["profile"]
         for name in list(group):
             del group[name]
@@ -200,19 +326,48 @@ class RunFile:
 
     def set_attrs(self, **attrs: Any) -> None:
         """Set root attributes (status, end_time, summary figures)."""
+        self._reserve(4096 + sum(len(str(v)) for v in attrs.values()))
         for key, value in attrs.items():
-            self.h5.attrs[key] = value
+            self._written("attributes", self.h5.attrs.__setitem__, key, value)
+
+    def heartbeat(self) -> None:
+        """Write the time of this write (``heartbeat``): the run is alive now."""
+        self.set_attrs(heartbeat=heartbeat_now())
+
+    def record_config_change(self, step: int, changes: Mapping[str, tuple[Any, Any]], config: str) -> None:
+        """Note settings a resume changed (``config_changes``) and store the new ``config`` text."""
+        past = json.loads(str(self.h5.attrs.get("config_changes", "[]")))
+        past.append({"step": step, "changed": {k: list(v) for k, v in changes.items()}})
+        self.set_attrs(config_changes=json.dumps(past), config=config)
 
     def rows(self) -> int:
         """Rows in ``metrics/``."""
         return int(self.h5["metrics/step"].shape[0])
 
     def flush(self) -> None:
-        self.h5.flush()
+        """Write what HDF5 holds in memory to disk."""
+        self._reserve(0)
+        self._written("flush", self.h5.flush)
 
     def close(self) -> None:
-        if self.h5.id.valid:
+        """Close the file (after a failed write: without writing anything more).
+
+        Space reserved past the data is given back: HDF5 trims a file to its data when it
+        closes a file it opened with extra bytes at the end, so the file is opened and
+        closed once more.
+        """
+        if not self.h5.id.valid:
+            return
+        try:
             self.h5.close()
+        except (OSError, RuntimeError):
+            if self.failed is None:
+                raise
+        if self._padded and self.failed is None:
+            try:
+                h5py.File(self.path, "r+").close()
+            except OSError as err:
+                raise file_error(self.path, err, what="run file", verb="close", fix=_FIX_WRITE) from None
 
     def __enter__(self) -> RunFile:
         return self
@@ -221,7 +376,43 @@ class RunFile:
         self.close()
 
 
+def _alive() -> dict[str, Any]:
+    """Who writes the file now: rank 0's host and pid, and the time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": heartbeat_now()}
+
+
+def _rank_series(group: h5py.Group, name: str, rows: int, ranks: int, fill: float = 0.0) -> None:
+    group.create_dataset(
+        name,
+        shape=(rows, ranks),
+        maxshape=(None, ranks),
+        dtype=np.float64,
+        chunks=(_CHUNK, ranks),
+        fillvalue=fill,
+    )
+
+
 def _append(dataset: h5py.Dataset, values: np.ndarray) -> None:
     n = dataset.shape[0]
     dataset.resize((n + len(values), *dataset.shape[1:]))
     dataset[n:] = values
+
+
+def read_attrs(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The root attributes of an existing run file (read-only; strings decoded).
+
+    Raises:
+        RunFileError: the file is not an hpcdl run file.
+        FileError: the file cannot be opened.
+    """
+    path = Path(path)
+    try:
+        with h5py.File(path, "r") as h5:
+            if "metrics" not in h5 or "format_version" not in h5.attrs:
+                raise RunFileError(f"{path} is not an hpcdl run file (no format_version or metrics/)")
+            attrs = dict(h5.attrs)
+    except OSError as err:
+        if path.is_file() and not h5py.is_hdf5(path):
+            raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)") from None
+        raise file_error(path, err, what="run file", verb="open", fix="check the path") from None
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}

@@ -1,0 +1,113 @@
+"""The stall watchdog ends hung MPI jobs: a receive deadlock, and a rank stopped with SIGSTOP.
+
+Each test starts its own ``mpiexec`` (the job must end by itself: a hung one is killed by
+the test's timeout, far beyond ``debug.stall_s``, and the test fails).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+DEADLOCK = """
+import numpy as np
+from hpcdl.cli import entry
+from hpcdl.comm import watch
+
+def main(argv):
+    with watch(2.0) as comm:
+        comm.Barrier()
+        buf = np.zeros(4)
+        comm.Recv(buf, source=(comm.Get_rank() + 1) % comm.Get_size(), tag=7)  # everyone receives
+    return 0
+
+entry(main, "deadlock")
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_receive_deadlock_is_reported_and_ends_the_job(tmp_path: Path, n: int) -> None:
+    script = tmp_path / "deadlock.py"
+    script.write_text(DEADLOCK)
+    t0 = time.monotonic()
+    proc = subprocess.run([str(BIN / "mpiexec"), "-n", str(n), sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=40, env=_env(), check=False)  # fmt: skip
+    print(f"deadlock at -n {n}: the job ended after {time.monotonic() - t0:.1f} s (stall_s = 2)")
+    assert proc.returncode == 3, proc.stderr
+    assert "stall: every rank is waiting for another (a deadlock)" in proc.stderr, proc.stderr
+    for r in range(n):
+        assert f"rank {r} waits " in proc.stderr and f"Recv from rank {(r + 1) % n} tag 7 on world" in proc.stderr
+    assert proc.stderr.count("stall: ") == 1, proc.stderr  # one report, not one per rank
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """The pids of the ranks started under ``launcher`` (by PMI_RANK in their environment)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpcdl.train" not in cmdline:
+            continue
+        env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+        if env.get(b"HPCDL_TEST_LAUNCHER") == str(launcher).encode() and b"PMI_RANK" in env:
+            found[int(env[b"PMI_RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
+    stall_s = 4
+    cmd = [str(BIN / "mpiexec"), "-n", "3", sys.executable, "-m", "hpcdl.train", "--config", "digits-mlp",
+           "--set", f"debug.stall_s={stall_s}", "--set", "train.steps=1000000", "--progress", "none",
+           "--out", str(tmp_path / "r.h5")]  # fmt: skip
+    tag = str(os.getpid())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(), "HPCDL_TEST_LAUNCHER": tag})  # fmt: skip
+    stopped = None
+    try:
+        deadline = time.monotonic() + 60
+        pids: dict[int, int] = {}
+        while len(pids) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            pids = _rank_pids(int(tag))
+        assert len(pids) == 3, f"ranks not found: {pids}"
+        time.sleep(4.0)  # training is under way (the run starts in about 2 s here)
+        assert proc.poll() is None, proc.communicate()
+        stopped = pids[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        _, err = proc.communicate(timeout=stall_s + 40)
+        print(f"SIGSTOP of rank 1: the job ended {time.monotonic() - t_stop:.1f} s later (stall_s = {stall_s})")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        if stopped is not None:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(stopped, sig)
+                except ProcessLookupError:
+                    pass
+    assert proc.returncode == 3, err
+    assert "stall: rank 1 did not respond" in err, err
+    waits = re.findall(r"rank (\d) waits [0-9.]+ s in (\S+)", err)
+    assert sorted(int(r) for r, _ in waits) == [0, 2], err  # the others, each with its operation
+    assert "(step " in err, err
