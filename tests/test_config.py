@@ -96,3 +96,49 @@ def test_defaults_are_valid() -> None:
 def test_readme_documents_every_key() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert markdown_table() in readme, "README's config table is stale: paste `python -m hpcdl.config`"
+
+
+# -- bounds: exclusive minimums, values allowed besides the range, finite floats --------------
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ("model.width_mult=0.0", "'model.width_mult' must be > 0.0 (got 0.0)"),
+        ("optimizer.eps=0", "'optimizer.eps' must be > 0.0 (got 0.0)"),
+        ("model.dropout=1.0", "'model.dropout' must be < 1.0 (got 1.0)"),
+        ("data.num_classes=1", "'data.num_classes' must be >= 2, or 0 (got 1)"),
+        ("data.num_classes=-3", "'data.num_classes' must be >= 2, or 0 (got -3)"),
+        ("optimizer.lr=nan", "'optimizer.lr' expects a finite float (got nan)"),
+        ("schedule.gamma=inf", "'schedule.gamma' expects a finite float (got inf)"),
+        ("debug.stall_s=-1", "'debug.stall_s' must be >= 0.0 (got -1.0)"),
+    ],
+)
+def test_values_out_of_range(item: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("digits-mlp", [item])
+    assert fragment in str(info.value)
+
+
+def test_values_at_the_edge_of_the_range() -> None:
+    cfg = load_config("digits-mlp", ["data.num_classes=0", "model.width_mult=1e-3", "debug.stall_s=0"])
+    assert cfg["data.num_classes"] == 0 and cfg["model.width_mult"] == 1e-3 and cfg["debug.stall_s"] == 0.0
+    assert load_config("digits-mlp", ["data.num_classes=2"])["data.num_classes"] == 2
+
+
+def test_stall_watchdog_key() -> None:
+    spec = SCHEMA["debug.stall_s"]
+    assert (spec.type, spec.default, spec.minimum) == (float, 600.0, 0.0)
+    assert "0: off" in spec.doc
+    assert load_config("digits-mlp")["debug.stall_s"] == 600.0
+    assert load_config("digits-mlp", ["debug.stall_s=30"])["debug.stall_s"] == 30.0  # int widened
+
+
+def test_bounds_in_words() -> None:
+    assert SCHEMA["data.num_classes"].bounds() == ">= 2, or 0"
+    assert SCHEMA["model.dropout"].bounds() == ">= 0, < 1"
+    assert SCHEMA["model.width_mult"].bounds() == "> 0"
+    assert SCHEMA["data.shape"].bounds() == "integers > 0"
+    assert SCHEMA["dtype"].bounds() == "float32 / float64"
+    assert SCHEMA["name"].bounds() == ""
+    assert "| `data.num_classes` | int | `10` | >= 2, or 0 |" in markdown_table()
