@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS
@@ -18,6 +19,7 @@ from hpcdl.parallel import EXCHANGES
 
 __all__ = [
     "Key", "SCHEMA", "Config", "load_config", "preset_names", "parse_set", "markdown_table",
+    "build_parser", "main",
 ]  # fmt: skip
 
 
@@ -338,5 +340,55 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+def build_parser() -> ArgumentParser:
+    """The command line of ``python -m hpcdl.config``."""
+    parser = ArgumentParser(
+        prog="python -m hpcdl.config",
+        description=(
+            "Print the table of config keys (type, default, allowed values, meaning) as in the "
+            "README, or with --config the whole resolved config as TOML."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="PRESET|FILE",
+        help="print this config (a preset name or a TOML file) with defaults and --set applied, "
+        "as TOML, instead of the table (default: none, print the table)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --config: override a config key; the value is read as TOML (repeatable; default: none)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m hpcdl.config`` with ``argv`` (without the program name); returns 0.
+
+    Raises:
+        ConfigError: an unknown option, ``--set`` without ``--config``, or a bad config.
+        HelpRequested: ``--help`` was answered.
+    """
+    parser = build_parser()
+    args = parse_args(parser, list(argv or []))
+    if args.config is None:
+        if args.sets:
+            raise ConfigError(
+                f"--set {args.sets[0]} needs --config: the preset or file to apply it to "
+                f"(see {parser.prog} --help)"
+            )
+        print(markdown_table())
+    else:
+        print(load_config(args.config, args.sets).toml(), end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    from hpcdl.cli import entry
+
+    entry(main, "hpcdl.config")
