@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import difflib
+import math
+import operator
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS
 from hpcdl.parallel import EXCHANGES
 
-__all__ = ["Key", "SCHEMA", "Config", "load_config", "preset_names", "parse_set", "markdown_table"]
+__all__ = [
+    "Key", "SCHEMA", "Config", "load_config", "preset_names", "parse_set", "markdown_table",
+    "build_parser", "main",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Key:
-    """One config key: its type, default, allowed values and meaning."""
+    """One config key: its type, default, allowed values and meaning.
+
+    Numbers lie in ``[minimum, below)`` and above ``above`` (each bound only when
+    given), or are one of ``also`` (a value with a meaning of its own, such as 0 for
+    "infer"); floats must be finite.
+    """
 
     type: type
     default: Any
@@ -28,6 +39,26 @@ class Key:
     minimum: float | None = None
     below: float | None = None  # exclusive upper bound
     item: type | None = None  # lists: the type of every element (positive when numeric)
+    above: float | None = None  # exclusive lower bound
+    also: tuple[Any, ...] = ()  # values allowed outside the bounds
+
+    def bounds(self) -> str:
+        """The allowed values in words, e.g. ``>= 2, or 0``, ``> 0``, ``>= 0, < 1``; '' if any."""
+        if self.choices:
+            return " / ".join(map(str, self.choices))
+        parts = []
+        if self.minimum is not None:
+            parts.append(f">= {self.minimum:g}")
+        if self.above is not None:
+            parts.append(f"> {self.above:g}")
+        if self.below is not None:
+            parts.append(f"< {self.below:g}")
+        if self.item is not None:
+            parts.append(f"{_type_name(self.item).split()[-1]}s > 0")
+        text = ", ".join(parts)
+        if self.also:
+            text += ", or " + " or ".join(map(str, self.also))
+        return text
 
 
 _OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -41,7 +72,7 @@ SCHEMA: dict[str, Key] = {
     "model.name": Key(str, "mlp", "model builder", choices=MODELS),
     "model.depth": Key(int, 3, "mlp: number of Linear layers", minimum=1),
     "model.width": Key(int, 256, "mlp: hidden width", minimum=1),
-    "model.width_mult": Key(float, 1.0, "cnn/vgg16/resnet: channel width multiplier", minimum=0.0),
+    "model.width_mult": Key(float, 1.0, "cnn/vgg16/resnet: channel width multiplier", above=0.0),
     "model.channels": Key(int, 32, "cnn: channels of the first convolution", minimum=1),
     "model.dropout": Key(float, 0.0, "mlp/cnn: dropout probability before the head", minimum=0.0, below=1.0),
     "data.name": Key(str, "digits", "data set", choices=DATASETS),
@@ -54,7 +85,15 @@ SCHEMA: dict[str, Key] = {
         choices=KINDS,
     ),
     "data.shape": Key(list, [1, 28, 28], "synthetic: per-sample input shape", item=int),
-    "data.num_classes": Key(int, 10, "synthetic: number of classes", minimum=2),
+    "data.num_classes": Key(
+        int,
+        10,
+        "classes, the model's outputs: every label must lie in 0 .. num_classes - 1 (digits, mnist, "
+        "fashion-mnist, cifar10: 10 or 0); 0: the data set's own (npz/hdf5: inferred from the labels; "
+        "synthetic: 10)",
+        minimum=2,
+        also=(0,),
+    ),
     "data.train_size": Key(int, 8192, "synthetic: training samples", minimum=1),
     "data.test_size": Key(int, 1024, "synthetic: test samples", minimum=1),
     "train.epochs": Key(int, 10, "epochs to train (ignored when train.steps > 0)", minimum=1),
@@ -73,15 +112,15 @@ SCHEMA: dict[str, Key] = {
     ),
     "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0, below=1.0),
     "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0, below=1.0),
-    "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", minimum=0.0),
+    "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", above=0.0),
     "schedule.name": Key(
         str, "constant", "LR schedule after warm-up", choices=("constant", "step", "cosine")
     ),
     "schedule.warmup_epochs": Key(
         float, 0.0, "linear warm-up from lr/ranks-scale to the scaled lr", minimum=0.0
     ),
-    "schedule.step_epochs": Key(float, 30.0, "step: epochs between decays", minimum=0.0),
-    "schedule.gamma": Key(float, 0.1, "step: decay factor", minimum=0.0),
+    "schedule.step_epochs": Key(float, 30.0, "step: epochs between decays", above=0.0),
+    "schedule.gamma": Key(float, 0.1, "step: decay factor", above=0.0),
     "schedule.min_lr": Key(float, 0.0, "cosine: final learning rate", minimum=0.0),
     "schedule.scale": Key(
         str,
@@ -137,8 +176,8 @@ SCHEMA: dict[str, Key] = {
     "debug.stall_s": Key(
         float,
         600.0,
-        "stall watchdog under MPI: seconds a rank may wait in one communication before the job is "
-        "aborted with a report (0: off)",
+        "stall watchdog under MPI: seconds a rank may wait in one communication before the job "
+        "is aborted with a report (0: off)",
         minimum=0.0,
     ),
 }
@@ -167,14 +206,17 @@ def _check(key: str, value: Any) -> Any:
             f"config key {key!r} expects {_type_name(t)}, got {type(value).__name__} {value!r} "
             f"(nearest valid key: {_nearest(key)})"
         )
+    if t is float and not math.isfinite(value):
+        raise ConfigError(f"config key {key!r} expects a finite float (got {value!r})")
     if spec.choices and value not in spec.choices:
         raise ConfigError(
             f"config key {key!r} must be one of {', '.join(map(repr, spec.choices))} (got {value!r})"
         )
-    if spec.minimum is not None and value < spec.minimum:
-        raise ConfigError(f"config key {key!r} must be >= {spec.minimum} (got {value!r})")
-    if spec.below is not None and value >= spec.below:
-        raise ConfigError(f"config key {key!r} must be < {spec.below} (got {value!r})")
+    also = "".join(f", or {v!r}" for v in spec.also)
+    for bound, broken, text in ((spec.minimum, operator.lt, ">="), (spec.above, operator.le, ">"),
+                                (spec.below, operator.ge, "<")):  # fmt: skip
+        if bound is not None and broken(value, bound) and value not in spec.also:
+            raise ConfigError(f"config key {key!r} must be {text} {bound}{also} (got {value!r})")
     if spec.item is not None:
         ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)
         if not ok or not value:
@@ -289,12 +331,64 @@ def load_config(source: str, sets: list[str] | tuple[str, ...] = ()) -> Config:
 
 def markdown_table() -> str:
     """The README's table of config keys (``python -m hpcdl.config`` prints it)."""
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for key, spec in SCHEMA.items():
-        meaning = spec.doc + (f" ({' / '.join(map(str, spec.choices))})" if spec.choices else "")
-        rows.append(f"| `{key}` | {spec.type.__name__} | `{_toml_value(spec.default)}` | {meaning} |")
+        rows.append(
+            f"| `{key}` | {spec.type.__name__} | `{_toml_value(spec.default)}` | {spec.bounds() or 'any'} "
+            f"| {spec.doc} |"
+        )
     return "\n".join(rows)
 
 
+def build_parser() -> ArgumentParser:
+    """The command line of ``python -m hpcdl.config``."""
+    parser = ArgumentParser(
+        prog="python -m hpcdl.config",
+        description=(
+            "Print the table of config keys (type, default, allowed values, meaning) as in the "
+            "README, or with --config the whole resolved config as TOML."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="PRESET|FILE",
+        help="print this config (a preset name or a TOML file) with defaults and --set applied, "
+        "as TOML, instead of the table (default: none, print the table)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --config: override a config key; the value is read as TOML (repeatable; default: none)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m hpcdl.config`` with ``argv`` (without the program name); returns 0.
+
+    Raises:
+        ConfigError: an unknown option, ``--set`` without ``--config``, or a bad config.
+        HelpRequested: ``--help`` was answered.
+    """
+    parser = build_parser()
+    args = parse_args(parser, list(argv or []))
+    if args.config is None:
+        if args.sets:
+            raise ConfigError(
+                f"--set {args.sets[0]} needs --config: the preset or file to apply it to "
+                f"(see {parser.prog} --help)"
+            )
+        print(markdown_table())
+    else:
+        print(load_config(args.config, args.sets).toml(), end="")
+    return 0
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    from hpcdl.cli import entry
+
+    entry(main, "hpcdl.config")

@@ -55,9 +55,18 @@ def make_schedule(cfg: Config, ranks: int, steps_per_epoch: int, total_steps: in
     The global batch is ``ranks * exchange.accumulate`` times ``data.batch_size``, so the
     rule (``schedule.scale``) scales by that factor: accumulating k micro-steps on one rank
     is treated as k ranks.
+
+    Raises:
+        ConfigError: a cosine schedule's ``schedule.min_lr`` is above its peak rate.
     """
     base = cfg["optimizer.lr"]
     peak = scaled_lr(base, ranks * cfg["exchange.accumulate"], cfg["schedule.scale"])
+    if cfg["schedule.name"] == "cosine" and cfg["schedule.min_lr"] > peak:
+        raise ConfigError(
+            f"schedule.min_lr = {cfg['schedule.min_lr']} is above the peak learning rate {peak:g} "
+            f"(optimizer.lr = {base} scaled for {ranks} rank(s)), so the cosine schedule would rise: "
+            f"set schedule.min_lr <= {peak:g}"
+        )
     return Schedule(
         peak_lr=peak,
         total_steps=total_steps,
@@ -71,16 +80,42 @@ def make_schedule(cfg: Config, ranks: int, steps_per_epoch: int, total_steps: in
 
 
 def load_data(cfg: Config) -> Dataset:
-    """The data set named in the config (a read-only copy shared within the process)."""
-    return load_dataset(
-        cfg["data.name"],
-        cfg["data.path"] or None,
-        seed=cfg["seed"],
-        shape=tuple(cfg["data.shape"]),
-        num_classes=cfg["data.num_classes"],
-        train_size=cfg["data.train_size"],
-        test_size=cfg["data.test_size"],
-    )
+    """The data set named in the config (a read-only copy shared within the process).
+
+    Raises:
+        DataError: the files are missing or malformed, or their labels do not fit
+            ``data.num_classes``.
+        ConfigError: synthetic data of this size does not fit in memory.
+    """
+    try:
+        return load_dataset(
+            cfg["data.name"],
+            cfg["data.path"] or None,
+            seed=cfg["seed"],
+            shape=tuple(cfg["data.shape"]),
+            num_classes=cfg["data.num_classes"],
+            train_size=cfg["data.train_size"],
+            test_size=cfg["data.test_size"],
+        )
+    except MemoryError as err:
+        if cfg["data.name"] != "synthetic":
+            raise
+        raise ConfigError(
+            f"synthetic data of data.train_size = {cfg['data.train_size']}, data.test_size = "
+            f"{cfg['data.test_size']} samples of data.shape = {cfg['data.shape']} does not fit in "
+            f"memory ({err}): make them smaller"
+        ) from None
+
+
+#: the config keys that size each model, named when it does not fit in memory
+_SIZE_KEYS = {
+    "mlp": ("model.depth", "model.width"),
+    "mlp32": (),
+    "cnn": ("model.channels", "model.width_mult"),
+    "vgg16": ("model.width_mult",),
+    "resnet18": ("model.width_mult",),
+    "resnet50": ("model.width_mult",),
+}
 
 
 def build(
@@ -89,12 +124,14 @@ def build(
     """The config's model for ``data``: initialised from (seed, "init"), dropout from (seed, rank).
 
     Raises:
-        ConfigError: the model cannot take the data set's samples.
+        ConfigError: the model cannot take the data set's samples, or does not fit in
+            memory (the message names the keys that size it and their values).
     """
     seed = cfg["seed"]
+    name = cfg["model.name"]
     try:
         return build_model(
-            cfg["model.name"],
+            name,
             data.input_shape,
             data.num_classes,
             rng=generator(seed, "init"),
@@ -107,10 +144,14 @@ def build(
             channels=cfg["model.channels"],
             dropout=cfg["model.dropout"],
         )
-    except ValueError as err:
+    except MemoryError as err:
+        sizes = "".join(f", {k} = {cfg[k]}" for k in _SIZE_KEYS.get(name, ()))
         raise ConfigError(
-            f"model.name = {cfg['model.name']!r} does not fit data {data.name!r}: {err}"
+            f"model.name = {name!r}{sizes}, for {data.num_classes} classes of samples of shape "
+            f"{data.input_shape}, does not fit in memory ({err}): make it smaller"
         ) from None
+    except ValueError as err:
+        raise ConfigError(f"model.name = {name!r} does not fit data {data.name!r}: {err}") from None
 
 
 def evaluate(

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from hpcdl.config import SCHEMA, Config, load_config, markdown_table, parse_set, preset_names
+from hpcdl.cli import entry
+from hpcdl.config import SCHEMA, Config, build_parser, load_config, markdown_table, parse_set, preset_names
+from hpcdl.config import main as config_main
 from hpcdl.errors import ConfigError
 
 
@@ -96,3 +100,123 @@ def test_defaults_are_valid() -> None:
 def test_readme_documents_every_key() -> None:
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert markdown_table() in readme, "README's config table is stale: paste `python -m hpcdl.config`"
+
+
+# -- bounds: exclusive minimums, values allowed besides the range, finite floats --------------
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ("model.width_mult=0.0", "'model.width_mult' must be > 0.0 (got 0.0)"),
+        ("optimizer.eps=0", "'optimizer.eps' must be > 0.0 (got 0.0)"),
+        ("model.dropout=1.0", "'model.dropout' must be < 1.0 (got 1.0)"),
+        ("data.num_classes=1", "'data.num_classes' must be >= 2, or 0 (got 1)"),
+        ("data.num_classes=-3", "'data.num_classes' must be >= 2, or 0 (got -3)"),
+        ("optimizer.lr=nan", "'optimizer.lr' expects a finite float (got nan)"),
+        ("schedule.gamma=inf", "'schedule.gamma' expects a finite float (got inf)"),
+        ("debug.stall_s=-1", "'debug.stall_s' must be >= 0.0 (got -1.0)"),
+    ],
+)
+def test_values_out_of_range(item: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config("digits-mlp", [item])
+    assert fragment in str(info.value)
+
+
+def test_values_at_the_edge_of_the_range() -> None:
+    cfg = load_config("digits-mlp", ["data.num_classes=0", "model.width_mult=1e-3", "debug.stall_s=0"])
+    assert cfg["data.num_classes"] == 0 and cfg["model.width_mult"] == 1e-3 and cfg["debug.stall_s"] == 0.0
+    assert load_config("digits-mlp", ["data.num_classes=2"])["data.num_classes"] == 2
+
+
+def test_stall_watchdog_key() -> None:
+    spec = SCHEMA["debug.stall_s"]
+    assert (spec.type, spec.default, spec.minimum) == (float, 600.0, 0.0)
+    assert "0: off" in spec.doc
+    assert load_config("digits-mlp")["debug.stall_s"] == 600.0
+    assert load_config("digits-mlp", ["debug.stall_s=30"])["debug.stall_s"] == 30.0  # int widened
+
+
+def test_bounds_in_words() -> None:
+    assert SCHEMA["data.num_classes"].bounds() == ">= 2, or 0"
+    assert SCHEMA["model.dropout"].bounds() == ">= 0, < 1"
+    assert SCHEMA["model.width_mult"].bounds() == "> 0"
+    assert SCHEMA["data.shape"].bounds() == "integers > 0"
+    assert SCHEMA["dtype"].bounds() == "float32 / float64"
+    assert SCHEMA["name"].bounds() == ""
+    assert "| `data.num_classes` | int | `10` | >= 2, or 0 |" in markdown_table()
+
+
+# -- python -m hpcdl.config ---------------------------------------------------------------------
+
+
+def _config_command(argv: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    """``python -m hpcdl.config ARGV`` in-process, through its entry point."""
+    monkeypatch.setattr(sys, "argv", ["hpcdl.config", *argv])
+    with pytest.raises(SystemExit) as info:
+        entry(config_main, "hpcdl.config")
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def test_config_command_prints_the_key_table(capsys, monkeypatch) -> None:
+    code, out, err = _config_command([], capsys, monkeypatch)
+    assert code == 0 and out == markdown_table() + "\n" and err == ""
+
+
+def test_config_command_prints_a_resolved_config(capsys, monkeypatch) -> None:
+    code, out, err = _config_command(
+        ["--config", "digits-cnn", "--set", "optimizer.lr=0.5", "--set", "data.num_classes=0"],
+        capsys,
+        monkeypatch,
+    )
+    assert code == 0 and err == ""
+    cfg = Config(_flatten(tomllib.loads(out)))
+    assert cfg.values == load_config("digits-cnn", ["optimizer.lr=0.5", "data.num_classes=0"]).values
+    assert cfg["optimizer.lr"] == 0.5 and cfg["model.name"] == "cnn" and cfg["debug.stall_s"] == 600.0
+
+
+def test_config_command_help(capsys, monkeypatch) -> None:
+    code, out, err = _config_command(["--help"], capsys, monkeypatch)
+    assert code == 0 and err == ""
+    text = " ".join(out.split())
+    assert text.startswith("usage: python -m hpcdl.config")
+    assert "Print the table of config keys" in text and "| key |" not in text
+    options = [a for a in build_parser()._actions if a.dest != "help"]
+    assert {o.dest for o in options} == {"config", "sets"}
+    for option in options:  # every option: its help, with its default, shown
+        assert "default:" in option.help and " ".join(option.help.split()) in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragments"),
+    [
+        (["--bogus"], ["unrecognized arguments: --bogus", "--help"]),
+        (["table"], ["unrecognized arguments: table"]),
+        (["--set", "optimizer.lr=1"], ["--set optimizer.lr=1 needs --config"]),
+        (["--config", "digits-mlp", "--set", "optimizer.lr=-1"], ["'optimizer.lr'", ">= 0"]),
+        (["--config", "nope"], ["neither a file nor a preset"]),
+    ],
+)
+def test_config_command_errors_are_one_line(argv, fragments, capsys, monkeypatch) -> None:
+    code, out, err = _config_command(argv, capsys, monkeypatch)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("hpcdl.config: error: "), err
+    for fragment in fragments:
+        assert fragment in err
+
+
+def test_config_command_as_python_m() -> None:
+    """The real ``python -m hpcdl.config``: an unknown option is an error, not the table."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdl.config", "--bogus"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        "hpcdl.config: error: unrecognized arguments: --bogus (see python -m hpcdl.config --help)"
+    ]

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.dataset import Dataset, labels, scaled
+from hpcdl.data.labels import class_count
 from hpcdl.errors import DataError
 
 __all__ = ["load_npz", "load_hdf5", "read_npz", "read_hdf5", "KEYS"]
@@ -84,15 +85,20 @@ def read_hdf5(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         raise DataError(f"{file}: not a readable HDF5 file ({err})") from None
 
 
-def from_arrays(arrays: dict[str, np.ndarray], name: str, source: Path | str) -> Dataset:
+def from_arrays(
+    arrays: dict[str, np.ndarray], name: str, source: Path | str, num_classes: int = 0
+) -> Dataset:
     """A `Dataset` from stored arrays: uint8 inputs are divided by 255, floats kept.
 
     Inputs keep their stored per-sample shape (images should be N,C,H,W); labels must
-    be non-negative integers, and ``num_classes`` is the largest label plus one.
+    be integers in ``0 .. C - 1``, where C is ``num_classes``, or with 0 the largest label
+    plus one (and then every class below it must occur; see `class_count`).
 
     Raises:
-        DataError: Inputs are neither uint8 nor floating point, labels are not
-            integers, or train and test shapes disagree.
+        DataError: Inputs are neither uint8 nor floating point, train and test shapes
+            disagree, a label array is not one label per sample, or the labels are not
+            integers in the expected range (the message names ``source``, the range of
+            labels found and the range expected).
     """
     xs = {}
     for part in ("train", "test"):
@@ -108,15 +114,17 @@ def from_arrays(arrays: dict[str, np.ndarray], name: str, source: Path | str) ->
                 f"{source}: x_{part} has dtype {x.dtype}, expected uint8 (scaled by 1/255) "
                 f"or floating point; convert it before saving"
             )
-        if not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{source}: y_{part} has dtype {y.dtype}, expected integer class labels")
+        if y.ndim != 1 or len(y) != len(x):
+            raise DataError(
+                f"{source}: y_{part} has shape {y.shape}, expected ({len(x)},) "
+                f"(one label per sample of x_{part})"
+            )
     if xs["train"].shape[1:] != xs["test"].shape[1:]:
         raise DataError(
             f"{source}: x_train samples have shape {xs['train'].shape[1:]} but x_test samples "
             f"{xs['test'].shape[1:]}; they must agree"
         )
-    ys = [y for y in (arrays["y_train"], arrays["y_test"]) if y.size]
-    num_classes = int(max(int(y.max()) for y in ys)) + 1 if ys else 0
+    ys = {k: arrays[k] for k in ("y_train", "y_test")}
     return Dataset(
         x_train=xs["train"],
         y_train=labels(arrays["y_train"]),
@@ -124,31 +132,33 @@ def from_arrays(arrays: dict[str, np.ndarray], name: str, source: Path | str) ->
         y_test=labels(arrays["y_test"]),
         name=name,
         input_shape=tuple(int(d) for d in xs["train"].shape[1:]),
-        num_classes=num_classes,
+        num_classes=class_count(ys, source, num_classes),
     )
 
 
-def load_npz(path: str | os.PathLike[str]) -> Dataset:
+def load_npz(path: str | os.PathLike[str], num_classes: int = 0) -> Dataset:
     """A data set from an NPZ file with arrays ``x_train, y_train, x_test, y_test``.
 
     Args:
         path: The ``.npz`` file (as written by ``np.savez`` or ``np.savez_compressed``).
+        num_classes: The class count (``data.num_classes``); 0: inferred from the labels.
 
     Returns:
         A `Dataset` named ``"npz"``; see `from_arrays` for the conversion.
 
     Raises:
-        DataError: The file is missing, unreadable, lacks a key, or holds bad arrays.
+        DataError: The file is missing, unreadable, lacks a key, or holds bad arrays or labels.
     """
     file = _existing(path, "NPZ")
-    return from_arrays(read_npz(file), "npz", file)
+    return from_arrays(read_npz(file), "npz", file, num_classes)
 
 
-def load_hdf5(path: str | os.PathLike[str]) -> Dataset:
+def load_hdf5(path: str | os.PathLike[str], num_classes: int = 0) -> Dataset:
     """A data set from an HDF5 file with root datasets ``x_train, y_train, x_test, y_test``.
 
     Args:
         path: The HDF5 file.
+        num_classes: The class count (``data.num_classes``); 0: inferred from the labels.
 
     Returns:
         A `Dataset` named ``"hdf5"``; see `from_arrays` for the conversion.
@@ -157,4 +167,4 @@ def load_hdf5(path: str | os.PathLike[str]) -> Dataset:
         DataError: The file is missing, unreadable, lacks a dataset, or holds bad arrays.
     """
     file = _existing(path, "HDF5")
-    return from_arrays(read_hdf5(file), "hdf5", file)
+    return from_arrays(read_hdf5(file), "hdf5", file, num_classes)

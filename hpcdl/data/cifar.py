@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.dataset import Dataset, labels, scaled
+from hpcdl.data.labels import class_count
 from hpcdl.errors import DataError
 
 __all__ = ["load_cifar10", "read_cifar_batch"]
@@ -43,19 +44,22 @@ def read_cifar_batch(path: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarr
     return records[:, 1:].reshape(-1, 3, 32, 32), y
 
 
-def load_cifar10(path: str | os.PathLike[str] | None) -> Dataset:
+def load_cifar10(path: str | os.PathLike[str] | None, num_classes: int = 0) -> Dataset:
     """CIFAR-10: images (N, 3, 32, 32) float32 in [0, 1] (bytes divided by 255), 10 classes.
 
     Args:
         path: The directory holding the six ``.bin`` files, or its parent holding
             ``cifar-10-batches-bin/``.
+        num_classes: The class count asked for (``data.num_classes``): 10, or 0 for the
+            data set's own (10).
 
     Returns:
         A `Dataset` named ``"cifar10"`` (50,000 training and 10,000 test images for the
         official files).
 
     Raises:
-        DataError: ``path`` is not a directory, a file is missing or malformed.
+        DataError: ``path`` is not a directory, a file is missing or malformed, or
+            ``num_classes`` is neither 10 nor 0.
     """
     if path is None:
         raise DataError("cifar10 needs data.path: the directory holding data_batch_1.bin .. test_batch.bin")
@@ -72,12 +76,13 @@ def load_cifar10(path: str | os.PathLike[str] | None) -> Dataset:
             f"{directory}: missing {', '.join(missing)}; set data.path to the directory of "
             f"the CIFAR-10 binary version (cifar-10-binary.tar.gz)"
         )
-    parts = {}
+    parts, ys = {}, {}
     for part, names in (("train", TRAIN_FILES), ("test", TEST_FILES)):
         batches = [read_cifar_batch(directory / n) for n in names]
         x = np.concatenate([b[0] for b in batches])
         y = np.concatenate([b[1] for b in batches])
         parts[part] = (scaled(x, 255.0), labels(y))
+        ys[f"{names[0]} .. {names[-1]}" if len(names) > 1 else names[0]] = y
     return Dataset(
         x_train=parts["train"][0],
         y_train=parts["train"][1],
@@ -85,5 +90,5 @@ def load_cifar10(path: str | os.PathLike[str] | None) -> Dataset:
         y_test=parts["test"][1],
         name="cifar10",
         input_shape=(3, 32, 32),
-        num_classes=10,
+        num_classes=class_count(ys, directory, num_classes, own=10),
     )

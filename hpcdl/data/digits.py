@@ -10,6 +10,7 @@ import numpy as np
 
 from hpcdl.data.arrays import read_npz
 from hpcdl.data.dataset import Dataset, labels, scaled
+from hpcdl.data.labels import class_count
 from hpcdl.errors import DataError
 
 __all__ = ["load_digits", "find_digits"]
@@ -54,17 +55,20 @@ def find_digits(path: str | os.PathLike[str] | None = None) -> Path:
     )
 
 
-def load_digits(path: str | os.PathLike[str] | None = None) -> Dataset:
+def load_digits(path: str | os.PathLike[str] | None = None, num_classes: int = 0) -> Dataset:
     """The bundled digits: images (N, 1, 8, 8) float32 in [0, 1] (counts 0..16 divided by 16).
 
     Args:
         path: Where ``digits.npz`` is, if not in the default places (see `find_digits`).
+        num_classes: The class count asked for (``data.num_classes``): 10, or 0 for the
+            data set's own (10).
 
     Returns:
         A `Dataset` named ``"digits"`` with 1,437 training and 360 test images, 10 classes.
 
     Raises:
-        DataError: The file is missing, or its arrays are not the bundled digits.
+        DataError: The file is missing, its arrays are not the bundled digits, or
+            ``num_classes`` is neither 10 nor 0.
     """
     file = find_digits(path)
     arrays = read_npz(file)
@@ -84,5 +88,5 @@ def load_digits(path: str | os.PathLike[str] | None = None) -> Dataset:
         y_test=labels(y_test),
         name="digits",
         input_shape=(1, 8, 8),
-        num_classes=10,
+        num_classes=class_count({"y_train": y_train, "y_test": y_test}, file, num_classes, own=10),
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.data.dataset import Dataset, labels, scaled
+from hpcdl.data.labels import class_count
 from hpcdl.errors import DataError
 
 __all__ = ["load_mnist", "read_idx", "find_idx"]
@@ -93,7 +94,7 @@ def find_idx(directory: Path, part: str, kind: str) -> Path:
     )
 
 
-def load_mnist(path: str | os.PathLike[str] | None, name: str = "mnist") -> Dataset:
+def load_mnist(path: str | os.PathLike[str] | None, name: str = "mnist", num_classes: int = 0) -> Dataset:
     """MNIST or Fashion-MNIST: images (N, 1, H, W) float32 in [0, 1] (bytes divided by 255).
 
     Args:
@@ -102,13 +103,15 @@ def load_mnist(path: str | os.PathLike[str] | None, name: str = "mnist") -> Data
             ``t10k-labels-idx1-ubyte[.gz]``.
         name: The name given to the data set (``"mnist"`` or ``"fashion-mnist"``: both
             use the same file names and format).
+        num_classes: The class count asked for (``data.num_classes``): 10, or 0 for the
+            data set's own (10).
 
     Returns:
         A `Dataset` with 10 classes.
 
     Raises:
         DataError: ``path`` is not a directory, a file is missing or malformed, or the
-            image and label counts disagree.
+            image and label counts disagree, or ``num_classes`` is neither 10 nor 0.
     """
     if path is None:
         raise DataError(f"{name} needs data.path: the directory holding train-images-idx3-ubyte[.gz] etc.")
@@ -117,7 +120,7 @@ def load_mnist(path: str | os.PathLike[str] | None, name: str = "mnist") -> Data
         raise DataError(
             f"{name}: {directory} is not a directory; set data.path to the directory of IDX files"
         )
-    arrays = {}
+    arrays, label_files = {}, {}
     for part in PARTS:
         image_file, label_file = find_idx(directory, part, "images"), find_idx(directory, part, "labels")
         x, y = read_idx(image_file, 3), read_idx(label_file, 1)
@@ -126,6 +129,7 @@ def load_mnist(path: str | os.PathLike[str] | None, name: str = "mnist") -> Data
         if y.size and y.max() > 9:
             raise DataError(f"{label_file}: label {int(y.max())} out of range 0..9")
         arrays[part] = (scaled(x[:, None], 255.0), labels(y))
+        label_files[label_file.name] = y
     shape = arrays["train"][0].shape[1:]
     if arrays["test"][0].shape[1:] != shape:
         raise DataError(
@@ -138,5 +142,5 @@ def load_mnist(path: str | os.PathLike[str] | None, name: str = "mnist") -> Data
         y_test=arrays["test"][1],
         name=name,
         input_shape=tuple(int(d) for d in shape),
-        num_classes=10,
+        num_classes=class_count(label_files, directory, num_classes, own=10),
     )

@@ -16,10 +16,10 @@ from hpcdl.errors import DataError
 
 __all__ = ["load_dataset", "clear_cache", "DATASETS"]
 
-_READERS: dict[str, Callable[[Path | None], Dataset]] = {
+_READERS: dict[str, Callable[[Path | None, int], Dataset]] = {
     "digits": load_digits,
-    "mnist": lambda p: load_mnist(p, "mnist"),
-    "fashion-mnist": lambda p: load_mnist(p, "fashion-mnist"),
+    "mnist": lambda p, c: load_mnist(p, "mnist", c),
+    "fashion-mnist": lambda p, c: load_mnist(p, "fashion-mnist", c),
     "cifar10": load_cifar10,
     "npz": load_npz,
     "hdf5": load_hdf5,
@@ -29,6 +29,9 @@ DATASETS: tuple[str, ...] = (*_READERS, "synthetic")
 
 _NEEDS_PATH = {"npz": "the .npz file", "hdf5": "the HDF5 file"}
 
+#: the class count of ``"synthetic"`` data when none is asked for (``num_classes = 0``)
+SYNTHETIC_CLASSES = 10
+
 
 def load_dataset(
     name: str,
@@ -36,15 +39,15 @@ def load_dataset(
     *,
     seed: int,
     shape: Sequence[int] = (1, 28, 28),
-    num_classes: int = 10,
+    num_classes: int = 0,
     train_size: int = 4096,
     test_size: int = 1024,
 ) -> Dataset:
     """Load a data set by name, sharing one read-only copy per process.
 
-    Results are cached (``functools.lru_cache``, the last 8 data sets) by the name and
-    the file or directory resolved from ``path``; for ``"synthetic"`` by the generator
-    arguments instead. Every simulated rank of a process that asks for the same data set
+    Results are cached (``functools.lru_cache``, the last 8 data sets) by the name, the
+    file or directory resolved from ``path`` and the class count; for ``"synthetic"`` by
+    the generator arguments instead. Every simulated rank of a process that asks for the same data set
     thus gets the same `Dataset` object, whose arrays are read-only. The cache is the
     package's only module-level state; `clear_cache` empties it. Files changed on disk
     during the process are not noticed.
@@ -56,7 +59,11 @@ def load_dataset(
             `hpcdl.data.digits.find_digits`), ignored for ``"synthetic"``.
         seed: The run's seed (used by ``"synthetic"`` only; the readers are deterministic).
         shape: Per-sample shape of ``"synthetic"`` data.
-        num_classes: Class count of ``"synthetic"`` data.
+        num_classes: The class count (``data.num_classes``): every label must lie in
+            ``0 .. num_classes - 1``. 0: the data set's own: inferred from the labels of
+            ``"npz"``/``"hdf5"`` files (every class below the largest label must occur),
+            10 for the others. Data sets with a fixed count (digits, MNIST, CIFAR-10)
+            accept only that count or 0.
         train_size: Training samples of ``"synthetic"`` data.
         test_size: Test samples of ``"synthetic"`` data.
 
@@ -65,10 +72,13 @@ def load_dataset(
 
     Raises:
         DataError: ``name`` is unknown (the message lists the valid names), a required
-            path is missing, or the files are missing or malformed.
+            path is missing, the files are missing or malformed, or the labels do not fit
+            the class count (the message names the file, the labels found and the range
+            expected).
     """
     if name == "synthetic":
-        params = (int(seed), tuple(int(d) for d in shape), int(num_classes), int(train_size), int(test_size))
+        classes = int(num_classes) or SYNTHETIC_CLASSES
+        params = (int(seed), tuple(int(d) for d in shape), classes, int(train_size), int(test_size))
         return _synthetic_cached(*params)
     if name not in _READERS:
         raise DataError(f"unknown data set {name!r}: data.name must be one of {', '.join(DATASETS)}")
@@ -79,12 +89,12 @@ def load_dataset(
         raise DataError(f"data set {name!r} needs data.path: {what}")
     else:
         resolved = Path(path).expanduser().resolve()
-    return _load_cached(name, resolved)
+    return _load_cached(name, resolved, int(num_classes))
 
 
 @functools.lru_cache(maxsize=8)
-def _load_cached(name: str, resolved: Path) -> Dataset:
-    return _READERS[name](resolved)
+def _load_cached(name: str, resolved: Path, num_classes: int) -> Dataset:
+    return _READERS[name](resolved, num_classes)
 
 
 @functools.lru_cache(maxsize=8)

@@ -25,8 +25,13 @@ def cnn(
     """conv3x3(c)-BN-ReLU, conv3x3(2c)-BN-ReLU, max-pool 2, [dropout], linear head.
 
     Padding 1 keeps H×W through the convolutions; the pool halves it (8×8 → 4×4).
+
+    Raises:
+        ValueError: the images are smaller than 2×2 (the pool would leave nothing).
     """
     c_in, h, w = input_shape
+    if h < 2 or w < 2:
+        raise ValueError(f"cnn needs images of at least 2x2 for its 2x2 max-pool (got {h}x{w})")
     c1, c2 = channels, 2 * channels
     layers: list[Layer] = [
         Conv2d(c_in, c1, 3, padding=1, bias=False, rng=rng, dtype=dtype, xp=xp),
