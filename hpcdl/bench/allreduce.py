@@ -270,41 +270,56 @@ def _provenance(
 
 def add_parser(sub: Any) -> None:
     """Register ``allreduce`` and its options on the ``bench`` subparsers."""
-    p = sub.add_parser("allreduce", help="allreduce time and bus bandwidth per algorithm, beside MPI's")
-    sizes_help = "message sizes: 4K, 16M, ... (default 4K to 64M, powers of 4; powers of 2 with --calibrate)"
-    p.add_argument("--sizes", nargs="+", type=parse_size, default=None, help=sizes_help)
-    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
+    p = sub.add_parser(
+        "allreduce",
+        help="allreduce time and bus bandwidth per algorithm, beside MPI's",
+        description="Time and bus bandwidth of each allreduce algorithm beside MPI's own (under mpiexec); "
+        "with --calibrate, the table auto picks from.",
+    )
+    sizes_help = (
+        "message sizes in bytes: 4096, 4K, 16M, ... (default: 4K to 64M in powers of 4; "
+        "with --calibrate, in powers of 2)"
+    )
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=None, metavar="SIZE", help=sizes_help)
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     names = [*ALGORITHMS, "auto"]
-    p.add_argument("--algorithms", nargs="+", choices=names, default=names, help="algorithms to time")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        choices=names,
+        default=names,
+        metavar="NAME",
+        help=f"algorithms to time: {', '.join(names)}; mpi: the library's own Allreduce",
+    )
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per measurement, at least")
     p.add_argument(
         "--table",
         default=None,
         metavar="PATH",
-        help="auto's table (JSON; default: the packaged one); with --calibrate, the file to update",
+        help="the JSON table auto picks from; with --calibrate, the file to create or update "
+        "(default: the packaged table)",
     )
     p.add_argument(
         "--calibrate",
         action="store_true",
         help="find the fastest algorithm per size at this rank count and store it in --table",
     )
-    p.add_argument(
-        "--runs", type=int, default=1, help="--calibrate: passes over all sizes in this job (default 1)"
-    )
+    p.add_argument("--runs", type=int, default=1, help="with --calibrate: passes over all sizes in this job")
     p.add_argument(
         "--also",
         nargs="+",
         default=[],
         metavar="ROWS.json",
-        help="--calibrate: also weigh these earlier --json outputs (rows of this rank count)",
+        help="with --calibrate: also weigh these earlier --json outputs (their rows of this rank count; "
+        "default: none)",
     )
     p.add_argument(
         "--tolerance",
         type=float,
         default=TOLERANCE,
-        help=f"--calibrate keeps the previous size's winner while within this fraction of the fastest "
-        f"(default {TOLERANCE})",
+        help="with --calibrate: keep the previous size's winner while it is within this fraction of the "
+        "fastest",
     )
 
 

@@ -339,19 +339,25 @@ def _report(
 def add_parser(sub: Any) -> None:
     """Register ``calibrate`` and its options on the ``bench`` subparsers."""
     p = sub.add_parser(
-        "calibrate", help="measure ping-pong alpha and B; write a network file for the simulator"
+        "calibrate",
+        help="measure ping-pong latency and bandwidth; write a network file for the simulator",
+        description="Measure this system's ping-pong latency and bandwidth (under mpiexec, 2 ranks or more) "
+        "and write them as a simulator network file.",
     )
-    p.add_argument("--out", type=Path, required=True, metavar="NET.toml", help="the network file to write")
+    p.add_argument(
+        "--out", type=Path, required=True, metavar="NET.toml", help="the network file to write (TOML)"
+    )
     p.add_argument(
         "--sizes",
         nargs="+",
         type=parse_size,
         default=list(DEFAULT_SIZES),
-        help="message sizes: 8, 4K, 1M, ... (the smallest gives alpha; default 8 to 16M)",
+        metavar="SIZE",
+        help="message sizes in bytes: 8, 4K, 1M, ...; the smallest gives alpha (default: 8 to 16M)",
     )
-    p.add_argument("--repeat", type=int, default=15, help="samples per size (median used)")
+    p.add_argument("--repeat", type=int, default=15, help="samples per size; the median is used")
     p.add_argument("--min-time", type=float, default=0.005, help="seconds per sample, at least")
-    p.add_argument("--name", default=None, help="the model's name (default: the file's stem)")
+    p.add_argument("--name", default=None, help="the model's name in the file (default: the file's stem)")
 
 
 def run(args: Any) -> list[dict[str, Any]]:
