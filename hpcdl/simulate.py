@@ -17,7 +17,7 @@ import traceback
 from typing import Any
 
 from hpcdl.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args
-from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.errors import ConfigError, HpcdlError, file_error
 from hpcdl.runlog import peak_rss_mb
 
 __all__ = ["main", "build_parser", "EXIT_DEADLOCK"]
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         exc = failure.exc
         if isinstance(exc, HelpRequested):  # the command's --help, printed by the first rank
             return exc.status
+        if isinstance(exc, OSError) and exc.filename is not None:  # a file-system error no one named
+            exc = file_error(None, exc, verb="use")
         if isinstance(exc, HpcdlError):
             print(f"{args.module}: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_USAGE
