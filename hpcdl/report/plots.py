@@ -244,7 +244,10 @@ def _per_rank(ax: Any, times: RankTimes, name: str) -> None:
             ax.fill_between(x, bottom, bottom + ms, step="mid", **style)
         bottom = bottom + ms
     ax.set_xlim(-0.6, n - 0.4)
-    ax.xaxis.set_major_locator(MaxNLocator(nbins=min(n, 12), integer=True))
+    if n <= 16:
+        ax.set_xticks(x)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
     compute = times.mean["compute"]
     if n > 4:  # name the ranks that compute longest: at scale, the bars are too thin to read
         top = np.argsort(compute, kind="stable")[::-1][:3]
