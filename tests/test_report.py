@@ -221,11 +221,15 @@ def _write_synchronous(path: Path, ranks: int, *, record_other: bool, steps: int
     series, other = _synchronous(ranks, steps, period, outside, compute)
     rows = [{"step": k + 1, "time": 1e-3 * period * (k + 1), "loss": 1.0 / (k + 1),
              "test_accuracy": 0.5 if k == steps - 1 else NAN} for k in range(steps)]  # fmt: skip
+    if record_other:
+        series["other_time"] = other
     with RunFile.create(path, {"name": "sync", "world": "sim", "ranks": ranks}, ranks=ranks) as run:
         run.append_metrics(rows)
-        run.append_ranks(series)
-        if record_other:
-            run.h5["ranks"].create_dataset("other_time", data=other)
+        group = run.h5["ranks"]
+        for name in list(group):  # whatever series this hpcdl creates: exactly these
+            del group[name]
+        for name, data in series.items():
+            group.create_dataset(name, data=data)
         run.set_attrs(status="finished")
     return path, {"period": period, "outside": outside, "compute": compute, "straggler": straggler}
 
