@@ -154,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise ConfigError(f"--straggler names ranks {bad} outside [0, {args.ranks})")
     network = load_network(args.network, args.ranks)
-    compute = make_compute(
-        args.compute, speed=args.speed, seed=args.seed, jitter=args.jitter, stragglers=stragglers
-    )
+    try:
+        compute = make_compute(
+            args.compute, speed=args.speed, seed=args.seed, jitter=args.jitter, stragglers=stragglers
+        )
+    except OSError as err:  # a cost table that cannot be read (permissions, ...)
+        raise file_error(
+            None, err, what="the compute table", verb="read", fix="make it readable or use another"
+        ) from None
     t0 = time.perf_counter()
     try:
         result = simulate(

@@ -265,3 +265,14 @@ def test_simulated_bench_json_on_a_full_disk(place: Path) -> None:
     done = _run(place, argv, fsize=100)
     _one_line(done, old, "File too large")
     _kept(old)
+
+
+def test_simulate_with_an_unreadable_cost_table(place: Path) -> None:
+    table = place / "costs.toml"
+    table.write_text('[[layers]]\nlayer = "0"\nforward_s = 1e-4\nbackward_s = 1e-4\n')
+    table.chmod(0o600)
+    os.chown(table, 65534, 65534)  # nobody's, unreadable to others
+    argv = ["hpcdl.simulate", "-n", "2", "--compute", f"table:{table}", "-m", "hpcdl.train", "--config",
+            "digits-mlp", "--set", "train.steps=1"]  # fmt: skip
+    done = _run(place, argv, unprivileged=True)
+    _one_line(done, table, "cannot read the compute table")
