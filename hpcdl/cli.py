@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from hpcdl.errors import ConfigError, HpcdlError, file_error
 
-__all__ = ["entry", "parse_args", "ArgumentParser", "HelpRequested", "EXIT_USAGE"]
+__all__ = ["entry", "parse_args", "ArgumentParser", "HelpFormatter", "HelpRequested", "EXIT_USAGE"]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
 EXIT_USAGE = 2
@@ -94,13 +95,74 @@ def _end(code: int, size: int) -> NoReturn:
     sys.exit(code)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default and keeps the layout of examples.
+
+    In descriptions and epilogs, lines that start with a space (examples, commands)
+    are kept as written; the other lines are wrapped as paragraphs (a blank line
+    separates them). ``(default: X)`` is added to an option's help unless the help already says
+    ``default:``, the option is required, or it has no default to show (``None``,
+    a flag's ``False``, an empty list); a list default is shown as its items
+    separated by spaces, as they are typed. An option whose default is ``None``
+    should say in its help what happens without it, e.g. ``(default: not written)``.
+    """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        para: list[str] = []
+
+        def flush() -> None:
+            if para:
+                out.append(super(HelpFormatter, self)._fill_text(" ".join(para), width, indent))
+                para.clear()
+
+        for line in text.splitlines():
+            if not line.strip():
+                flush()
+                out.append("")
+            elif line[0].isspace():
+                flush()
+                out.append(indent + line)
+            else:
+                para.append(line.strip())
+        flush()
+        return "\n".join(out)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # as argparse does, but without breaking words at hyphens ("shm-local", "--out")
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or "default:" in text or action.required:
+            return text
+        if not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)):
+            return text
+        if default is None or default is argparse.SUPPRESS or isinstance(default, bool):
+            return text
+        if isinstance(default, (list, tuple)):
+            if not default:
+                return text
+            shown = " ".join(str(v) for v in default)
+        else:
+            shown = str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse`` parser for ``main(argv)``: errors raise, nothing calls ``sys.exit``.
 
     A usage error (missing or unknown argument, bad choice) raises
     :class:`ConfigError`, which the entry point prints as one line with exit
     status 2; ``--help`` raises :class:`HelpRequested` after printing the help.
+    Help is formatted by :class:`HelpFormatter` unless ``formatter_class`` says otherwise
+    (subcommands' parsers too).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{message} (see {self.prog} --help)")

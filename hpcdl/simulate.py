@@ -18,7 +18,7 @@ import traceback
 from typing import Any
 
 from hpcdl.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args
-from hpcdl.errors import ConfigError, HpcdlError
+from hpcdl.errors import ConfigError, HpcdlError, file_error
 from hpcdl.runlog import peak_rss_mb
 
 __all__ = ["main", "build_parser", "EXIT_DEADLOCK"]
@@ -27,45 +27,82 @@ __all__ = ["main", "build_parser", "EXIT_DEADLOCK"]
 EXIT_DEADLOCK = 3
 
 
+#: examples shown under ``--help``
+_EPILOG = """\
+The command after -m runs on every virtual rank exactly as under mpiexec; its run
+file, rows and errors are those of a real run (world = "sim"). For example:
+
+  python -m hpcdl.simulate -n 64 --network ib-hdr -m hpcdl.train --config digits-mlp \\
+      --set train.steps=20 --set 'data.sampler="random"'
+  python -m hpcdl.simulate -n 16 --compute none -m hpcdl.bench allreduce --sizes 4K 1M
+
+Exit status: the command's own; 3 when the ranks deadlock (each rank's wait is
+printed)."""
+
+
 def build_parser() -> ArgumentParser:
+    """The parser of the simulator's own options (those before ``-m MODULE``)."""
     parser = ArgumentParser(
         prog="python -m hpcdl.simulate",
-        description="Run an hpcdl command on N virtual ranks in virtual time (the hybrid simulator).",
+        description="Run an hpcdl command on N virtual ranks in one process, in virtual time.",
+        epilog=_EPILOG,
     )
     parser.add_argument("-n", dest="ranks", type=int, required=True, help="number of virtual ranks")
     parser.add_argument(
-        "--network", default="shm-local", help="a network preset (shm-local, eth10g, ...) or a TOML file"
+        "--network",
+        default="shm-local",
+        metavar="PRESET|FILE",
+        help="the network model: a preset (shm-local, eth10g, eth40g, ib-edr, ib-hdr) or a TOML file",
     )
     parser.add_argument(
         "--compute",
         default="measured",
-        help="measured (wall time x 1/speed), none (no virtual time), or table:FILE (per-layer costs)",
+        metavar="MODE",
+        help="what a compute segment costs: measured (its wall time / speed), none (nothing: "
+        "communication only), or table:FILE (per-layer costs from a run file, TOML or CSV)",
     )
-    parser.add_argument("--speed", type=float, default=1.0, help="compute speed factor (2: twice as fast)")
+    parser.add_argument(
+        "--speed", type=float, default=1.0, help="compute speed factor; 2 stands for a device twice as fast"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the compute jitter")
-    parser.add_argument("--jitter", type=float, default=0.0, help="relative jitter of compute segments")
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="relative standard deviation of a lognormal factor on each compute charge; 0.05 = 5%%",
+    )
     parser.add_argument(
         "--straggler",
         action="append",
         default=[],
         metavar="RANK:FACTOR",
-        help="rank RANK computes FACTOR times slower (repeatable)",
+        help="rank RANK computes FACTOR times slower, e.g. 3:2.0 (repeatable; default: none)",
     )
     parser.add_argument(
-        "--poll-cost-us", type=float, default=0.1, help="virtual cost of a failed Test/Iprobe"
+        "--poll-cost-us",
+        type=float,
+        default=0.1,
+        metavar="US",
+        help="virtual microseconds a failed Test or Iprobe costs",
     )
     parser.add_argument(
         "--stall-s",
         type=float,
         default=10.0,
-        help="virtual seconds of fruitless polling that count as deadlock",
+        metavar="S",
+        help="virtual seconds of polling with nothing delivered after which the run stops as deadlocked",
     )
-    parser.add_argument("--stats", action="store_true", help="print the engine's statistics at the end")
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the virtual makespan, wall time, messages per second and peak memory at the end",
+    )
     parser.add_argument(
         "-m",
         dest="module",
         required=True,
-        help="the hpcdl command to run (hpcdl.train, hpcdl.bench, ...); what follows are its arguments",
+        metavar="MODULE",
+        help="the hpcdl command to run (hpcdl.train, hpcdl.bench); the arguments after it are the command's",
     )
     return parser
 
@@ -118,9 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise ConfigError(f"--straggler names ranks {bad} outside [0, {args.ranks})")
     network = load_network(args.network, args.ranks)
-    compute = make_compute(
-        args.compute, speed=args.speed, seed=args.seed, jitter=args.jitter, stragglers=stragglers
-    )
+    try:
+        compute = make_compute(
+            args.compute, speed=args.speed, seed=args.seed, jitter=args.jitter, stragglers=stragglers
+        )
+    except OSError as err:  # a cost table that cannot be read (permissions, ...)
+        raise file_error(
+            None, err, what="the compute table", verb="read", fix="make it readable or use another"
+        ) from None
     t0 = time.perf_counter()
     try:
         result = simulate(
@@ -136,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         exc = failure.exc
         if isinstance(exc, HelpRequested):  # the command's --help, printed by the first rank
             return exc.status
+        if isinstance(exc, OSError) and exc.filename is not None:  # a file-system error no one named
+            exc = file_error(None, exc, verb="use")
         if isinstance(exc, HpcdlError):
             print(f"{args.module}: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_USAGE

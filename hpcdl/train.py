@@ -75,7 +75,7 @@ class RunResult:
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
         prog="python -m hpcdl.train",
-        description="Train a model; under `mpiexec -n N` it trains data-parallel on N ranks.",
+        description="Train a model: in one process, or data-parallel on N ranks under mpiexec -n N.",
     )
     parser.add_argument("--config", required=True, help="a preset name (e.g. digits-mlp) or a TOML file")
     parser.add_argument(
@@ -84,14 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key; the value is read as TOML (repeatable)",
+        help="override a config key; the value is read as TOML (repeatable; default: none)",
     )
-    parser.add_argument("--out", default=None, help="the run file (HDF5); default runs/<name>-<time>.h5")
+    parser.add_argument(
+        "--out", default=None, help="the HDF5 run file to write (default: runs/<name>-<UTC time>.h5)"
+    )
     parser.add_argument(
         "--resume",
         default=None,
         metavar="CHECKPOINT|auto",
-        help="continue from a checkpoint, or auto: the newest valid one of --out (fresh start if none)",
+        help="continue from a checkpoint, or auto: the newest valid one of --out (default: a fresh run)",
     )
     parser.add_argument(
         "--progress",

@@ -13,7 +13,7 @@ import pytest
 import hpcdl.comm as hc
 from hpcdl.bench import SUBCOMMANDS, build_parser, main
 from hpcdl.bench.calibrate import fit, placement
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, FileError
 from hpcdl.sim.network import load_network
 
 
@@ -115,7 +115,7 @@ def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixtur
         assert "alpha =" in printed and f"network written to {out}" in printed
 
     # an --out that cannot be written stops every rank before the measurement
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(FileError, match="does not exist"):
         _run(["calibrate", "--out", str(tmp / "absent" / "net.toml"), "--sizes", "8", "64K"])
     comm.Barrier()
     if rank == 0:

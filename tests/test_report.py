@@ -58,18 +58,19 @@ def runs(tmp_path: Path) -> dict[str, tuple[Path, list[dict]]]:
     return {"alpha": (a, rows_a), "beta": (b, rows_b), "empty": (empty, [])}
 
 
-def _expected_accuracy(rows: list[dict]) -> str:
+def _expected_accuracy(rows: list[dict], final: bool) -> str:
     evaluated = [r["test_accuracy"] for r in rows if not math.isnan(r.get("test_accuracy", NAN))]
-    return f"{100 * evaluated[-1]:.2f}" if evaluated else "-"
+    return f"{100 * evaluated[-1]:.2f}{'' if final else '*'}" if evaluated else "-"
 
 
 def _table_rows(out: str) -> dict[str, list[str]]:
-    return {line.split()[0]: line.split() for line in out.splitlines() if line and not line.startswith("/")}
+    lines = [ln for ln in out.splitlines() if ln and not ln.startswith(("/", "*"))]
+    return {line.split()[0]: line.split() for line in lines}
 
 
 def test_report_table_and_plots(runs, tmp_path, capsys):
     plots = tmp_path / "plots"
-    assert main([str(p) for p, _ in runs.values()] + ["--out", str(plots)]) == 0
+    assert main([str(p) for p, _ in runs.values()] + ["--out", f"{plots}/"]) == 0
     out = capsys.readouterr().out
     table = _table_rows(out)
     assert table["run"][:3] == ["run", "config", "world"]
@@ -79,19 +80,21 @@ def test_report_table_and_plots(runs, tmp_path, capsys):
         assert config == name
         assert int(n_ranks) == ranks
         assert int(steps) == (rows[-1]["step"] if rows else 0)
-        assert acc == _expected_accuracy(rows)
+        assert acc == _expected_accuracy(rows, final=stem == "alpha")  # beta stopped: marked
     assert table["alpha"][-1] == "finished" and table["empty"][-1] == "failed"
     assert table["alpha"][6] == "3.5"  # wall_s attribute
     assert table["beta"][6] == "2.0"  # no wall_s attribute: last metrics/time
     assert table["beta"][7] == "250"  # samples_per_s attribute
     assert table["alpha"][7] == f"{np.median([101, 102, 103, 104, 105, 106]):.0f}"  # median of the series
     # columns are aligned: every table line has its fields at the same offsets
-    lines = [ln for ln in out.splitlines() if ln and not ln.startswith("/") and not ln.startswith("-")]
+    lines = [ln for ln in out.splitlines() if ln and not ln.startswith(("/", "-", "*"))]
     assert len({ln.index(ln.split()[1]) for ln in lines}) == 1
+    assert "* not a final result" in out and "beta at step 4" in out
     written = [Path(ln) for ln in out.splitlines() if ln.startswith("/")]
-    assert sorted(p.name for p in written) == ["accuracy.png", "loss.png", "ranks.png"]
-    for name in ("loss.png", "accuracy.png", "ranks.png"):
-        assert (plots / name).read_bytes()[:8] == PNG_MAGIC
+    prefix = "alpha+beta+empty"
+    assert sorted(p.name for p in written) == [f"{prefix}-{f}.png" for f in ("accuracy", "loss", "ranks")]
+    for path in written:
+        assert path.parent == plots and path.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_summarize(runs):
@@ -106,7 +109,7 @@ def test_summarize(runs):
 
 def test_default_out_is_first_run_directory(runs, tmp_path, capsys):
     assert main([str(runs["beta"][0])]) == 0
-    assert (tmp_path / "loss.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "beta-loss.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_only_empty_run_writes_no_plots(runs, tmp_path, capsys):
@@ -165,3 +168,133 @@ def test_run_file_reads_into_pandas(runs):
     assert len(df) == len(rows)
     assert df["step"].tolist() == [r["step"] for r in rows]
     assert df["test_accuracy"].notna().sum() == 2
+
+
+# -- the plots: names, axes, legends, per-rank accounting at 2, 64 and 1,024 ranks -------------
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The matplotlib figures the report saves, in order (loss, accuracy, ranks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    saved: list = []
+    original = Figure.savefig
+
+    def savefig(self, fname, *args, **kwargs):  # noqa: ANN001, ANN202
+        saved.append(self)
+        return original(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def _synchronous(ranks: int, steps: int, period_ms: float, outside_ms: np.ndarray, compute_ms: np.ndarray):
+    """Per-rank series of ranks that meet every step: each spends ``period_ms`` per step.
+
+    Rank r computes ``compute_ms[r]``, moves data for 0.1 ms and spends ``outside_ms[r]``
+    outside the step; the rest of its period it waits in the exchange (as RunLog
+    records it: communication above the fastest rank's is waiting).
+    """
+    moving = 0.1
+    comm = period_ms - compute_ms - outside_ms  # moving + waiting
+    assert (comm >= moving).all()
+    wait = comm - comm.min()
+    tile = lambda v: np.tile(1e-3 * v, (steps, 1))  # noqa: E731
+    series = {"compute_time": tile(compute_ms), "comm_time": tile(comm), "wait_time": tile(wait),
+              "exposed_comm_time": tile(comm)}  # fmt: skip
+    return series, tile(outside_ms)
+
+
+def _write_synchronous(path: Path, ranks: int, *, record_other: bool, steps: int = 12) -> tuple[Path, dict]:
+    """A run file where rank 0 spends 0.3 ms more outside the step and one rank computes 3x longer."""
+    rng = np.random.default_rng(ranks)
+    compute = rng.uniform(0.4, 0.5, ranks)
+    straggler = ranks * 2 // 3
+    compute[straggler] = 1.5
+    outside = np.full(ranks, 0.05)
+    outside[0] = 0.35  # rank 0 writes the run file, shows progress
+    period = float((compute + outside).max() + 0.1 + 0.2)
+    series, other = _synchronous(ranks, steps, period, outside, compute)
+    rows = [{"step": k + 1, "time": 1e-3 * period * (k + 1), "loss": 1.0 / (k + 1),
+             "test_accuracy": 0.5 if k == steps - 1 else NAN} for k in range(steps)]  # fmt: skip
+    if record_other:
+        series["other_time"] = other
+    with RunFile.create(path, {"name": "sync", "world": "sim", "ranks": ranks}, ranks=ranks) as run:
+        run.append_metrics(rows)
+        group = run.h5["ranks"]
+        for name in list(group):  # whatever series this hpcdl creates: exactly these
+            del group[name]
+        for name, data in series.items():
+            group.create_dataset(name, data=data)
+        run.set_attrs(status="finished")
+    return path, {"period": period, "outside": outside, "compute": compute, "straggler": straggler}
+
+
+@pytest.mark.parametrize("record_other", [True, False], ids=["other_time recorded", "old file"])
+def test_ranks_bars_add_up_to_the_step_period(tmp_path: Path, record_other: bool) -> None:
+    from hpcdl.report import load
+    from hpcdl.report.plots import rank_times
+
+    path, truth = _write_synchronous(tmp_path / "sync.h5", 4, record_other=record_other)
+    times = rank_times(load(path))
+    assert times is not None and times.ranks == 4
+    assert times.other_estimated is not record_other
+    assert list(times.mean) == ["compute", "communication", "waiting", "other"]
+    total = sum(times.mean.values())
+    np.testing.assert_allclose(total, truth["period"], rtol=1e-9)  # every rank's bar is the period
+    np.testing.assert_allclose(times.mean["other"], truth["outside"], atol=1e-9)  # rank 0's extra counted
+    np.testing.assert_allclose(times.mean["compute"], truth["compute"], rtol=1e-9)
+    assert ("other" in times.per_step) is record_other
+
+
+def test_plots_are_named_after_the_run_and_a_second_report_keeps_the_first(tmp_path: Path, capsys) -> None:
+    a = _write(tmp_path / "a.h5", "mlp", "mpi", 2, _rows(4, {4: 0.5}, train=True), status="finished")
+    b = _write(tmp_path / "b.h5", "mlp", "mpi", 2, _rows(5, {5: 0.6}, train=True), status="finished")
+    assert main([str(a)]) == 0
+    first = {f: (tmp_path / f"a-{f}.png").read_bytes() for f in ("loss", "accuracy", "ranks")}
+    assert main([str(b)]) == 0
+    for f, data in first.items():
+        assert (tmp_path / f"a-{f}.png").read_bytes() == data
+        assert (tmp_path / f"b-{f}.png").read_bytes()[:8] == PNG_MAGIC
+    assert main([str(a), str(b), "--out", str(tmp_path / "cmp" / "ab")]) == 0  # a prefix
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == [
+        "ab-accuracy.png", "ab-loss.png", "ab-ranks.png"]  # fmt: skip
+    assert main([str(a), str(b), "--out", str(tmp_path)]) == 0  # an existing directory
+    assert (tmp_path / "a+b-loss.png").read_bytes()[:8] == PNG_MAGIC
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary file left behind
+
+
+def test_loss_on_a_log_axis_and_a_legend_on_every_panel(runs, tmp_path, figures, capsys) -> None:
+    assert main([str(runs["alpha"][0]), str(runs["beta"][0]), "--out", f"{tmp_path}/p/"]) == 0
+    loss, accuracy, ranks = figures
+    assert [ax.get_yscale() for ax in loss.axes] == ["log", "log"]
+    assert [ax.get_xlabel() for ax in loss.axes] == ["step", "time (s)"]
+    assert len(ranks.axes) == 4  # per run: by rank, and per step
+    for fig in figures:
+        for ax in fig.axes:
+            assert ax.get_legend() is not None, f"{ax.get_title() or ax.get_ylabel()}: no legend"
+            assert len(ax.get_legend().get_texts()) >= 1
+
+
+@pytest.mark.parametrize("ranks", [2, 64, 1024])
+def test_ranks_png_is_readable_at_scale(tmp_path: Path, figures, capsys, ranks: int) -> None:
+    path, truth = _write_synchronous(tmp_path / f"r{ranks}.h5", ranks, record_other=True)
+    assert main([str(path)]) == 0
+    (fig,) = [f for f in figures if len(f.axes) == 2 and f.axes[0].get_xlabel() == "rank"]
+    by_rank, per_step = fig.axes
+    fig.canvas.draw()
+    ticks = [t for t in by_rank.get_xticklabels() if t.get_text()]
+    assert 2 <= len(ticks) <= 13, [t.get_text() for t in ticks]  # not one label per rank
+    assert by_rank.get_xlim()[1] >= ranks - 1
+    assert by_rank.get_ylim()[1] >= truth["period"]  # the stacked total is on the axis
+    legend = [t.get_text() for t in by_rank.get_legend().get_texts()]
+    assert legend == ["compute", "communication", "waiting for slower ranks", "outside the step"]
+    if ranks > 4:  # the straggler is named: at 1,024 ranks its bar is thinner than a pixel
+        texts = " ".join(t.get_text() for t in by_rank.texts)
+        assert f"rank {truth['straggler']} (1.50)" in texts
+    assert per_step.get_yscale() == "log" and per_step.get_xlabel() == "step"
+    assert (tmp_path / f"r{ranks}-ranks.png").read_bytes()[:8] == PNG_MAGIC

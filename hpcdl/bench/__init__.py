@@ -3,7 +3,8 @@
 Benchmarks are not tests: each prints its figures beside a reference measured in the
 same run (MPI's own collective, a memcpy, PyTorch), as medians of interleaved
 repetitions. Each subcommand is a module here with ``add_parser(subparsers)`` and
-``run(args) -> rows``; every one accepts ``--json PATH``.
+``run(args) -> rows``; every one accepts ``--json PATH``, which rank 0 writes
+atomically (checked for writability before the benchmark starts).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import allreduce, calibrate, pack, step, train
+from hpcdl.bench.common import agree
 from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import world
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "DESCRIPTION"]
 
 #: subcommand name -> module with add_parser(sub) and run(args) -> rows
 SUBCOMMANDS: dict[str, ModuleType] = {
@@ -29,22 +32,57 @@ SUBCOMMANDS: dict[str, ModuleType] = {
     "calibrate": calibrate,
 }
 
+#: the one-line description ``--help`` shows
+DESCRIPTION = "Benchmarks of hpcdl's compute and communication, each beside a reference timed alike."
+
+_EPILOG = """\
+Every subcommand prints a table (on rank 0) and, with --json PATH, writes its rows
+as a JSON list. Figures are medians of interleaved repetitions. Run the ones that
+communicate under mpiexec; each subcommand's --help lists its options:
+
+  mpiexec -n 2 python -m hpcdl.bench allreduce --sizes 4K 1M
+  python -m hpcdl.bench step --help"""
+
+_JSON_WHAT = "the JSON rows"
+
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="python -m hpcdl.bench", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The parser of ``python -m hpcdl.bench`` and its subcommands."""
+    parser = ArgumentParser(prog="python -m hpcdl.bench", description=DESCRIPTION, epilog=_EPILOG)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND", title="subcommands")
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)
     for p in sub.choices.values():
-        p.add_argument("--json", type=Path, default=None, help="write the rows as a JSON list")
+        p.add_argument(
+            "--json",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help="also write the rows to PATH as a JSON list (default: not written)",
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a benchmark; returns the exit status."""
+    """Run a benchmark; returns the exit status.
+
+    Raises:
+        ConfigError: a usage error or a bad option value.
+        FileError: ``--json`` cannot be written (checked before the benchmark runs, on
+            every rank); an existing file is left as it was.
+    """
     args = parse_args(build_parser(), list(argv or []))
+    comm = world()
+    rank = comm.Get_rank()
+    if args.json is not None:
+        agree(comm, lambda: check_writable(args.json, what=_JSON_WHAT) if rank == 0 else None)
     rows: list[dict[str, Any]] = SUBCOMMANDS[args.command].run(args)
-    if args.json is not None and world().Get_rank() == 0:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
-        print(f"rows written to {args.json}", file=sys.stderr)
+    if args.json is not None:
+
+        def write() -> None:
+            if rank == 0:
+                write_text_atomic(args.json, json.dumps(rows, indent=1) + "\n", what=_JSON_WHAT)
+                print(f"rows written to {args.json}", file=sys.stderr)
+
+        agree(comm, write)
     return 0

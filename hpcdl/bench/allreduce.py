@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 
 import hpcdl
+from hpcdl.atomic import check_writable
+from hpcdl.bench.common import agree
 from hpcdl.comm import MAX, world, wtime
 from hpcdl.comm.collectives import ALGORITHMS, AutoTable, Collectives
 from hpcdl.comm.collectives.auto import (
@@ -31,7 +33,7 @@ from hpcdl.comm.collectives.auto import (
     winners,
 )
 from hpcdl.comm.contract import Communicator
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, file_error
 
 __all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce", "calibrate", "run"]
 
@@ -40,6 +42,7 @@ DEFAULT_SIZES = tuple(4096 * 4**k for k in range(8))
 #: 4 KB to 64 MB, powers of 2: ``--calibrate`` without ``--sizes``
 CALIBRATION_SIZES = tuple(4096 * 2**k for k in range(15))
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+_TABLE_WHAT = "the auto table"
 
 
 def parse_size(text: str) -> int:
@@ -197,7 +200,9 @@ def calibrate(
         The rows of :func:`bench_allreduce` and the merged table (the same on every rank).
 
     Raises:
-        ConfigError: one rank, a damaged table file, or the file cannot be written.
+        ConfigError: one rank, or a damaged table file.
+        FileError: the table cannot be written: checked before the timing, and again when
+            it is written (on every rank; the file there is kept as it was).
     """
     ranks = comm.Get_size()
     if ranks < 2:
@@ -206,6 +211,7 @@ def calibrate(
             "(once per rank count the runs will use)"
         )
     existing = load_table_bcast(comm, table_path, missing_ok=True)
+    agree(comm, lambda: check_writable(table_path, what=_TABLE_WHAT) if comm.Get_rank() == 0 else None)
     rows: list[dict[str, Any]] = []
     for run in range(runs):  # passes over every size at different times: the machine drifts
         for row in bench_allreduce(comm, sizes, algorithms, repeat, min_time, dtype):
@@ -214,25 +220,22 @@ def calibrate(
     segments = table_from_rows([*rows, *earlier], tolerance)
     meta = _provenance(comm, [*rows, *earlier], tolerance, dtype=dtype, min_time=min_time)
     table = merge(existing, ranks, segments, meta)
-    error = None
-    if comm.Get_rank() == 0:
+
+    def report() -> None:
+        if comm.Get_rank() != 0:
+            return
         print_rows(rows)
         print(f"auto at {ranks} ranks (previous winner kept within {100 * tolerance:g}% of the fastest):")
         low: int | None = 0
         for below, name in segments:
             print(f"  {format_bytes(low):>8} <= size < {format_bytes(below):<8} {name}")
             low = below
-        try:
-            save_table(table, table_path)
-        except ConfigError as err:
-            error = str(err)
-        else:
-            kept = [r for r in table.segments if r != ranks]
-            others = f"; kept {', '.join(map(str, kept))} ranks from before" if kept else ""
-            print(f"auto table for {ranks} ranks written to {table_path}{others}")
-    error = comm.bcast(error, root=0)
-    if error is not None:
-        raise ConfigError(error)
+        save_table(table, table_path)
+        kept = [r for r in table.segments if r != ranks]
+        others = f"; kept {', '.join(map(str, kept))} ranks from before" if kept else ""
+        print(f"auto table for {ranks} ranks written to {table_path}{others}")
+
+    agree(comm, report)
     return rows, table
 
 
@@ -270,41 +273,56 @@ def _provenance(
 
 def add_parser(sub: Any) -> None:
     """Register ``allreduce`` and its options on the ``bench`` subparsers."""
-    p = sub.add_parser("allreduce", help="allreduce time and bus bandwidth per algorithm, beside MPI's")
-    sizes_help = "message sizes: 4K, 16M, ... (default 4K to 64M, powers of 4; powers of 2 with --calibrate)"
-    p.add_argument("--sizes", nargs="+", type=parse_size, default=None, help=sizes_help)
-    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
+    p = sub.add_parser(
+        "allreduce",
+        help="allreduce time and bus bandwidth per algorithm, beside MPI's",
+        description="Time and bus bandwidth of each allreduce algorithm beside MPI's own (under mpiexec); "
+        "with --calibrate, the table auto picks from.",
+    )
+    sizes_help = (
+        "message sizes in bytes: 4096, 4K, 16M, ... (default: 4K to 64M in powers of 4; "
+        "with --calibrate, in powers of 2)"
+    )
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=None, metavar="SIZE", help=sizes_help)
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     names = [*ALGORITHMS, "auto"]
-    p.add_argument("--algorithms", nargs="+", choices=names, default=names, help="algorithms to time")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        choices=names,
+        default=names,
+        metavar="NAME",
+        help=f"algorithms to time: {', '.join(names)}; mpi: the library's own Allreduce",
+    )
+    p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
     p.add_argument("--min-time", type=float, default=0.02, help="seconds per measurement, at least")
     p.add_argument(
         "--table",
         default=None,
         metavar="PATH",
-        help="auto's table (JSON; default: the packaged one); with --calibrate, the file to update",
+        help="the JSON table auto picks from; with --calibrate, the file to create or update "
+        "(default: the packaged table)",
     )
     p.add_argument(
         "--calibrate",
         action="store_true",
         help="find the fastest algorithm per size at this rank count and store it in --table",
     )
-    p.add_argument(
-        "--runs", type=int, default=1, help="--calibrate: passes over all sizes in this job (default 1)"
-    )
+    p.add_argument("--runs", type=int, default=1, help="with --calibrate: passes over all sizes in this job")
     p.add_argument(
         "--also",
         nargs="+",
         default=[],
         metavar="ROWS.json",
-        help="--calibrate: also weigh these earlier --json outputs (rows of this rank count)",
+        help="with --calibrate: also weigh these earlier --json outputs (their rows of this rank count; "
+        "default: none)",
     )
     p.add_argument(
         "--tolerance",
         type=float,
         default=TOLERANCE,
-        help=f"--calibrate keeps the previous size's winner while within this fraction of the fastest "
-        f"(default {TOLERANCE})",
+        help="with --calibrate: keep the previous size's winner while it is within this fraction of the "
+        "fastest",
     )
 
 
@@ -328,10 +346,8 @@ def run(args: Any) -> list[dict[str, Any]]:
         if args.runs < 1:
             raise ConfigError(f"--runs must be a positive integer (got {args.runs})")
         sizes = tuple(args.sizes or CALIBRATION_SIZES)
-        also = _read_rows(args.also) if comm.Get_rank() == 0 else None
+        also = agree(comm, lambda: _read_rows(args.also) if comm.Get_rank() == 0 else None)
         also = comm.bcast(also, root=0)
-        if isinstance(also, str):
-            raise ConfigError(also)
         rows, _ = calibrate(
             comm, args.table, sizes, timed, args.repeat, args.min_time, args.dtype, args.tolerance,
             args.runs, also,
@@ -345,16 +361,25 @@ def run(args: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _read_rows(paths: Sequence[str]) -> list[dict[str, Any]] | str:
-    """The rows of earlier ``--json`` outputs, each file a run of its own; an error message if unreadable."""
+def _read_rows(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of earlier ``--json`` outputs, each file a run of its own.
+
+    Raises:
+        ConfigError: a file is not the output of ``bench allreduce --json``.
+        FileError: a file cannot be read.
+    """
     rows: list[dict[str, Any]] = []
     for k, path in enumerate(paths):
         try:
             data = json.loads(Path(path).read_text())
             if not isinstance(data, list) or not all(isinstance(r, dict) and "time_s" in r for r in data):
                 raise ValueError("not a list of bench allreduce rows")
-        except (OSError, ValueError) as err:
-            return f"--also {path}: cannot use it ({err}): give the --json output of bench allreduce"
+        except OSError as err:
+            raise file_error(path, err, what="the --also rows", verb="read") from None
+        except ValueError as err:
+            raise ConfigError(
+                f"--also {path}: cannot use it ({err}): give the --json output of bench allreduce"
+            ) from None
         base = 1000 * (k + 1)  # keep each file's passes apart from the others'
         rows.extend({**r, "run": base + int(r.get("run", 0))} for r in data)
     return rows

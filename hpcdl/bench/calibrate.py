@@ -25,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.atomic import write_text_atomic
+from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench.allreduce import parse_size
+from hpcdl.bench.common import agree
 from hpcdl.comm import Communicator, world, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.sim.network import load_network, network_toml, parse_network
@@ -177,20 +178,21 @@ def fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     return alpha, den / num
 
 
-def _check_out(out: Path) -> str | None:
-    """Why ``out`` cannot be written, or None."""
+_WHAT = "the network file"
+
+
+def _check_out(out: Path) -> None:
+    """Raise if ``out`` cannot be written (before the measurement).
+
+    Raises:
+        ConfigError: ``out`` is a directory or does not end in ``.toml``.
+        FileError: its directory is missing or does not let us create a file.
+    """
     if out.is_dir():
-        return f"--out {out} is a directory: give a file name such as {out / 'net.toml'}"
-    if not out.parent.is_dir():
-        return f"--out {out}: directory {out.parent} does not exist: create it or give another path"
+        raise ConfigError(f"--out {out} is a directory: give a file name such as {out / 'net.toml'}")
     if out.suffix != ".toml":
-        return f"--out {out} should end in .toml (the simulator's --network reads TOML files)"
-    return None
-
-
-def _write(text: str, out: Path) -> None:
-    """Write ``text`` to ``out`` atomically."""
-    write_text_atomic(out, text, what="the network file", fix="give an --out path in a writable directory")
+        raise ConfigError(f"--out {out} should end in .toml (the simulator's --network reads TOML files)")
+    check_writable(out, what=_WHAT)
 
 
 def calibrate(
@@ -215,8 +217,9 @@ def calibrate(
         One row per (link, size) with the fit (the same on every rank).
 
     Raises:
-        ConfigError: one rank, a bad size list, an unwritable ``out``, or a failed fit (on
-            every rank).
+        ConfigError: one rank, a bad size list or ``out``, or a failed fit (on every rank).
+        FileError: ``out`` cannot be written: checked before the measurement, and again
+            when it is written (on every rank; an older file there is kept).
     """
     size = comm.Get_size()
     if size < 2:
@@ -224,10 +227,7 @@ def calibrate(
             "bench calibrate measures ping-pong between two ranks: run it under mpiexec -n 2 or more "
             "(on a cluster, with ranks on two nodes to measure the network too)"
         )
-    problem = _check_out(out) if comm.Get_rank() == 0 else None
-    problem = comm.bcast(problem, root=0)
-    if problem is not None:
-        raise ConfigError(problem)
+    agree(comm, lambda: _check_out(out) if comm.Get_rank() == 0 else None)
     hosts = comm.allgather(socket.gethostname())
     rpn, intra_peer, inter_peer, note = placement(hosts)
     rows: list[dict[str, Any]] = []
@@ -258,11 +258,7 @@ def calibrate(
             )
     if error is not None:
         raise ConfigError(error)
-    if comm.Get_rank() == 0:
-        error = _report(rows, links, out, name, rpn, hosts, note)
-    error = comm.bcast(error, root=0)
-    if error is not None:
-        raise ConfigError(error)
+    agree(comm, lambda: _report(rows, links, out, name, rpn, hosts, note) if comm.Get_rank() == 0 else None)
     return rows
 
 
@@ -274,8 +270,13 @@ def _report(
     rpn: int,
     hosts: list[str],
     note: str | None,
-) -> str | None:
-    """Print the fit, write ``out`` (rank 0); returns an error message or None."""
+) -> None:
+    """Print the fit and write ``out`` atomically (rank 0).
+
+    Raises:
+        ConfigError: the file written would not load (a bug).
+        FileError: ``out`` cannot be written (an older file there is kept).
+    """
     try:
         from hpcdl.comm.mpi import library_version
 
@@ -326,32 +327,34 @@ def _report(
     if note:
         comments.append(f"note: {note}")
         print(f"note: {note}")
-    try:
-        parse_network(data, out.stem, where=f"network file {out}")  # what we write must load
-        _write(network_toml(data, comments), out)
-        load_network(out)
-    except ConfigError as err:
-        return str(err)
+    parse_network(data, out.stem, where=f"network file {out}")  # what we write must load
+    write_text_atomic(out, network_toml(data, comments), what=_WHAT)
+    load_network(out)
     print(f"network written to {out} (ranks_per_node = {rpn})")
-    return None
 
 
 def add_parser(sub: Any) -> None:
     """Register ``calibrate`` and its options on the ``bench`` subparsers."""
     p = sub.add_parser(
-        "calibrate", help="measure ping-pong alpha and B; write a network file for the simulator"
+        "calibrate",
+        help="measure ping-pong latency and bandwidth; write a network file for the simulator",
+        description="Measure this system's ping-pong latency and bandwidth (under mpiexec, 2 ranks or more) "
+        "and write them as a simulator network file.",
     )
-    p.add_argument("--out", type=Path, required=True, metavar="NET.toml", help="the network file to write")
+    p.add_argument(
+        "--out", type=Path, required=True, metavar="NET.toml", help="the network file to write (TOML)"
+    )
     p.add_argument(
         "--sizes",
         nargs="+",
         type=parse_size,
         default=list(DEFAULT_SIZES),
-        help="message sizes: 8, 4K, 1M, ... (the smallest gives alpha; default 8 to 16M)",
+        metavar="SIZE",
+        help="message sizes in bytes: 8, 4K, 1M, ...; the smallest gives alpha (default: 8 to 16M)",
     )
-    p.add_argument("--repeat", type=int, default=15, help="samples per size (median used)")
+    p.add_argument("--repeat", type=int, default=15, help="samples per size; the median is used")
     p.add_argument("--min-time", type=float, default=0.005, help="seconds per sample, at least")
-    p.add_argument("--name", default=None, help="the model's name (default: the file's stem)")
+    p.add_argument("--name", default=None, help="the model's name in the file (default: the file's stem)")
 
 
 def run(args: Any) -> list[dict[str, Any]]:

@@ -148,13 +148,29 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def add_parser(sub: Any) -> None:
     """Register ``pack`` and its options on the ``bench`` subparsers."""
-    p = sub.add_parser("pack", help="pack/unpack GB/s of a model's gradients beside memcpy")
-    p.add_argument("--model", default="mlp32", choices=MODELS)
-    p.add_argument(
-        "--bucket-mb", type=float, nargs="+", default=[0.0], help="bucket capacities in MiB (0: one buffer)"
+    p = sub.add_parser(
+        "pack",
+        help="pack/unpack GB/s of a model's gradients beside memcpy",
+        description="GB/s of packing a model's gradients into buckets and unpacking them, beside one memcpy.",
     )
-    p.add_argument("--modes", nargs="+", default=list(BENCH_MODES), choices=list(BENCH_MODES))
-    p.add_argument("--repeat", type=int, default=7, help="interleaved repetitions (median reported)")
+    p.add_argument("--model", default="mlp32", choices=MODELS, help="the network whose gradients are packed")
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        metavar="MIB",
+        help="bucket capacities in MiB, one row each; 0: all gradients in one buffer",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(BENCH_MODES),
+        choices=list(BENCH_MODES),
+        metavar="MODE",
+        help=f"wire formats to time: {', '.join(BENCH_MODES)}; scaled: plain with a scale on unpacking",
+    )
+    p.add_argument("--repeat", type=int, default=7, help="interleaved repetitions; the median is reported")
     p.add_argument("--inner", type=int, default=5, help="calls per timed sample")
 
 

@@ -133,14 +133,27 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def add_parser(sub: Any) -> None:
     """Register ``step`` and its options on the ``bench`` subparsers."""
-    p = sub.add_parser("step", help="forward+backward+update samples/s of one process")
-    p.add_argument("--model", default="mlp32", choices=MODELS)
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--vs", choices=("torch",), default=None, help="also run the same network in PyTorch")
-    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median reported)")
+    p = sub.add_parser(
+        "step",
+        help="forward + backward + update samples/s of one process",
+        description="Forward + backward + SGD update samples/s of one process, optionally beside PyTorch.",
+    )
+    p.add_argument("--model", default="mlp32", choices=MODELS, help="the network to time")
+    p.add_argument("--batch", type=int, default=128, help="samples per step")
+    p.add_argument(
+        "--vs",
+        choices=("torch",),
+        default=None,
+        help="also time the same network, with the same initial weights, in PyTorch (needs torch; "
+        "default: hpcdl only)",
+    )
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     p.add_argument("--steps", type=int, default=20, help="steps per repetition")
     p.add_argument(
-        "--threads", type=int, default=1, help="PyTorch intra-op threads (match OPENBLAS_NUM_THREADS)"
+        "--threads",
+        type=int,
+        default=1,
+        help="PyTorch's intra-op threads; give OPENBLAS_NUM_THREADS the same value for hpcdl",
     )
 
 

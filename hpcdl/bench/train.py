@@ -193,18 +193,37 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def add_parser(sub: Any) -> None:
     """Register ``train`` on the ``bench`` subparsers."""
-    p = sub.add_parser("train", help="data-parallel samples/s under mpiexec [beside PyTorch DDP]")
-    p.add_argument("--config", default="mlp32-synthetic", help="a preset or TOML file")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--vs", choices=("torch-ddp",), default=None, help="also train with PyTorch DDP (gloo)")
-    p.add_argument("--repeat", type=int, default=5)
+    p = sub.add_parser(
+        "train",
+        help="data-parallel training samples/s, optionally beside PyTorch DDP",
+        description="Data-parallel training samples/s, compute and communication per step (under mpiexec), "
+        "optionally beside PyTorch DDP.",
+    )
+    p.add_argument("--config", default="mlp32-synthetic", help="a preset name or a TOML file")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key; the value is read as TOML (repeatable; default: none)",
+    )
+    p.add_argument(
+        "--vs",
+        choices=("torch-ddp",),
+        default=None,
+        help="also train the same network with PyTorch DDP over gloo (needs torch; default: hpcdl only)",
+    )
+    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     p.add_argument("--steps", type=int, default=10, help="steps per repetition")
     p.add_argument(
         "--compression",
         nargs="+",
         choices=("none", "float16", "bfloat16", "int32"),
         default=None,
-        help="one hpcdl run per wire format, interleaved (default: the config's exchange.compression)",
+        metavar="FORMAT",
+        help="one hpcdl row per gradient wire format, interleaved: none, float16, bfloat16, int32 "
+        "(default: the config's exchange.compression)",
     )
 
 

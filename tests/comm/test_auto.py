@@ -20,7 +20,7 @@ from hpcdl.comm.collectives.auto import (
     table_from_rows,
     winners,
 )
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, FileError
 
 KB = 1024
 #: two rank counts measured, with different segments
@@ -117,7 +117,7 @@ def test_save_then_load(tmp_path: Path) -> None:
     save_table(TABLE, path)
     assert load_table(path) == TABLE == load_table(str(path))
     assert [p.name for p in tmp_path.iterdir()] == ["table.json"]  # no temporary left
-    with pytest.raises(ConfigError, match="cannot write the auto table"):
+    with pytest.raises(FileError, match="cannot write the auto table"):
         save_table(TABLE, tmp_path / "no-such-dir" / "table.json")
 
 

@@ -106,3 +106,15 @@ def test_1024_virtual_ranks_train_digits_mlp(tmp_path: Path) -> None:
         assert f.attrs["ranks"] == 1024 and f.attrs["world"] == "sim" and f.attrs["status"] == "finished"
         assert f["ranks/compute_time"].shape == (10, 1024)
         print(f"\n1,024 virtual ranks: peak RSS {f.attrs['peak_rss_mb']:.0f} MiB")
+
+
+def test_a_file_system_error_on_a_rank_is_one_line_and_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a directory\n")
+    out = blocker / "runs" / "sim.h5"
+    assert main(["-n", "2", "--compute", "none", *TRAIN, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(blocker) in err[0] and "Traceback" not in err[0], err
+    assert blocker.read_text() == "a file, not a directory\n"

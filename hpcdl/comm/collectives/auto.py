@@ -369,7 +369,7 @@ def save_table(table: AutoTable, path: str | os.PathLike[str]) -> None:
     """Write ``table`` as JSON to ``path`` atomically (a temporary file beside it, then a rename).
 
     Raises:
-        ConfigError: the file cannot be written.
+        FileError: the file cannot be written (a file already there is kept).
     """
     text = _dumps(table.to_dict()) + "\n"
     write_text_atomic(path, text, what="the auto table", fix="give a --table path in a writable directory")

@@ -1,0 +1,285 @@
+"""``python -m hpcdl.report RUN.h5 [RUN2.h5 ...] [--out DIR_OR_PREFIX]``: summarize and plot run files.
+
+One table row per run (its status told from the writer's heartbeat when the file says
+``running``: :mod:`hpcdl.report.liveness`), and PNGs named after the runs
+(:mod:`hpcdl.report.plots`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from hpcdl.cli import ArgumentParser, parse_args
+from hpcdl.errors import file_error
+from hpcdl.report.liveness import run_status
+from hpcdl.report.plots import output_prefix, plot
+from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
+
+__all__ = ["Run", "load", "summarize", "format_table", "labels", "plot", "output_prefix", "main"]
+
+#: table columns: (key, header, format of a present value)
+COLUMNS = (
+    ("run", "run", "{}"),
+    ("name", "config", "{}"),
+    ("world", "world", "{}"),
+    ("ranks", "ranks", "{}"),
+    ("steps", "steps", "{}"),
+    ("test_accuracy", "test acc %", "{:.2f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+    ("samples_per_s", "samples/s", "{:.0f}"),
+    ("status", "status", "{}"),
+)
+_TEXT = {"run", "name", "world", "status"}
+#: marks an accuracy that is not the run's result (the run has not finished)
+NOT_FINAL = "*"
+
+DESCRIPTION = "Print a table of run files and plot their loss, accuracy and per-rank times as PNGs."
+_EPILOG = """\
+The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
+wall time, samples/s and status. A run whose file says running but whose process is
+gone (killed, a dead rank) shows as interrupted; when that cannot be told (another
+host), as running with the time since the file was last written. The accuracy of a run
+that has not finished is its last evaluation, marked with *.
+
+Plots: PREFIX-loss.png, PREFIX-accuracy.png and PREFIX-ranks.png, where PREFIX is the
+run file's name (the names joined by + for several runs):
+
+  python -m hpcdl.report runs/cnn.h5                          # runs/cnn-loss.png, ...
+  python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/     # plots/a+b-loss.png, ...
+  python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/cmp  # plots/cmp-loss.png, ..."""
+
+
+@dataclass
+class Run:
+    """A run file read into memory: root attributes, ``metrics/`` and ``ranks/`` series."""
+
+    path: Path
+    attrs: dict[str, Any]
+    metrics: dict[str, np.ndarray]
+    ranks: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return len(self.metrics.get("step", ()))
+
+
+def _open(path: Path) -> h5py.File:
+    """Open a run file for reading, also while its run is writing it.
+
+    HDF5 locks a file its writer holds open; reading without the lock is safe here
+    (nothing is written, and the writer flushes whole rows).
+    """
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        if "unable to lock file" not in str(err):
+            raise
+    return h5py.File(path, "r", locking=False)
+
+
+def load(path: str | Path) -> Run:
+    """Read a run file with plain h5py (every series of ``metrics/`` and ``ranks/``).
+
+    Series of unequal length (a crash between two appends) are cut to the shortest.
+
+    Raises:
+        RunFileError: the file is missing, is not HDF5, or is not an hpcdl run file.
+        FileError: the file cannot be read (permissions, ...).
+    """
+    path = Path(path)
+    try:
+        path.stat()
+    except FileNotFoundError:
+        raise RunFileError(f"{path}: no such run file") from None
+    except OSError as err:
+        raise file_error(path, err, what="run file", verb="read") from None
+    if not path.is_file():
+        raise RunFileError(f"{path} is not a file (expected an hpcdl run file)")
+    try:
+        is_hdf5 = h5py.is_hdf5(path)
+        h5 = _open(path) if is_hdf5 else None
+    except OSError as err:
+        if "signature" in str(err) or "truncated" in str(err):
+            raise RunFileError(
+                f"cannot read run file {path}: it is damaged or not an hpcdl run file"
+            ) from None
+        raise file_error(path, err, what="run file", verb="read") from None
+    if h5 is None:
+        raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)")
+    with h5:
+        version = h5.attrs.get("format_version")
+        if version is None or "metrics" not in h5:
+            raise RunFileError(f"{path} is not an hpcdl run file (no format_version attribute or metrics/)")
+        if int(version) > FORMAT_VERSION:
+            raise RunFileError(
+                f"{path} has run file format {int(version)}; this hpcdl reads up to {FORMAT_VERSION}"
+            )
+        attrs = {key: _plain(value) for key, value in h5.attrs.items()}
+        metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
+        group = h5.get("ranks")
+        ranks = {k: d[...] for k, d in group.items() if isinstance(d, h5py.Dataset)} if group else {}
+    n = min((len(v) for v in metrics.values()), default=0)
+    metrics = {k: v[:n] for k, v in metrics.items()}
+    m = min((len(v) for v in ranks.values()), default=0)
+    ranks = {k: v[:m] for k, v in ranks.items()}
+    return Run(path, attrs, metrics, ranks)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _last_finite(values: np.ndarray | None) -> float | None:
+    if values is None:
+        return None
+    finite = values[np.isfinite(values)]
+    return float(finite[-1]) if finite.size else None
+
+
+def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, Any]:
+    """The table row of one run as data (``None`` where a value is unknown).
+
+    Args:
+        path: a run file, or one already loaded.
+        now: the current time in seconds since the epoch (default: now), for "last
+            written N min ago".
+
+    Returns:
+        ``run`` (file stem), ``name``, ``world``, ``ranks``, ``steps`` (last step, 0 when
+        empty), ``test_accuracy`` (last evaluated, in %), ``accuracy_step`` (the step it
+        was evaluated at), ``final`` (True when the run finished, so that accuracy is its
+        result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
+        ``interrupted`` when the writer is known to be gone) and ``status`` (as shown:
+        ``running, last written 12 min ago`` when it cannot be told).
+
+    Raises:
+        RunFileError: as :func:`load`.
+    """
+    run = path if isinstance(path, Run) else load(path)
+    a, m = run.attrs, run.metrics
+    acc_series = m.get("test_accuracy")
+    acc = _last_finite(acc_series)
+    acc_step = None
+    if acc is not None and acc_series is not None:
+        acc_step = int(m["step"][np.flatnonzero(np.isfinite(acc_series))[-1]])
+    wall = a.get("wall_s", _last_finite(m.get("time")))
+    sps = a.get("samples_per_s")
+    if sps is None and "samples_per_s" in m:
+        finite = m["samples_per_s"][np.isfinite(m["samples_per_s"])]
+        sps = float(np.median(finite)) if finite.size else None
+    ranks = a.get("ranks")
+    if ranks is None and run.ranks:
+        ranks = next(iter(run.ranks.values())).shape[1]
+    state, status = run_status(a, run.path, now=now)
+    return {
+        "run": run.path.stem,
+        "name": a.get("name"),
+        "world": a.get("world"),
+        "ranks": None if ranks is None else int(ranks),
+        "steps": int(m["step"][-1]) if run.rows else 0,
+        "test_accuracy": None if acc is None else 100.0 * acc,
+        "accuracy_step": acc_step,
+        "final": state == "finished",
+        "wall_s": None if wall is None else float(wall),
+        "samples_per_s": None if sps is None else float(sps),
+        "state": state,
+        "status": status,
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Fixed-width table of :func:`summarize` rows: text left-aligned, numbers right.
+
+    The accuracy of a run that has not finished (running, interrupted, stopped, failed)
+    is its last evaluation, not its result: it is marked ``*`` and a note under the
+    table says at which step it was evaluated.
+    """
+    cells = [[h for _, h, _ in COLUMNS]]
+    marked = []
+    for row in rows:
+        line = []
+        for key, _, fmt in COLUMNS:
+            value = row.get(key)
+            text = "-" if value is None else fmt.format(value)
+            if key == "test_accuracy" and value is not None and not row.get("final", True):
+                text += NOT_FINAL
+                marked.append(f"{row['run']} at step {row.get('accuracy_step', '?')}")
+            line.append(text)
+        cells.append(line)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+
+    def line(values: list[str]) -> str:
+        parts = [
+            v.ljust(w) if key in _TEXT else v.rjust(w) for v, w, (key, _, _) in zip(values, widths, COLUMNS)
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    table = [line(cells[0]), rule, *(line(c) for c in cells[1:])]
+    if marked:
+        table.append(
+            f"{NOT_FINAL} not a final result: the last evaluation of a run that has not finished "
+            f"({'; '.join(marked)})"
+        )
+    return "\n".join(table)
+
+
+def labels(runs: list[Run]) -> list[str]:
+    """Unique run labels: file stems, else ``name (N ranks)``, else stems numbered."""
+    stems = [r.path.stem for r in runs]
+    if len(set(stems)) == len(stems):
+        return stems
+    named = [f"{r.attrs.get('name', r.path.stem)} ({r.attrs.get('ranks', '?')} ranks)" for r in runs]
+    if len(set(named)) == len(named):
+        return named
+    return [f"{stem} #{i + 1}" for i, stem in enumerate(stems)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m hpcdl.report``."""
+    parser = ArgumentParser(prog="python -m hpcdl.report", description=DESCRIPTION, epilog=_EPILOG)
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN.h5", help="the run files to compare")
+    parser.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR/|PREFIX",
+        help="where the plots go: a directory (one that exists, or given with a trailing /), or a "
+        "path prefix such as plots/cmp (default: beside the first run, named after the runs)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the summary table of the run files and write the plots.
+
+    Raises:
+        ConfigError: a usage error.
+        RunFileError: a file is missing or is not an hpcdl run file.
+        FileError: a run file cannot be read, or a plot cannot be written (a plot of an
+            earlier report is left as it was).
+    """
+    args = parse_args(build_parser(), sys.argv[1:] if argv is None else list(argv))
+    runs = [load(path) for path in args.runs]
+    names = labels(runs)
+    rows = [summarize(run) | {"run": name} for run, name in zip(runs, names)]
+    print(format_table(rows))
+    try:
+        import matplotlib  # noqa: F401  (only to learn whether plots can be drawn)
+    except ImportError:
+        print("plots need matplotlib: pip install hpcdl[plot]")
+        return 0
+    directory, prefix = output_prefix(args.out, runs)
+    for path in plot(runs, names, directory, prefix):
+        print(path)
+    return 0
