@@ -16,7 +16,15 @@ from typing import Any, NoReturn
 
 from hpcdl.errors import ConfigError, HpcdlError, file_error
 
-__all__ = ["entry", "parse_args", "ArgumentParser", "HelpFormatter", "HelpRequested", "EXIT_USAGE"]
+__all__ = [
+    "python_command",
+    "entry",
+    "parse_args",
+    "ArgumentParser",
+    "HelpFormatter",
+    "HelpRequested",
+    "EXIT_USAGE",
+]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
 EXIT_USAGE = 2
@@ -192,3 +200,19 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
         return parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise ConfigError(f"{err} (see {parser.prog} --help)") from None
+
+
+def python_command() -> str:
+    """How a printed command names this interpreter: ``python`` when that is it on PATH.
+
+    Otherwise its full path (quoted for a shell), so that a command printed for the user to
+    paste (how to continue a run) works as printed.
+    """
+    import os
+    import shlex
+    import shutil
+
+    found = shutil.which("python")
+    if found is not None and os.path.realpath(found) == os.path.realpath(sys.executable):
+        return "python"
+    return shlex.quote(sys.executable)

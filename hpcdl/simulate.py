@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Any
 
-from hpcdl.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args
+from hpcdl.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args, python_command
 from hpcdl.errors import ConfigError, HpcdlError, file_error
 from hpcdl.runlog import peak_rss_mb
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             compute=compute,
             poll_cost_s=args.poll_cost_us * 1e-6,
             stall_s=args.stall_s,
-            launcher=shlex.join(["python", "-m", "hpcdl.simulate", *argv[:split]]),
+            launcher=" ".join([python_command(), "-m hpcdl.simulate", shlex.join(argv[:split])]),
         )
     except RankFailure as failure:
         exc = failure.exc

@@ -7,8 +7,6 @@ import datetime
 import math
 import os
 import shlex
-import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import numpy as np
 
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, to_numpy
-from hpcdl.cli import ArgumentParser, parse_args
+from hpcdl.cli import ArgumentParser, parse_args, python_command
 from hpcdl.comm import Communicator, long_wait, notes, watch, world, wtime
 from hpcdl.config import Config, load_config
 from hpcdl.data import DistributedSampler, gather_batch
@@ -402,17 +400,12 @@ def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
             kept.append(shlex.quote(arg))
     args = [*kept, "--out", shlex.quote(str(out)), "--resume auto"]
     launcher = getattr(comm, "launcher", None)
-    if launcher is not None:  # a simulated world: its own command line
-        return " ".join([launcher(), "hpcdl.train", *args])
-    python = "python" if _python_on_path() else shlex.quote(sys.executable)
+    if launcher is not None:  # a simulated world: its own command line, up to -m hpcdl.train
+        start = launcher() or f"{python_command()} -m hpcdl.simulate -n {comm.Get_size()} -m hpcdl.train"
+        return " ".join([start, *args])
+    python = python_command()
     mpi = [f"mpiexec -n {comm.Get_size()}"] if comm.Get_size() > 1 else []
     return " ".join([*mpi, python, "-m hpcdl.train", *args])
-
-
-def _python_on_path() -> bool:
-    """True when ``python`` on PATH is this interpreter (then the command can say ``python``)."""
-    found = shutil.which("python")
-    return found is not None and os.path.realpath(found) == os.path.realpath(sys.executable)
 
 
 def main(argv: list[str] | None = None) -> int:

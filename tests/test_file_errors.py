@@ -1,4 +1,4 @@
-"""File-system errors of report, bench and simulate: one line naming the path, exit 2, nothing lost.
+"""File-system errors of train, report, bench and simulate: one line naming the path, exit 2, nothing lost.
 
 Each case runs the real command in a subprocess: without the capabilities that let root
 ignore permissions (``CAP_DAC_OVERRIDE`` and ``CAP_DAC_READ_SEARCH``, dropped from the
@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -85,7 +86,14 @@ def place() -> Iterator[Path]:
     shutil.rmtree(root)
 
 
-def _run(place: Path, argv: list[str], *, unprivileged: bool = False, fsize: int | None = None):
+def _run(
+    place: Path,
+    argv: list[str],
+    *,
+    unprivileged: bool = False,
+    fsize: int | None = None,
+    cwd: Path | None = None,
+):
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
            "MPLCONFIGDIR": str(place / "mpl"), "HOME": str(place)}  # fmt: skip
     command = ["-m", *argv] if fsize is None else ["-c", FULL_DISK, argv[0], str(fsize), *argv[1:]]
@@ -96,7 +104,7 @@ def _run(place: Path, argv: list[str], *, unprivileged: bool = False, fsize: int
         text=True,
         timeout=300,
         env=env,
-        cwd=place,
+        cwd=cwd or place,
         check=False,
     )
 
@@ -145,6 +153,67 @@ def _old(path: Path, content: bytes = OLD) -> Path:
     path.chmod(0o644)
     parent.chmod(mode)
     return path
+
+
+# -- train -----------------------------------------------------------------------------------
+
+TRAIN = ["hpcdl.train", "--config", "digits-mlp", "--set", "train.steps=30", "--progress", "none"]
+
+
+def test_train_in_a_read_only_working_directory(place: Path) -> None:
+    done = _run(place, TRAIN, unprivileged=True, cwd=place / "ro")  # the default --out: runs/NAME-TIME.h5
+    line = _one_line(done, Path("runs"), "Permission denied")
+    assert "cannot create directory runs" in line and "--out" in line, line
+
+
+def test_train_out_under_a_read_only_parent(place: Path) -> None:
+    done = _run(place, [*TRAIN, "--out", str(place / "ro" / "sub" / "r.h5")], unprivileged=True)
+    _one_line(done, place / "ro" / "sub", "Permission denied")
+
+
+def test_train_out_in_a_read_only_directory(place: Path) -> None:
+    out = place / "ro" / "r.h5"
+    done = _run(place, [*TRAIN, "--out", str(out)], unprivileged=True)
+    line = _one_line(done, out, "Permission denied")
+    assert "cannot create run file" in line and "flags" not in line, line  # no raw HDF5 text
+    assert not out.exists()
+
+
+def test_train_out_under_a_file(place: Path, a_file: Path) -> None:
+    done = _run(place, [*TRAIN, "--out", str(a_file / "r.h5")])
+    _one_line(done, a_file, "Not a directory")
+
+
+def test_train_on_a_full_disk_keeps_the_run_file_and_the_earlier_checkpoints(place: Path) -> None:
+    """A checkpoint (2.4 MB at width 512) no longer fits: the earlier state stays usable."""
+    out = place / "full" / "t.h5"
+    out.parent.mkdir(exist_ok=True)
+    sets = ["--set", "train.steps=40", "--set", "checkpoint.every=10", "--set", "model.width=64",
+            "--set", "log.flush_every=5"]  # fmt: skip
+    first = _run(place, [*TRAIN, *sets, "--set", "train.stop_at=10", "--out", str(out)])
+    assert first.returncode == 0, first.stderr
+    kept = {p: p.read_bytes() for p in out.parent.glob("t.ckpt-*.h5")}
+    assert len(kept) == 1
+    # the run file (about 1.2 MB with its reserve) fits in 1.5 MB; the first checkpoint does not
+    done = _run(place, [*TRAIN, *sets, "--set", "model.width=512", "--out", str(out.with_name("u.h5"))],
+                fsize=1_500_000)  # fmt: skip
+    line = _one_line(done, out.with_name("u.ckpt-00000010.h5"), "File too large")
+    assert "earlier checkpoints are kept" in line, line
+    with h5py.File(out.with_name("u.h5"), "r") as f:  # it opens, with every row flushed before the failure
+        assert list(f["metrics/step"][...]) == list(range(1, 11))
+    assert {p: p.read_bytes() for p in out.parent.glob("t.ckpt-*.h5")} == kept
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_train_when_the_run_file_cannot_grow(place: Path) -> None:
+    """The first flush of the run file fails: the file still opens (no rows yet), one line."""
+    out = place / "full" / "v.h5"
+    out.parent.mkdir(exist_ok=True)
+    done = _run(place, [*TRAIN, "--out", str(out)], fsize=200_000)
+    line = _one_line(done, out, "File too large")
+    assert "rows up to the last flush are kept" in line, line
+    with h5py.File(out, "r") as f:
+        assert f["metrics/step"].shape == (0,) and f.attrs["status"] == "running"
 
 
 # -- report ---------------------------------------------------------------------------------

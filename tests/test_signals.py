@@ -77,3 +77,59 @@ def test_stop_request_handlers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert req.name == "SIGUSR1"  # the first reason is kept
     with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: out now
         installed[signal.SIGINT](signal.SIGINT, None)
+
+
+def _single(out: Path) -> subprocess.Popen[str]:
+    """One process of digits-cnn, its progress as plain lines on stderr."""
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "hpcdl.train", "--config", "digits-cnn", *SETS, "--set", "log.flush_every=5",
+           "--progress", "lines", "--out", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _after_step(proc: subprocess.Popen[str], step: int) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        m = re.match(r"step (\d+)/", line)
+        if m and int(m.group(1)) >= step:
+            return
+    raise AssertionError(f"the run ended before step {step}")
+
+
+def test_a_run_killed_with_sigkill_is_reported_interrupted(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from hpcdl.report import main as report
+
+    out = tmp_path / "killed.h5"
+    proc = _single(out)
+    _after_step(proc, 12)
+    proc.kill()
+    proc.communicate(timeout=60)
+    with h5py.File(out, "r") as f:  # what the writer left: still "running", with its pid and heartbeat
+        assert f.attrs["status"] == "running" and int(f.attrs["pid"]) == proc.pid
+        assert str(f.attrs["heartbeat"]) >= str(f.attrs["start_time"]) and f["metrics/step"].shape[0] >= 10
+    assert report([str(out), "--out", f"{tmp_path}/"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].rstrip().endswith("interrupted")
+
+
+def test_a_second_ctrl_c_marks_the_run_interrupted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler raises KeyboardInterrupt on a second Ctrl-C (tested above); the loop records it."""
+    from hpcdl import train
+    from hpcdl.config import load_config
+
+    calls = {"n": 0}
+    real = train._forward_backward
+
+    def interrupted_at_step_5(*args: object) -> tuple[float, int]:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(train, "_forward_backward", interrupted_at_step_5)
+    out = tmp_path / "twice.h5"
+    with pytest.raises(KeyboardInterrupt):
+        train.run(load_config("digits-mlp", ["train.steps=20", "log.flush_every=2"]), out=out)
+    with h5py.File(out, "r") as f:
+        assert f.attrs["status"] == "interrupted" and list(f["metrics/step"][...]) == [1, 2, 3, 4]

@@ -165,3 +165,48 @@ def test_xarray_reads_the_metrics_group(tmp_path: Path) -> None:
     ds = xr.open_dataset(out, group="metrics", engine="h5netcdf", phony_dims="sort")
     assert list(ds["step"].values) == [1, 2, 3, 4] and set(ds.data_vars) == set(METRICS)
     ds.close()
+
+
+FULL_DISK_WRITER = """
+import os, resource, signal, sys
+import h5py, numpy as np
+from hpcdl.errors import FileError
+from hpcdl.store import RunFile, RANK_SERIES
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+path = sys.argv[1]
+run = RunFile.create(path, {"name": "x", "config": ""}, ranks=4)
+step = 0
+
+def append(n):
+    global step
+    run.append_metrics([{"step": step + k + 1, "loss": 1.0} for k in range(n)])
+    run.append_ranks({s: np.ones((n, 4)) for s in RANK_SERIES})
+    run.heartbeat()
+    run.flush()
+    step += n
+
+append(100)
+# the disk is full from now on: the file may not grow past its size (its reserve included)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), resource.RLIM_INFINITY))
+try:
+    while True:  # rows fill the first chunks in place; a new chunk needs space
+        append(100)
+except FileError as err:
+    print(step, err)
+run.close()
+"""
+
+
+def test_a_full_disk_keeps_every_flushed_row(tmp_path: Path) -> None:
+    """A write that fails (the file may not grow) leaves a file that opens, with every flushed row."""
+    path = tmp_path / "full.h5"
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_WRITER, str(path)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    flushed, message = proc.stdout.split(" ", 1)
+    assert "cannot write run file" in message and "File too large" in message, message
+    assert int(flushed) >= 1000  # a chunk holds 1024 rows: the first new one did not fit
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["metrics/step"][...], np.arange(1, int(flushed) + 1))
+        assert f["ranks/other_time"].shape == (int(flushed), 4)

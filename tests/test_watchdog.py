@@ -49,7 +49,8 @@ def test_a_receive_deadlock_is_reported_and_ends_the_job(tmp_path: Path, n: int)
     assert proc.returncode == 3, proc.stderr
     assert "stall: every rank is waiting for another (a deadlock)" in proc.stderr, proc.stderr
     for r in range(n):
-        assert f"rank {r} waits " in proc.stderr and f"Recv from rank {(r + 1) % n} tag 7 on world" in proc.stderr
+        assert f"rank {r} waits " in proc.stderr
+        assert f"Recv from rank {(r + 1) % n} tag 7 on world" in proc.stderr
     assert proc.stderr.count("stall: ") == 1, proc.stderr  # one report, not one per rank
 
 
@@ -95,7 +96,8 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
         os.kill(stopped, signal.SIGSTOP)
         t_stop = time.monotonic()
         _, err = proc.communicate(timeout=stall_s + 40)
-        print(f"SIGSTOP of rank 1: the job ended {time.monotonic() - t_stop:.1f} s later (stall_s = {stall_s})")
+        ended = time.monotonic() - t_stop
+        print(f"SIGSTOP of rank 1: the job ended {ended:.1f} s later (stall_s = {stall_s})")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -278,8 +278,9 @@ class SimWorld(SimComm):
         super().__init__(engine, world_rank, 0, range(engine.size))
 
     def launcher(self) -> str:
-        """The command line that started this simulation, up to the command's own arguments."""
-        return self._engine.launcher or f"python -m hpcdl.simulate -n {self.Get_size()} -m"
+        """The command line that started this simulation, up to the command's own arguments
+        (``python -m hpcdl.simulate -n 4 ... -m hpcdl.train``); "" when not started by one."""
+        return self._engine.launcher
 
     def sim_attrs(self) -> dict[str, Any]:
         """What a run file records of the simulated world (root attributes)."""

@@ -175,7 +175,8 @@ def simulate(
         stall_s: virtual seconds of fruitless polling that count as a deadlock.
         launcher: the command line that starts this simulation, up to the command's own
             arguments (``python -m hpcdl.simulate -n 4 ... -m hpcdl.train``): what a
-            command prints to say how to run it again (each rank's ``world().launcher()``).
+            command prints to say how to run it again (each rank's ``world().launcher()``);
+            "" when the simulation was not started by a command.
 
     Returns:
         The :class:`SimResult`.

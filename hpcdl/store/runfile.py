@@ -43,6 +43,7 @@ flush. (Copy-on-write file systems such as btrfs or ZFS can still fail an in-pla
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import socket
@@ -168,6 +169,8 @@ class RunFile:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             where = err.filename or path.parent
+            if isinstance(err, FileExistsError) and not Path(where).is_dir():  # a file stands in the way
+                err = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), where)
             raise file_error(where, err, what="directory", verb="create", fix=fix) from None
         try:
             h5 = h5py.File(path, "w-")
