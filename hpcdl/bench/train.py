@@ -11,7 +11,7 @@ import numpy as np
 
 from hpcdl import comm as ops
 from hpcdl.bench.torchref import torch_twin
-from hpcdl.comm import Communicator, world, wtime
+from hpcdl.comm import Communicator, use_world, watch, world, wtime
 from hpcdl.config import load_config
 from hpcdl.data import DistributedSampler, gather_batch
 from hpcdl.errors import ConfigError
@@ -108,6 +108,7 @@ def bench_train(
     repeat: int,
     steps: int,
     compressions: list[str] | None = None,
+    watchdog: str = "config",
 ) -> list[dict[str, Any]]:
     """Global samples/s of hpcdl (and PyTorch DDP) on the same network and batch, interleaved.
 
@@ -119,20 +120,43 @@ def bench_train(
         steps: steps per repetition.
         compressions: one hpcdl run per ``exchange.compression`` value, interleaved
             (default: the config's).
+        watchdog: ``config``: hpcdl's steps run under the stall watchdog as ``train`` runs
+            them (``debug.stall_s``; 0: off); ``off``: without it; ``both``: each hpcdl
+            row also without it, named ``...-nowatch``, interleaved (the watchdog's cost).
 
     Returns:
         One row per implementation, as the module describes.
     """
-    comm = world()
     cfg = load_config(config, sets)
+    with watch(cfg["debug.stall_s"] if watchdog != "off" else 0.0) as comm:
+        return _bench_train(comm, config, cfg, sets, vs, repeat, steps, compressions, watchdog)
+
+
+def _bench_train(
+    comm: Communicator,
+    config: str,
+    cfg: Any,
+    sets: list[str],
+    vs: str | None,
+    repeat: int,
+    steps: int,
+    compressions: list[str] | None,
+    watchdog: str,
+) -> list[dict[str, Any]]:
+    """:func:`bench_train` inside the world ``comm`` (watched or not)."""
     impls: dict[str, Callable[[], dict]] = {}
     variants: dict[str, Any] = {}
+    worlds: dict[str, Communicator | None] = {}  # the world each implementation runs in
     model = batch = None
     for comp in dict.fromkeys(compressions or [cfg["exchange.compression"]]):
         variant = load_config(config, [*sets, f'exchange.compression="{comp}"'])
         name = "hpcdl" if comp == "none" else f"hpcdl-{comp}"
         m, impls[name], b = _hpcdl_stepper(variant, comm)
-        variants[name] = variant
+        variants[name], worlds[name] = variant, comm
+        if watchdog == "both":  # the same steps in MPI's own world, without the watchdog
+            with use_world(None) as raw:
+                _, impls[f"{name}-nowatch"], _ = _hpcdl_stepper(variant, raw)
+            variants[f"{name}-nowatch"], worlds[f"{name}-nowatch"] = variant, None
         if model is None:
             model, batch = m, b
     if vs == "torch-ddp":
@@ -141,13 +165,15 @@ def bench_train(
         except ImportError:
             raise ConfigError("--vs torch-ddp needs PyTorch: pip install torch==2.13.0") from None
         impls["torch-ddp"] = _torch_ddp_stepper(model, batch, comm, cfg)
-        variants["torch-ddp"] = cfg
-    for step in impls.values():
-        _measure(comm, step, 3)  # warm-up
+        variants["torch-ddp"], worlds["torch-ddp"] = cfg, comm
+    for name, step in impls.items():
+        with use_world(worlds[name]) as here:
+            _measure(here, step, 3)  # warm-up
     results: dict[str, list[dict[str, float]]] = {k: [] for k in impls}
     for _ in range(repeat):
         for name, step in impls.items():
-            results[name].append(_measure(comm, step, steps))
+            with use_world(worlds[name]) as here:
+                results[name].append(_measure(here, step, steps))
     size, batch_size = comm.Get_size(), cfg["data.batch_size"]
     rows = []
     for name, reps in results.items():
@@ -167,6 +193,7 @@ def bench_train(
                 "exposed_comm_s": statistics.median(r["exposed_comm_s"] for r in reps),
                 "compression": variants[name]["exchange.compression"] if name != "torch-ddp" else "none",
                 "exchange": cfg["exchange.name"] if name != "torch-ddp" else "ddp",
+                "stall_s": cfg["debug.stall_s"] if worlds[name] is not None and watchdog != "off" else 0.0,
                 "repeat": repeat,
             }
         )
@@ -214,6 +241,13 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="also train the same network with PyTorch DDP over gloo (needs torch; default: hpcdl only)",
     )
+    p.add_argument(
+        "--watchdog",
+        choices=("config", "off", "both"),
+        default="config",
+        help="run hpcdl's steps under the stall watchdog as train does (config: debug.stall_s), without "
+        "it (off), or both, interleaved, to measure its cost (rows ...-nowatch)",
+    )
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     p.add_argument("--steps", type=int, default=10, help="steps per repetition")
     p.add_argument(
@@ -231,7 +265,9 @@ def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench train``; prints on rank 0 and returns the rows."""
     if args.repeat < 1 or args.steps < 1:
         raise ConfigError("--repeat and --steps must be positive integers")
-    rows = bench_train(args.config, args.sets, args.vs, args.repeat, args.steps, args.compression)
+    rows = bench_train(
+        args.config, args.sets, args.vs, args.repeat, args.steps, args.compression, args.watchdog
+    )
     if world().Get_rank() == 0:
         print_rows(rows)
     return rows

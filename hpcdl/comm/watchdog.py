@@ -24,6 +24,7 @@ parameter server, a worker held back by a staleness bound): they answer question
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,9 @@ CHECK_S = 0.01
 #: seconds a rank that left the report to another one waits for the job to end before it
 #: reports itself (the reporter may have died)
 FALLBACK_S = 10.0
+#: polls of a wait before each further poll yields the core (``sched_yield``): on a node with
+#: more ranks than cores, a rank spinning in Python would otherwise hold up the rank it waits for
+SPIN_POLLS = 64
 #: ranks listed one per line in a report; more are summarised
 LISTED = 8
 
@@ -130,10 +134,14 @@ class Watchdog:
         clock = self._clock
         t0 = clock()
         check = t0 + CHECK_S
+        polls = 0
         while True:
             pending = _test(pending, status)
             if not pending:
                 return
+            polls += 1
+            if polls > SPIN_POLLS:  # give the core to a rank that shares it (as MPICH's waits do)
+                _yield()
             now = clock()
             if now >= check:
                 check = now + CHECK_S
@@ -155,9 +163,13 @@ class Watchdog:
         t0 = clock()
         check = t0 + CHECK_S
         waiting = _AnyOf(reqs, active, status)
+        polls = 0
         while True:
             if waiting.poll():
                 return waiting.found
+            polls += 1
+            if polls > SPIN_POLLS:
+                _yield()
             now = clock()
             if now >= check:
                 check = now + CHECK_S
@@ -196,6 +208,7 @@ class Watchdog:
                 if waiting.poll():
                     self._warn(what, clock() - t0)
                     return
+                _yield()
                 now = clock()
                 if now >= check:
                     check = now + CHECK_S
@@ -328,6 +341,9 @@ def _test(reqs: Sequence[Any], status: Any) -> list[Any]:
             pending.append(r)
         first = False
     return pending
+
+
+_yield = getattr(os, "sched_yield", lambda: None)
 
 
 class _AllOf:
