@@ -18,8 +18,17 @@ from hpcdl.models import MODELS
 from hpcdl.parallel import EXCHANGES
 
 __all__ = [
-    "Key", "SCHEMA", "Config", "load_config", "preset_names", "parse_set", "markdown_table",
-    "build_parser", "main",
+    "add_set_argument",
+    "stored_values",
+    "Key",
+    "SCHEMA",
+    "Config",
+    "load_config",
+    "preset_names",
+    "parse_set",
+    "markdown_table",
+    "build_parser",
+    "main",
 ]  # fmt: skip
 
 
@@ -228,6 +237,7 @@ def _check(key: str, value: Any) -> Any:
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a TOML table's values by dotted key."""
     flat: dict[str, Any] = {}
     for k, v in table.items():
         if isinstance(v, dict):
@@ -235,6 +245,33 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[prefix + k] = v
     return flat
+
+
+def stored_values(text: str) -> dict[str, Any]:
+    """The values of a config as TOML text (a run file's ``config``), by dotted key, unchecked.
+
+    A config stored by an older hpcdl may hold keys or values this one refuses; they are
+    returned as they are, for comparison.
+
+    Raises:
+        ConfigError: the text is not valid TOML.
+    """
+    try:
+        return _flatten(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"a stored config is not valid TOML: {err}") from None
+
+
+def add_set_argument(parser: Any, help_prefix: str = "") -> None:
+    """The ``--set KEY=VALUE`` option every command taking a config has (repeatable)."""
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"{help_prefix}override a config key; the value is read as TOML (repeatable; default: none)",
+    )
 
 
 def parse_set(item: str) -> tuple[str, Any]:
@@ -356,14 +393,7 @@ def build_parser() -> ArgumentParser:
         help="print this config (a preset name or a TOML file) with defaults and --set applied, "
         "as TOML, instead of the table (default: none, print the table)",
     )
-    parser.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --config: override a config key; the value is read as TOML (repeatable; default: none)",
-    )
+    add_set_argument(parser, "with --config: ")
     return parser
 
 

@@ -8,7 +8,6 @@ rank's own state (BatchNorm statistics, its dropout stream) travels by ``gather`
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,9 @@ import numpy as np
 
 from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator
-from hpcdl.config import Config
+from hpcdl.config import Config, stored_values
 from hpcdl.data import DistributedSampler
+from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential
 from hpcdl.optim import Optimizer
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint
@@ -172,8 +172,8 @@ def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[
             f"{int(attrs['ranks'])} ranks, or start a new run with another --out"
         )
     try:
-        saved = _flatten(tomllib.loads(str(attrs.get("config", ""))))
-    except tomllib.TOMLDecodeError as err:
+        saved = stored_values(str(attrs.get("config", "")))
+    except ConfigError as err:
         raise CheckpointError(f"{path} has a damaged config attribute ({err}): start a new run") from None
     changed = {}
     for key, value in config.values.items():
@@ -186,13 +186,3 @@ def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[
             )
         changed[key] = (saved[key], value)
     return changed
-
-
-def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for k, v in table.items():
-        if isinstance(v, dict):
-            flat.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            flat[prefix + k] = v
-    return flat

@@ -17,7 +17,7 @@ from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module 
 from hpcdl.backend import array_module, to_numpy
 from hpcdl.cli import ArgumentParser, parse_args, python_command
 from hpcdl.comm import Communicator, long_wait, notes, watch, world, wtime
-from hpcdl.config import Config, load_config
+from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.data import DistributedSampler, gather_batch
 from hpcdl.errors import ConfigError, DataError, FileError, HpcdlError
 from hpcdl.factory import build, evaluate, exchange_for, load_data, make_optimizer, make_schedule, observers
@@ -76,14 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model: in one process, or data-parallel on N ranks under mpiexec -n N.",
     )
     parser.add_argument("--config", required=True, help="a preset name (e.g. digits-mlp) or a TOML file")
-    parser.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key; the value is read as TOML (repeatable; default: none)",
-    )
+    add_set_argument(parser)
     parser.add_argument(
         "--out", default=None, help="the HDF5 run file to write (default: runs/<name>-<UTC time>.h5)"
     )

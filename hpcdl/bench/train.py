@@ -12,7 +12,7 @@ import numpy as np
 from hpcdl import comm as ops
 from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import Communicator, use_world, watch, world, wtime
-from hpcdl.config import load_config
+from hpcdl.config import add_set_argument, load_config
 from hpcdl.data import DistributedSampler, gather_batch
 from hpcdl.errors import ConfigError
 from hpcdl.factory import build, exchange_for, load_data, make_optimizer, observers
@@ -227,14 +227,7 @@ def add_parser(sub: Any) -> None:
         "optionally beside PyTorch DDP.",
     )
     p.add_argument("--config", default="mlp32-synthetic", help="a preset name or a TOML file")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key; the value is read as TOML (repeatable; default: none)",
-    )
+    add_set_argument(p)
     p.add_argument(
         "--vs",
         choices=("torch-ddp",),
