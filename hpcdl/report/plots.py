@@ -14,6 +14,7 @@ and the band from the fastest to the slowest rank: readable at 2 and at 1,024 ra
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,7 +274,8 @@ def _per_step(ax: Any, times: RankTimes) -> None:
     if "other" in times.per_step:
         shown["other"] = ("outside the step", times.per_step["other"])
     for key, (label, ms) in shown.items():
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a step where every rank has 0: a gap
             ms = np.where(ms > 0, ms, np.nan)  # a log axis: zero is off the scale
             lo, mid, hi = np.nanmin(ms, axis=1), np.nanmedian(ms, axis=1), np.nanmax(ms, axis=1)
         ax.fill_between(x, lo, hi, color=_COLORS[key], alpha=0.25, linewidth=0, step="mid")
