@@ -99,6 +99,8 @@ class Watchdog:
         self._asked: tuple[int, float] | None = None  # (lowest recent asker, when)
         self._replies: dict[int, tuple[str, bool]] | None = None  # while asking
         self._outbox: list[Any] = []
+        self._sent = [0] * self.size  # notes sent to each rank, received from each rank:
+        self._received = [0] * self.size  # free() drains what is still in flight
 
     # -- what the program tells the watchdog -----------------------------------------------
     def posted(self, req: Any, op: str, peer: int, tag: int, comm: str) -> None:
@@ -199,6 +201,7 @@ class Watchdog:
             for r in range(self.size):
                 if r != self.rank:
                     self._outbox.append(self._notes.isend((self._seq, mine), r, _ASK))
+                    self._sent[r] += 1
             deadline = now + self.grace_s
         else:
             deadline = self._asked[1] + self.grace_s + FALLBACK_S  # type: ignore[index]
@@ -247,6 +250,7 @@ class Watchdog:
         while notes.Iprobe(self._any_source, self._any_tag, st):
             source, tag = st.Get_source(), st.Get_tag()
             seq, text = notes.recv(source=source, tag=tag)
+            self._received[source] += 1
             if tag == _ASK:
                 now = self._clock()
                 if (
@@ -257,6 +261,7 @@ class Watchdog:
                     self._asked = (source, now)
                 answer = (self._describe(what, pending, waited), bool(self._patient))
                 self._outbox.append(notes.isend((seq, answer), source, _REPLY))
+                self._sent[source] += 1
             elif self._replies is not None and seq == self._seq:  # stale answers are dropped
                 self._replies[source] = text
         self._outbox = [r for r in self._outbox if not r.Test()]
@@ -322,13 +327,22 @@ class Watchdog:
         stream.flush()
 
     def free(self) -> None:
-        """Release the private communicator (collective over the world; a second call does nothing)."""
+        """Release the private communicator (collective over the world; a second call does nothing).
+
+        Questions and answers still in flight (a rank that asked while another was busy,
+        then went on) are received first: MPI reuses a freed communicator's context, and a
+        stray message would match a receive of the next communicator created.
+        """
         if self._notes is None:
             return
-        for req in self._outbox:  # answers are small: sent eagerly, complete locally
+        notes, self._notes = self._notes, None
+        expected = notes.alltoall(self._sent)  # what each rank sent to this one
+        for source in range(self.size):
+            for _ in range(expected[source] - self._received[source]):
+                notes.recv(source=source)
+        for req in self._outbox:  # small: sent eagerly, complete locally
             req.Wait()
         self._outbox = []
-        notes, self._notes = self._notes, None
         notes.Free()
 
 

@@ -79,6 +79,13 @@ def test_a_rank_outside_any_wait_is_named(comm: Communicator) -> None:
     assert f"rank {raised[0]} waits" in text and "Recv from rank 0 tag 5 on world" in text, text
     assert "step 7" in text and "phase late sender test" in text, text
     assert all(f"rank {r} waits" in text for r in range(1, comm.Get_size())), text
+    # rank 0 never read the questions sent to it: the watchdog drained them when it was freed,
+    # or the next communicator, given the freed one's context by MPI, would receive them
+    fresh = comm.Dup()
+    comm.Barrier()
+    time.sleep(0.2)
+    assert not fresh.Iprobe(hc.ANY_SOURCE, hc.ANY_TAG)
+    fresh.Free()
 
 
 def test_a_long_wait_by_design_does_not_stall(comm: Communicator) -> None:
