@@ -546,6 +546,8 @@ before=$failures
     check "pbs: own job name and HPCDL_ARGS" has "$FAKE_LOG_DIR/qsub.log" \
         "qsub -N cnn-mlp -v HPCDL_ARGS='--config digits-cnn --set model.name=mlp' jobs/pbs/train.pbs"
     check "usage error without --" bash -c "! bash jobs/sweep.sh optimizer.lr 0.1"
+    check "--out refused at submission, nothing submitted" bash -c \
+        "bash jobs/sweep.sh optimizer.lr 0.1 -- --config x --out y.h5 2>&1 | grep -q 'sweep.sh: error: --out' && test \$(wc -l < '$FAKE_LOG_DIR/sbatch.log') = 2"
     exit "$failures"
 ) || failures=$((failures + $? - before))
 show_on_failure "$before" "$log"
