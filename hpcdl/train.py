@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
+from hpcdl import launch
 from hpcdl.backend import array_module, to_numpy
 from hpcdl.cli import ArgumentParser, parse_args, python_command
 from hpcdl.comm import Communicator, long_wait, notes, watch, world, wtime
@@ -407,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(parser, list(argv or []))
     cfg = load_config(args.config, args.sets)
     comm = world()
+    launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
     if args.out is not None:
         out = Path(args.out)
     elif args.resume is None:

@@ -2,11 +2,43 @@
 # Helpers shared by jobs/slurm/train.sbatch and jobs/pbs/train.pbs (sourced, not run).
 # Site settings live in jobs/site.sh; nothing here needs editing for a site.
 
+# hpcdl_quote WORD...: the words as one line that a shell reads back as the same words,
+# quoted only where needed ('...' or "..." where that suffices, for readability).
+hpcdl_quote() {
+    local word out="" q
+    for word in "$@"; do
+        if [[ "$word" =~ ^[A-Za-z0-9_./:=,+@%-]+$ ]]; then
+            q=$word
+        elif [[ "$word" != *"'"* ]]; then
+            q="'$word'"
+        elif [[ "$word" != *[\"\$\`\\!]* ]]; then
+            q="\"$word\""
+        else
+            printf -v q '%q' "$word"
+        fi
+        out+="${out:+ }$q"
+    done
+    printf '%s\n' "$out"
+}
+
 # hpcdl_echo_cmd CMD...: print CMD on stderr, quoted so that it can be pasted into a shell.
 hpcdl_echo_cmd() {
-    local quoted
-    printf -v quoted '%q ' "$@"
-    echo "+ ${quoted% }" >&2
+    echo "+ $(hpcdl_quote "$@")" >&2
+}
+
+# hpcdl_check_args PROG HINT ARGS...: refuse the training options that the job scripts set
+# themselves: --out and --resume, and their abbreviations (--o, --res=..., which argparse
+# takes for them). The script watches its own run file to decide whether to requeue; a
+# run written elsewhere would end the chain silently. One line on stderr, status 2.
+hpcdl_check_args() {
+    local prog=$1 hint=$2 arg
+    shift 2
+    for arg in "$@"; do
+        if [[ "$arg" =~ ^--(o|ou|out|r|re|res|resu|resum|resume)(=.*)?$ ]]; then
+            echo "$prog: error: ${arg%%=*} among the training arguments: the job script sets --out RUN.h5 --resume auto itself (RUN: runs/<job name>.h5, which it watches to requeue); choose another run file with HPCDL_RUN ($hint), and continue a run by submitting the same job name again" >&2
+            return 2
+        fi
+    done
 }
 
 # hpcdl_launch [--warn-after SECONDS] CMD...
@@ -16,10 +48,17 @@ hpcdl_echo_cmd() {
 #   foreground command returns, so a foreground launcher would never be told.
 # - `wait` returns early whenever a trapped signal arrives, so wait again while the
 #   launcher is alive; the last `wait` fetches its exit status.
+# - A SIGUSR1 is held until the ranks can take it: until the file HPCDL_READY_FILE exists,
+#   which rank 0 creates once every rank has installed its stop-signal handlers (a rank
+#   that gets SIGUSR1 before that dies of it: no checkpoint, no requeue). Without
+#   HPCDL_READY_FILE it is forwarded at once. SIGTERM is always forwarded at once (the
+#   scheduler sends it to the ranks too; it stops the job either way).
+# - A SIGUSR1 that reached the script before this function (HPCDL_SIGNAL already set by
+#   the script's early trap) is held and forwarded the same way.
 # - --warn-after: send this shell SIGUSR1 after SECONDS (the walltime timer for
 #   schedulers without a warning signal); the timer is stopped when CMD ends.
-# Sets HPCDL_RC (CMD's exit status) and HPCDL_SIGNAL (the first signal forwarded:
-# USR1, TERM, or empty).
+# Sets HPCDL_RC (CMD's exit status) and HPCDL_SIGNAL (the first signal received: USR1,
+# TERM, or empty).
 # shellcheck disable=SC2034  # HPCDL_RC, HPCDL_SIGNAL: read by the caller
 hpcdl_launch() {
     local warn_after="" timer=""
@@ -27,14 +66,15 @@ hpcdl_launch() {
         warn_after=$2
         shift 2
     fi
-    HPCDL_SIGNAL=""
+    HPCDL_SIGNAL="${HPCDL_SIGNAL:-}"
     HPCDL_PID=""
+    HPCDL_HELD=""
     trap '_hpcdl_forward USR1' USR1
     trap '_hpcdl_forward TERM' TERM
     "$@" &
     HPCDL_PID=$!
     if [[ -n "$HPCDL_SIGNAL" ]]; then  # arrived before the launcher existed
-        kill -"$HPCDL_SIGNAL" "$HPCDL_PID" 2>/dev/null || true
+        _hpcdl_forward "$HPCDL_SIGNAL"
     fi
     if [[ -n "$warn_after" ]]; then
         echo "$(date '+%F %T') walltime timer: SIGUSR1 in ${warn_after} s" >&2
@@ -51,6 +91,16 @@ hpcdl_launch() {
         timer=$!
     fi
     while kill -0 "$HPCDL_PID" 2>/dev/null; do
+        if [[ -n "$HPCDL_HELD" ]]; then
+            if [[ -e "$HPCDL_READY_FILE" ]]; then
+                echo "$(date '+%F %T') ranks ready: forwarding the held SIG$HPCDL_HELD to the launcher (pid $HPCDL_PID)" >&2
+                kill -"$HPCDL_HELD" "$HPCDL_PID" 2>/dev/null || true
+                HPCDL_HELD=""
+            else
+                sleep 0.2
+            fi
+            continue
+        fi
         wait "$HPCDL_PID" || true
     done
     HPCDL_RC=0
@@ -64,10 +114,16 @@ hpcdl_launch() {
 
 _hpcdl_forward() {
     [[ -n "$HPCDL_SIGNAL" ]] || HPCDL_SIGNAL=$1
-    if [[ -n "$HPCDL_PID" ]]; then
-        echo "$(date '+%F %T') batch shell got SIG$1: forwarding it to the launcher (pid $HPCDL_PID)" >&2
-        kill -"$1" "$HPCDL_PID" 2>/dev/null || true
+    [[ -n "$HPCDL_PID" ]] || return 0
+    if [[ "$1" == USR1 && -n "${HPCDL_READY_FILE:-}" && ! -e "$HPCDL_READY_FILE" ]]; then
+        if [[ -z "$HPCDL_HELD" ]]; then
+            echo "$(date '+%F %T') batch shell got SIGUSR1 before the ranks can take it: holding it until $HPCDL_READY_FILE exists" >&2
+        fi
+        HPCDL_HELD=USR1
+        return 0
     fi
+    echo "$(date '+%F %T') batch shell got SIG$1: forwarding it to the launcher (pid $HPCDL_PID)" >&2
+    kill -"$1" "$HPCDL_PID" 2>/dev/null || true
 }
 
 # hpcdl_run_status RUN.h5: the run file's root attribute `status` (running, stopped,

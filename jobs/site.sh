@@ -21,6 +21,16 @@ HPCDL_VENV="${HPCDL_VENV:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv
 #   https://slurm.schedmd.com/srun.html#SECTION_SIGNALS-AND-ESCAPE-SEQUENCES
 HPCDL_MPIEXEC="${HPCDL_MPIEXEC:-mpiexec}"
 
+# Slurm: the process-management interface srun offers the ranks (srun --mpi=TYPE). It must
+# be one that the MPI library under mpi4py speaks: without it, srun -n N starts N separate
+# one-rank MPI worlds (hpcdl.train refuses to start them). Slurm's own default,
+# MpiDefault=none, offers none. The type each MPI needs:
+#   pmi2   MPICH, including PyPI's mpich wheel that `make install` puts in the venv; Intel MPI
+#   pmix   Open MPI built with PMIx (the usual build on Slurm clusters)
+# Empty: use the cluster's MpiDefault. `srun --mpi=list` shows what the cluster offers.
+#   https://slurm.schedmd.com/mpi_guide.html
+HPCDL_SRUN_MPI="${HPCDL_SRUN_MPI-pmi2}"
+
 # Cores per rank: BLAS and OpenMP threads must not oversubscribe a node. Taken from
 # Slurm's --cpus-per-task (SLURM_CPUS_PER_TASK), or from PBS's ncpus per chunk (NCPUS)
 # divided by the ranks (mpiprocs) on this node, else 1; HPCDL_THREADS overrides.

@@ -24,6 +24,10 @@ done
 [[ "${1:-}" == -- && ${#values[@]} -gt 0 ]] || usage
 shift
 train_args=("$@")
+# shellcheck source=jobs/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+# refused now rather than when each job starts: the job scripts set --out/--resume themselves
+hpcdl_check_args sweep.sh "each job's run file is runs/<sweep>-<value>.h5" "${train_args[@]}" || exit 2
 
 scheduler="${HPCDL_SCHEDULER:-}"
 if [[ -z "$scheduler" ]]; then

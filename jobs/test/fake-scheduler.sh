@@ -8,18 +8,22 @@
 # - jobs/slurm/train.sbatch and jobs/pbs/train.pbs run under plain bash with the
 #   scheduler's variables set (SLURM_JOB_ID, SLURM_JOB_NAME, SLURM_NTASKS=2,
 #   SLURM_SUBMIT_DIR, ... / PBS_JOBID, PBS_JOBNAME, PBS_NODEFILE, PBS_O_WORKDIR, NCPUS).
-# - HPCDL_VENV points at a fake venv whose `activate` puts a stub directory in front of
+# - HPCDL_VENV points at a fake venv whose `activate` (which takes FAKE_ACTIVATE_SECONDS,
+#   a slow start of the batch script) puts a stub directory in front of
 #   the real venv on PATH. The stubs:
 #     srun      drops its options and execs `mpiexec -n $SLURM_NTASKS` (same pid, so a
 #               signal the batch shell forwards to "srun" reaches hydra, which forwards it
-#               to the ranks, as srun does);
+#               to the ranks, as srun does); with --mpi=none it starts the tasks as srun
+#               under MpiDefault=none does: separate processes, each a one-rank MPI world;
 #     scontrol, qsub, sbatch   log their arguments;
 #     qstat     prints a `qstat -f` record with Resource_List.walltime=$FAKE_WALLTIME;
-#     python    `python -m hpcdl.train ...` is a fake rank: it traps USR1/TERM, prints
-#               "rank R got SIG", and rank 0 writes the run file with status "stopped"
-#               (signalled) or "finished" (after FAKE_TRAIN_SECONDS), then exits
-#               FAKE_TRAIN_EXIT (0). Anything else runs the real python (used to read
-#               the run file's status with h5py).
+#     python    `python -m hpcdl.train ...` is a fake rank: it starts for
+#               FAKE_STARTUP_SECONDS (0) without handlers (as python does while it imports),
+#               then traps USR1/TERM; once every rank has, rank 0 creates HPCDL_READY_FILE
+#               (as hpcdl.train does after a barrier). It prints "rank R got SIG", and rank
+#               0 writes the run file with status "stopped" (signalled) or "finished"
+#               (after FAKE_TRAIN_SECONDS), then exits FAKE_TRAIN_EXIT (0). Anything else
+#               runs the real python (used to read the run file's status with h5py).
 #   The stub python tests the signal plumbing (batch shell -> srun/mpiexec -> ranks) and
 #   the requeue/resubmit decisions independently of hpcdl.train; its --out/--resume
 #   handling is hpcdl.train's own business (tests/).
@@ -44,8 +48,11 @@ stubs=$tmp/stubs
 submit=$tmp/submit
 mkdir -p "$stubs" "$tmp/venv/bin" "$submit" "$tmp/logs"
 ln -s "$root/jobs" "$submit/jobs"
-# shellcheck disable=SC2016  # $PATH expands when activate is sourced
-printf 'PATH="%s:%s/bin:$PATH"; export PATH\n' "$stubs" "$real_venv" > "$tmp/venv/bin/activate"
+# shellcheck disable=SC2016  # $PATH, $FAKE_* expand when activate is sourced
+{
+    printf 'PATH="%s:%s/bin:$PATH"; export PATH\n' "$stubs" "$real_venv"
+    printf 'if [[ -n "${FAKE_ACTIVATE_SECONDS:-}" ]]; then : > "$FAKE_LOG_DIR/activating"; sleep "$FAKE_ACTIVATE_SECONDS"; fi\n'
+} > "$tmp/venv/bin/activate"
 
 cat > "$stubs/python" <<'EOF'
 #!/usr/bin/env bash
@@ -60,10 +67,23 @@ for (( i = 0; i < ${#args[@]}; i++ )); do
     if [[ "${args[i]}" == --out ]]; then out=${args[i + 1]}; fi
 done
 rank=${PMI_RANK:-0}
+size=${PMI_SIZE:-1}
+sleep "${FAKE_STARTUP_SECONDS:-0}"  # a USR1 now kills this rank, as it kills python before its handlers
 got=""
 trap 'got=USR1' USR1
 trap 'got=TERM' TERM
+if [[ -n "${HPCDL_READY_FILE:-}" ]]; then  # hpcdl.train: a barrier, then rank 0 creates the file
+    : > "$HPCDL_READY_FILE.rank$rank"
+    if [[ "$rank" == 0 ]]; then
+        while (( $(find "$(dirname "$HPCDL_READY_FILE")" -name "$(basename "$HPCDL_READY_FILE").rank*" | wc -l) < size )); do
+            sleep 0.1
+        done
+        : > "$HPCDL_READY_FILE"
+        rm -f "$HPCDL_READY_FILE".rank*
+    fi
+fi
 echo "rank $rank started: $*"
+if [[ "$rank" == 0 ]]; then echo "rank 0 HPCDL_CONTINUE=${HPCDL_CONTINUE:-}"; fi
 sleep "${FAKE_TRAIN_SECONDS:-60}" &
 sleeper=$!
 wait "$sleeper" || true
@@ -82,10 +102,26 @@ EOF
 
 cat > "$stubs/srun" <<'EOF'
 #!/usr/bin/env bash
-# srun stand-in: log, drop srun's own options, become mpiexec (keeping this pid).
+# srun stand-in: log, drop srun's own options, become mpiexec (keeping this pid); with
+# --mpi=none, start the tasks unconnected, as srun does under MpiDefault=none.
 echo "srun $* SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-}" >> "$FAKE_LOG_DIR/srun.log"
-while [[ "${1:-}" == -* ]]; do shift; done
-exec mpiexec -n "$SLURM_NTASKS" "$@"
+mpi=""
+while [[ "${1:-}" == -* ]]; do
+    if [[ "$1" == --mpi=* ]]; then mpi=${1#--mpi=}; fi
+    shift
+done
+export SLURM_STEP_NUM_TASKS=$SLURM_NTASKS
+if [[ "$mpi" != none ]]; then
+    exec mpiexec -n "$SLURM_NTASKS" "$@"
+fi
+pids=()
+for (( task = 0; task < SLURM_NTASKS; task++ )); do
+    SLURM_PROCID=$task "$@" &
+    pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit "$rc"
 EOF
 
 for cmd in scontrol qsub sbatch; do
@@ -114,7 +150,7 @@ fail() { echo "  FAIL $*"; failures=$((failures + 1)); }
 # check DESCRIPTION COMMAND...: pass if COMMAND succeeds.
 check() { local what=$1; shift; if "$@" > /dev/null 2>&1; then pass "$what"; else fail "$what"; fi; }
 has() { grep -qF -- "$2" "$1"; }          # has FILE TEXT
-count() { grep -cF -- "$2" "$1" || true; } # count FILE TEXT
+count() { local n; n=$(grep -cF -- "$2" "$1" 2>/dev/null) || true; echo "${n:-0}"; }  # count FILE TEXT (0 if no FILE yet)
 lacks_log() { [[ ! -s "$FAKE_LOG_DIR/$1.log" ]]; }
 
 # start LOG SCRIPT ARGS...: run SCRIPT as a batch shell (own session, like a job) with the
@@ -168,6 +204,11 @@ else
     echo "  (shellcheck not installed: skipped)"
 fi
 
+check "Slurm's job log goes to runs/ (kept in every checkout), not the checkout's root" \
+    bash -c "grep -qx '#SBATCH --output=runs/%x-%j.out' '$root/jobs/slurm/train.sbatch' && test -f '$root/runs/.gitignore'"
+check "sbatch asks for --ntasks, not --ntasks-per-node (sbatch -n 2 must fit a 2-CPU node)" \
+    bash -c "grep -qx '#SBATCH --ntasks=4' '$root/jobs/slurm/train.sbatch' && ! grep -q '^#SBATCH --ntasks-per-node' '$root/jobs/slurm/train.sbatch'"
+
 echo "== lib.sh"
 # shellcheck source=/dev/null
 source "$root/jobs/lib.sh"
@@ -175,6 +216,8 @@ check "hpcdl_seconds 01:02:03 = 3723" test "$(hpcdl_seconds 01:02:03)" = 3723
 check "hpcdl_seconds 08:09 = 489 (no octal)" test "$(hpcdl_seconds 08:09)" = 489
 check "hpcdl_seconds 1:00:00:00 = 86400" test "$(hpcdl_seconds 1:00:00:00)" = 86400
 check "hpcdl_seconds rejects junk" bash -c "source '$root/jobs/lib.sh'; ! hpcdl_seconds 1h"
+check "hpcdl_quote: a shell reads back the same words" test \
+    "$(bash -c "source '$root/jobs/lib.sh'; eval \"set -- \$(hpcdl_quote a 'b c' \"it's\" 'x\"\$y' '' 'k=[1,2]')\"; printf '<%s>' \"\$@\"")" = "<a><b c><it's><x\"\$y><><k=[1,2]>"
 check "hpcdl_pbs_attr joins continuation lines" test \
     "$(PATH=$stubs:$PATH PBS_JOBNAME=x hpcdl_pbs_attr 1.fake Resource_List.select)" = "1:ncpus=4:mpiprocs=2:vntype=cray_compute"
 
@@ -190,9 +233,12 @@ before=$failures
     finish 40
     check "exit 0 (got $job_rc)" test "$job_rc" = 0
     check "stopped promptly (${job_secs} s < 30)" test "$job_secs" -lt 30
-    check "echoes the launch command" has "$log" \
-        "+ srun --ntasks=2 python -m hpcdl.train --progress lines --out runs/lr-0.1.h5 --resume auto --config digits-cnn --set optimizer.lr=0.1"
+    check "echoes the launch command, srun --mpi=pmi2 (site.sh)" has "$log" \
+        "+ srun --mpi=pmi2 --ntasks=2 python -m hpcdl.train --progress lines --out runs/lr-0.1.h5 --resume auto --config digits-cnn --set optimizer.lr=0.1"
     check "srun gets --cpus-per-task via SRUN_CPUS_PER_TASK" has "$FAKE_LOG_DIR/srun.log" "SRUN_CPUS_PER_TASK=1"
+    check "the ranks get HPCDL_CONTINUE: the sbatch line that continues the run" has "$log" \
+        "rank 0 HPCDL_CONTINUE=sbatch --job-name=lr-0.1 --ntasks=2 jobs/slurm/train.sbatch --config digits-cnn --set optimizer.lr=0.1"
+    check "the ready file is removed after the step" test ! -e "$submit/runs/lr-0.1.h5.ready-4242"
     check "rank 0 got USR1" has "$log" "rank 0 got USR1"
     check "rank 1 got USR1" has "$log" "rank 1 got USR1"
     check "run status read back: stopped" has "$log" "run status stopped, after SIGUSR1"
@@ -217,22 +263,87 @@ before=$failures
 ) || failures=$((failures + $? - before))
 show_on_failure "$before" "$log"
 
-echo "== slurm: USR1 with HPCDL_REQUEUE=0 -> stop, no requeue"
+echo "== slurm: USR1 with HPCDL_REQUEUE=0 and HPCDL_RUN -> stop, no requeue, the continue command"
 reset_logs
 log=$tmp/slurm-norequeue.out
 before=$failures
 (
     slurm_env norequeue
-    export FAKE_TRAIN_SECONDS=60 HPCDL_REQUEUE=0
-    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    export FAKE_TRAIN_SECONDS=60 HPCDL_REQUEUE=0 HPCDL_RUN=other/nr.h5 SLURM_CPUS_PER_TASK=2
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp --set 'model.widths=[8, 8]'
     if wait_text "$log" started 2 30; then kill -USR1 "$job_pid"; fi
     finish 40
     check "exit 0 (got $job_rc)" test "$job_rc" = 0
     check "ranks got USR1" test "$(count "$log" "got USR1")" = 2
     check "no requeue" lacks_log scontrol
+    check "the ranks write HPCDL_RUN" has "$log" "--out other/nr.h5 --resume auto"
+    check "says how to continue: HPCDL_RUN, name, ranks, threads, arguments" has "$log" \
+        "stopped with a checkpoint; continue with: HPCDL_RUN=other/nr.h5 sbatch --job-name=norequeue --ntasks=2 --cpus-per-task=2 jobs/slurm/train.sbatch --config digits-mlp --set 'model.widths=[8, 8]'"
     exit "$failures"
 ) || failures=$((failures + $? - before))
 show_on_failure "$before" "$log"
+
+echo "== slurm: USR1 while the ranks start (no handlers yet) -> held until they are ready -> requeue"
+reset_logs
+log=$tmp/slurm-early.out
+before=$failures
+(
+    slurm_env early
+    export FAKE_TRAIN_SECONDS=60 FAKE_STARTUP_SECONDS=3
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    if wait_text "$log" "+ srun" 1 30; then kill -USR1 "$job_pid"; fi
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "the signal is held" has "$log" "before the ranks can take it: holding it"
+    check "then forwarded" has "$log" "ranks ready: forwarding the held SIGUSR1"
+    check "rank 0 got USR1" has "$log" "rank 0 got USR1"
+    check "rank 1 got USR1" has "$log" "rank 1 got USR1"
+    check "scontrol requeue 4242" has "$FAKE_LOG_DIR/scontrol.log" "scontrol requeue 4242"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: USR1 while the batch script itself starts -> kept, held, forwarded -> requeue"
+reset_logs
+log=$tmp/slurm-earlier.out
+before=$failures
+(
+    slurm_env earlier
+    export FAKE_TRAIN_SECONDS=60 FAKE_ACTIVATE_SECONDS=2
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    deadline=$((SECONDS + 30))
+    while [[ ! -e "$FAKE_LOG_DIR/activating" ]] && (( SECONDS < deadline )); do sleep 0.1; done
+    kill -USR1 "$job_pid"
+    finish 40
+    rm -f "$FAKE_LOG_DIR/activating"
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "rank 0 got USR1" has "$log" "rank 0 got USR1"
+    check "rank 1 got USR1" has "$log" "rank 1 got USR1"
+    check "scontrol requeue 4242" has "$FAKE_LOG_DIR/scontrol.log" "scontrol requeue 4242"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: --out/--resume among the arguments -> refused, one line, exit 2, nothing launched"
+reset_logs
+before=$failures
+(
+    slurm_env own-out
+    export FAKE_TRAIN_SECONDS=1
+    i=0
+    for bad in "--out elsewhere.h5" "--out=elsewhere.h5" "--o elsewhere.h5" "--resume auto" "--res=auto"; do
+        i=$((i + 1))
+        log=$tmp/slurm-out-$i.out
+        read -r -a bad_args <<< "$bad"
+        start "$log" jobs/slurm/train.sbatch --config digits-mlp "${bad_args[@]}"
+        finish 20
+        check "$bad: exit 2 (got $job_rc)" test "$job_rc" = 2
+        check "$bad: one line naming the option and HPCDL_RUN" test "$(grep -c "train.sbatch: error: ${bad_args[0]%%=*} among the training arguments.*HPCDL_RUN" "$log")" = 1
+        check "$bad: nothing launched" lacks_log srun
+    done
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$tmp/slurm-out-1.out"
 
 echo "== slurm: TERM (scancel) -> forwarded, no requeue"
 reset_logs
@@ -308,10 +419,47 @@ before=$failures
     check "run status stopped" has "$log" "run status stopped, after SIGUSR1"
     check "qsub with same name, resources, args, run and restart count" has "$FAKE_LOG_DIR/qsub.log" \
         "qsub -N pbs-lr -l select=1:ncpus=4:mpiprocs=2:vntype=cray_compute -l walltime=00:00:07 -q workq -A proj42 -v HPCDL_ARGS='--config digits-cnn --set optimizer.lr=0.1',HPCDL_RUN=runs/pbs-lr.h5,HPCDL_RESTARTS=1,HPCDL_MARGIN=4 jobs/pbs/train.pbs"
+    check "the ranks get HPCDL_CONTINUE: the qsub line that continues the run" has "$log" \
+        "rank 0 HPCDL_CONTINUE=qsub -N pbs-lr -l select=1:ncpus=4:mpiprocs=2:vntype=cray_compute -l walltime=00:00:07 -q workq -A proj42 -v \"HPCDL_ARGS='--config digits-cnn --set optimizer.lr=0.1',HPCDL_RUN=runs/pbs-lr.h5,HPCDL_MARGIN=4\" jobs/pbs/train.pbs"
     exit "$failures"
 ) || failures=$((failures + $? - before))
 show_on_failure "$before" "$log"
 if [[ -s "$FAKE_LOG_DIR/qsub.log" ]]; then sed 's/^/      qsub.log: /' "$FAKE_LOG_DIR/qsub.log"; fi
+
+echo "== pbs: walltime timer fires while the ranks start -> held until they are ready -> qsub again"
+reset_logs
+log=$tmp/pbs-early.out
+before=$failures
+(
+    pbs_env pbs-early
+    export FAKE_TRAIN_SECONDS=60 FAKE_STARTUP_SECONDS=4 HPCDL_WALLTIME=5 HPCDL_MARGIN=4
+    export HPCDL_ARGS="--config digits-mlp"
+    start "$log" jobs/pbs/train.pbs
+    finish 40
+    check "exit 0 (got $job_rc)" test "$job_rc" = 0
+    check "the signal is held" has "$log" "before the ranks can take it: holding it"
+    check "rank 0 got USR1" has "$log" "rank 0 got USR1"
+    check "rank 1 got USR1" has "$log" "rank 1 got USR1"
+    check "qsub again" has "$FAKE_LOG_DIR/qsub.log" "qsub -N pbs-early"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== pbs: --out in HPCDL_ARGS -> refused, one line, exit 2"
+reset_logs
+log=$tmp/pbs-out.out
+before=$failures
+(
+    pbs_env pbs-out
+    export FAKE_TRAIN_SECONDS=1 HPCDL_WALLTIME=600 HPCDL_ARGS="--config digits-mlp --out=x.h5"
+    start "$log" jobs/pbs/train.pbs
+    finish 20
+    check "exit 2 (got $job_rc)" test "$job_rc" = 2
+    check "one line naming --out and HPCDL_RUN" test "$(grep -c "train.pbs: error: --out among the training arguments.*HPCDL_RUN" "$log")" = 1
+    check "nothing launched" bash -c "! grep -q 'rank 0 started' '$log'"
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
 
 echo "== pbs: training finishes before the timer -> timer stopped, no qsub"
 reset_logs
@@ -362,6 +510,25 @@ if [[ "${HPCDL_TEST_REAL:-0}" == 1 ]]; then
         exit "$failures"
     ) || failures=$((failures + $? - before))
     show_on_failure "$before" "$log"
+
+    echo "== slurm, real hpcdl.train, srun --mpi=none: unconnected ranks refused, one line, exit 2"
+    reset_logs
+    log=$tmp/slurm-nopmi.out
+    before=$failures
+    (
+        slurm_env nopmi
+        export HPCDL_VENV=$tmp/venv-real HPCDL_SRUN_MPI=none
+        start "$log" jobs/slurm/train.sbatch --config digits-mlp --set train.steps=5
+        finish 120
+        check "exit 2 (got $job_rc)" test "$job_rc" = 2
+        check "srun --mpi=none" has "$FAKE_LOG_DIR/srun.log" "srun --mpi=none --ntasks=2"
+        check "each task: one line naming both counts and the PMI setting" test \
+            "$(grep -c "^hpcdl.train: error: srun started 2 processes (SLURM_STEP_NUM_TASKS=2) but MPI sees 1 rank.*HPCDL_SRUN_MPI" "$log")" = 2
+        check "no traceback" bash -c "! grep -q Traceback '$log'"
+        check "no training, no run file" bash -c "! grep -q '^step ' '$log' && test ! -e '$submit/runs/nopmi.h5'"
+        exit "$failures"
+    ) || failures=$((failures + $? - before))
+    show_on_failure "$before" "$log"
 fi
 
 echo "== sweep.sh"
@@ -379,6 +546,8 @@ before=$failures
     check "pbs: own job name and HPCDL_ARGS" has "$FAKE_LOG_DIR/qsub.log" \
         "qsub -N cnn-mlp -v HPCDL_ARGS='--config digits-cnn --set model.name=mlp' jobs/pbs/train.pbs"
     check "usage error without --" bash -c "! bash jobs/sweep.sh optimizer.lr 0.1"
+    check "--out refused at submission, nothing submitted" bash -c \
+        "bash jobs/sweep.sh optimizer.lr 0.1 -- --config x --out y.h5 2>&1 | grep -q 'sweep.sh: error: --out' && test \$(wc -l < '$FAKE_LOG_DIR/sbatch.log') = 2"
     exit "$failures"
 ) || failures=$((failures + $? - before))
 show_on_failure "$before" "$log"
