@@ -63,8 +63,10 @@ class RunResult:
 
     def summary(self) -> str:
         """The one summary line printed at the end of a run."""
+        acc = self.test_accuracy
+        accuracy = f"{100 * acc:.2f}%" if math.isfinite(acc) else "not evaluated"
         return (
-            f"{self.config['name']}: test accuracy {100 * self.test_accuracy:.2f}% | "
+            f"{self.config['name']}: test accuracy {accuracy} | "
             f"{self.steps} steps ({self.epochs:g} epochs) on {self.ranks} rank{'s' * (self.ranks > 1)} | "
             f"wall {self.wall_s:.1f} s | {self.samples_per_s:.0f} samples/s"
             + (f" | run file {self.run_file}" if self.run_file is not None else "")
@@ -407,17 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, list(argv or []))
     cfg = load_config(args.config, args.sets)
-    comm = world()
-    launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
-    if args.out is not None:
-        out = Path(args.out)
-    elif args.resume is None:
-        out = default_out(cfg, comm)
-    elif args.resume == "auto":
-        raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
-    else:
-        out = run_file_of(args.resume)
-    with watch(cfg["debug.stall_s"]) as comm:
+    with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
+        launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
+        if args.out is not None:
+            out = Path(args.out)
+        elif args.resume is None:
+            out = default_out(cfg, comm)
+        elif args.resume == "auto":
+            raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
+        else:
+            out = run_file_of(args.resume)
         result = run(cfg, comm, progress=args.progress, out=out, resume=args.resume)
         if comm.Get_rank() == 0:
             if result.stopped_by:
