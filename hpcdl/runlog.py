@@ -69,13 +69,11 @@ class RunLog:
         times = np.stack(every, axis=1)  # steps, ranks, 4
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
-        self.runfile.append_metrics(self._rows)
-        self.runfile.append_ranks(
+        self.runfile.append_rows(
+            self._rows,
             {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
-             "other_time": other}
+             "other_time": other},
         )  # fmt: skip
-        self.runfile.heartbeat()
-        self.runfile.flush()
         self._rows = []
 
     def close(self, status: str, **attrs: Any) -> None:
@@ -157,6 +155,7 @@ def _open_on_root(
     if run_path is None:
         return (find_resume(resume, Path(resume), cfg, model, ranks) if resume else None), None
     changes: dict[str, tuple[Any, Any]] = {}
+    attrs: dict[str, Any] = {}
     exists = run_path.exists()
     if resume is None:
         if exists:
@@ -173,7 +172,12 @@ def _open_on_root(
         attrs = {**read_attrs(run_path), "path": str(run_path)}
         changes = check_run_config(attrs, cfg, ranks)
     ckpt = find_resume(resume, run_path, cfg, model, ranks) if resume is not None else None
-    if resume is not None and exists:  # continue it; no checkpoint yet: from step 0
+    if ckpt is None and exists and attrs.get("status") in ("finished", "stopped"):
+        raise RunFileError(
+            f"{run_path} is a {attrs['status']} run with no checkpoint to continue from (deleted?): "
+            "nothing was changed; start a new run with another --out"
+        )
+    if resume is not None and exists:  # continue it; no checkpoint yet (killed before one): from step 0
         runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, ranks)
         if changes:
             step = ckpt.step if ckpt else 0

@@ -211,8 +211,8 @@ def run(
                 outcome = ("ok", str(path))
             except FileError as err:
                 outcome = ("error", str(err))
-        if size > 1:
-            with long_wait("rank 0 writes a checkpoint"):
+        if size > 1:  # a write may take long; one that takes ten stall limits is reported
+            with long_wait("rank 0 writes a checkpoint", limit_s=10 * cfg["debug.stall_s"] or None):
                 outcome = comm.bcast(outcome, root=0)
         if outcome[0] == "error":
             raise FileError(outcome[1])

@@ -194,3 +194,30 @@ def test_the_continue_command_of_a_job_script_and_of_the_simulator(
     printed = line.group(1).split()
     assert simulate(printed[3:]) == 0  # what follows "python -m hpcdl.simulate", as printed
     assert "12 steps" in capsys.readouterr().out
+
+
+def test_a_finished_run_without_checkpoints_is_not_restarted(tmp_path: Path) -> None:
+    """Checkpoints deleted to save space: --resume auto must not start the finished run over."""
+    out = tmp_path / "r.h5"
+    run(load_config("digits-mlp", _base()), out=out)
+    for path in list_checkpoints(out):
+        path.unlink()
+    before = _files(tmp_path)
+    with pytest.raises(HpcdlError, match=r"r.h5 is a finished run with no checkpoint to continue from"):
+        run(load_config("digits-mlp", _base("train.steps=5")), out=out, resume="auto")
+    assert _files(tmp_path) == before
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path: Path) -> None:
+    """A requeued job whose first allocation ended before any checkpoint: same settings, from 0."""
+    out = tmp_path / "r.h5"
+    run(load_config("digits-mlp", _base()), out=out)
+    for path in list_checkpoints(out):
+        path.unlink()
+    with h5py.File(out, "r+") as f:
+        f.attrs["status"] = "running"  # as SIGKILL leaves it
+    rest = run(load_config("digits-mlp", _base()), out=out, resume="auto")
+    assert rest.steps == 30
+    with h5py.File(out, "r") as f:
+        assert list(f.attrs["resumed_at"]) == [0] and f.attrs["rows_cut"] == 30
+        assert f["metrics/step"].shape == (30,)

@@ -180,15 +180,13 @@ step = 0
 
 def append(n):
     global step
-    run.append_metrics([{"step": step + k + 1, "loss": 1.0} for k in range(n)])
-    run.append_ranks({s: np.ones((n, 4)) for s in RANK_SERIES})
-    run.heartbeat()
-    run.flush()
+    rows = [{"step": step + k + 1, "loss": 1.0} for k in range(n)]
+    run.append_rows(rows, {s: np.ones((n, 4)) for s in RANK_SERIES})
     step += n
 
 append(100)
-# the disk is full from now on: the file may not grow past its size (its reserve included)
-resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path), resource.RLIM_INFINITY))
+# the disk fills up: the file may grow by 150 kB more (less than the next chunks take)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 150_000, resource.RLIM_INFINITY))
 try:
     while True:  # rows fill the first chunks in place; a new chunk needs space
         append(100)
@@ -210,3 +208,40 @@ def test_a_full_disk_keeps_every_flushed_row(tmp_path: Path) -> None:
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(f["metrics/step"][...], np.arange(1, int(flushed) + 1))
         assert f["ranks/other_time"].shape == (int(flushed), 4)
+
+
+OLDER_FILE = """
+import os, resource, signal, sys
+import h5py, numpy as np
+from hpcdl.errors import FileError
+from hpcdl.store import RunFile, RANK_SERIES
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+path, ranks, rows = sys.argv[1], 200, 500
+run = RunFile.create(path, {"name": "x", "config": "", "ranks": ranks}, ranks=ranks)
+run.append_rows([{"step": k + 1} for k in range(rows)], {s: np.ones((rows, ranks)) for s in RANK_SERIES})
+run.close()
+with h5py.File(path, "r+") as f:
+    del f["ranks/other_time"]  # as an hpcdl before the series wrote it
+run = RunFile.resume(path, rows, ranks)  # recreates the series: its rows have no chunks on disk
+limit = os.path.getsize(path) + (1 << 20) + 300_000  # the slack and more, less than the new chunk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+try:
+    new = [{"step": rows + k + 1} for k in range(10)]
+    run.append_rows(new, {s: np.ones((10, ranks)) for s in RANK_SERIES})
+    print("written")
+except FileError as err:
+    print("refused", err)
+run.close()
+"""
+
+
+def test_a_full_disk_on_a_resumed_older_run_file_keeps_it(tmp_path: Path) -> None:
+    """The new other_time series (1.6 MB a chunk at 200 ranks) is counted before writing."""
+    path = tmp_path / "older.h5"
+    proc = subprocess.run([sys.executable, "-c", OLDER_FILE, str(path)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("refused"), proc.stdout + proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr
+    with h5py.File(path, "r") as f:
+        assert f["metrics/step"].shape == (500,) and f["ranks/other_time"].shape == (500, 200)

@@ -113,3 +113,68 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
     waits = re.findall(r"rank (\d) waits [0-9.]+ s in (\S+)", err)
     assert sorted(int(r) for r, _ in waits) == [0, 2], err  # the others, each with its operation
     assert "(step " in err, err
+
+
+WITHDRAWN = """
+import time
+import numpy as np
+from hpcdl.cli import entry
+from hpcdl.comm import long_wait, watch
+
+def main(argv):
+    with watch(2.0) as w:
+        w.Barrier()
+        buf = np.zeros(1)
+        if w.Get_rank() == 0:
+            w.Recv(buf, source=1, tag=1)  # 2.5 s late: rank 0 asks at 2 s, then its wait completes
+            with long_wait("an idle server"):
+                w.Recv(buf, source=2, tag=2)
+        elif w.Get_rank() == 1:
+            time.sleep(2.5)
+            w.Send(buf, dest=0, tag=1)
+            w.Recv(buf, source=2, tag=2)  # rank 2 never sends
+        else:
+            time.sleep(60)  # hung outside any communication
+    return 0
+
+entry(main, "withdrawn")
+"""
+
+SUBCOMM = """
+import time
+from hpcdl.cli import entry
+from hpcdl.comm import subcomm, watch
+
+def main(argv):
+    with watch(2.0) as w:
+        w.Barrier()
+        if w.Get_rank() == 1:
+            time.sleep(60)  # hung outside any communication
+        subcomm(w, [0, 1])
+    return 0
+
+entry(main, "subcomm")
+"""
+
+
+def _job(tmp_path: Path, program: str, n: int) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    return subprocess.run([str(BIN / "mpiexec"), "-n", str(n), sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=40, env=_env(), check=False)  # fmt: skip
+
+
+def test_a_withdrawn_question_does_not_hide_the_rank_that_hangs(tmp_path: Path) -> None:
+    """Rank 0 asks, then its wait completes (it withdraws); rank 1 stalls next: rank 2 is named."""
+    proc = _job(tmp_path, WITHDRAWN, 3)
+    assert proc.returncode == 3, proc.stderr
+    assert "hpcdl: rank 0 waited" in proc.stderr and "and it completed" in proc.stderr, proc.stderr
+    assert "stall: rank 2 did not respond" in proc.stderr, proc.stderr
+    assert "rank 1 waits" in proc.stderr and "Recv from rank 2 tag 2" in proc.stderr, proc.stderr
+    assert "rank 0 waits" in proc.stderr and "(by design: an idle server)" in proc.stderr, proc.stderr
+
+
+def test_creating_a_sub_communicator_is_watched(tmp_path: Path) -> None:
+    proc = _job(tmp_path, SUBCOMM, 2)
+    assert proc.returncode == 3, proc.stderr
+    assert "stall: rank 1 did not respond" in proc.stderr and "subcomm of ranks" in proc.stderr, proc.stderr

@@ -123,21 +123,23 @@ def notes() -> dict[str, Any]:
     return hook() if hook is not None else {}
 
 
-def long_wait(reason: str) -> contextlib.AbstractContextManager[None]:
-    """Waits inside this block are long by design: the stall watchdog never fires on them.
+def long_wait(reason: str, limit_s: float | None = None) -> contextlib.AbstractContextManager[None]:
+    """Waits inside this block are long by design: the stall watchdog lets them last.
 
     For a parameter server idle between pushes, a worker held back by a staleness bound,
     ranks waiting while rank 0 writes a checkpoint. Such waits still answer a stalled
-    rank's questions (as "waiting by design: REASON").
+    rank's questions (as "by design: REASON").
 
     Args:
         reason: what the wait is, for reports.
+        limit_s: seconds after which such a wait stalls all the same (a checkpoint write
+            that never ends); None: never.
 
     Returns:
         A context manager (does nothing in a world without a watchdog).
     """
     hook = _world_hook("long_wait")
-    return hook(reason) if hook is not None else contextlib.nullcontext()
+    return hook(reason, limit_s) if hook is not None else contextlib.nullcontext()
 
 
 def _active(reqs: Sequence[Request | None]) -> list[int]:

@@ -27,8 +27,11 @@ __all__ = [
     "IN_PLACE",
     "MAX",
     "MIN",
+    "PROC_NULL",
     "SUM",
     "all_requests",
+    "is_null",
+    "world_ranks",
     "comm_world",
     "library_version",
     "new_status",
@@ -41,6 +44,7 @@ __all__ = [
 ANY_SOURCE: int = MPI.ANY_SOURCE
 ANY_TAG: int = MPI.ANY_TAG
 IN_PLACE: Any = MPI.IN_PLACE
+PROC_NULL: int = MPI.PROC_NULL
 SUM: MPI.Op = MPI.SUM
 MAX: MPI.Op = MPI.MAX
 MIN: MPI.Op = MPI.MIN
@@ -107,3 +111,18 @@ def subcomm(comm: MPI.Intracomm, ranks: Sequence[int]) -> MPI.Intracomm:
             sub.Free()
     finally:
         group.Free()
+
+
+def is_null(comm: Any) -> bool:
+    """True for ``MPI.COMM_NULL`` (what ``Split`` gives a rank with color ``UNDEFINED``)."""
+    return comm == MPI.COMM_NULL
+
+
+def world_ranks(comm: MPI.Comm, ranks: Sequence[int]) -> list[int]:
+    """The ranks in ``COMM_WORLD`` of ``ranks`` of ``comm``."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return [int(r) for r in MPI.Group.Translate_ranks(group, list(ranks), world)]
+    finally:
+        group.Free()
+        world.Free()

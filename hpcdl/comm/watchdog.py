@@ -13,12 +13,13 @@ tag, communicator, and the notes the caller left: step, phase, buckets). When ev
 answers, every rank is waiting for another: a deadlock, and each rank's wait is listed.
 
 The first rank to stall reports; ranks that stall while another rank's question is
-recent leave the report to it (when two ask at once, the lower rank reports), and report
-themselves only if the job is still alive :data:`FALLBACK_S` after that. A wait that
-completes while its rank is asking was slow, not hung: it prints one warning line and goes
-on. Waits a strategy means to be long are wrapped in :meth:`Watchdog.long_wait` (an idle
-parameter server, a worker held back by a staleness bound): they answer questions
-("waits by design") but never stall.
+recent leave the report to it (when two ask at once, the lower rank reports), and ask
+and report themselves if the job is still alive :data:`FALLBACK_S` after that. A wait that
+completes while its rank is asking was slow, not hung: it withdraws its question, prints
+one warning line and goes on. Waits a strategy means to be long are wrapped in
+:meth:`Watchdog.long_wait` (an idle parameter server, a worker held back by a staleness
+bound, ranks waiting while rank 0 writes a checkpoint): they answer questions ("waits by
+design") and stall only after their own limit, if they have one.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ SPIN_POLLS = 64
 #: ranks listed one per line in a report; more are summarised
 LISTED = 8
 
-_ASK, _REPLY = 1, 2  # tags on the watchdog's private communicator
+# tags on the watchdog's private communicator: a question, an answer, a question withdrawn,
+# and the members-only barrier of a sub-communicator being created
+_ASK, _REPLY, _WITHDRAW, _SYNC = 1, 2, 3, 4
+_NOTE_TAGS = (_ASK, _REPLY, _WITHDRAW)
 
 
 class StallError(HpcdlError):
@@ -87,14 +91,14 @@ class Watchdog:
         self.grace_s = float(grace_s) if grace_s is not None else min(5.0, max(1.0, stall_s / 10))
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._clock = mpi.wtime
-        self._any_source, self._any_tag = mpi.ANY_SOURCE, mpi.ANY_TAG
+        self._any_source, self._proc_null = mpi.ANY_SOURCE, mpi.PROC_NULL
         self._probe_status = mpi.new_status()
         self._notes = comm.Dup()  # questions and answers never match the program's messages
         self._stream = stream
         #: what the caller is doing (step, phase, buckets): shown in reports
         self.context: dict[str, Any] = {}
         self._posted: deque[tuple[int, str, int, int, str]] = deque(maxlen=1024)
-        self._patient: list[str] = []
+        self._patient: list[tuple[str, float]] = []  # (reason, limit in seconds)
         self._seq = 0
         self._asked: tuple[int, float] | None = None  # (lowest recent asker, when)
         self._replies: dict[int, tuple[str, bool]] | None = None  # while asking
@@ -108,13 +112,17 @@ class Watchdog:
         self._posted.append((id(req), op, peer, tag, comm))
 
     @contextlib.contextmanager
-    def long_wait(self, reason: str) -> Iterator[None]:
-        """Waits inside are long by design: they answer questions but never stall."""
-        self._patient.append(reason)
+    def long_wait(self, reason: str, limit_s: float | None = None) -> Iterator[None]:
+        """Waits inside are long by design: they answer questions, and stall only after ``limit_s``."""
+        self._patient.append((reason, float("inf") if limit_s is None else float(limit_s)))
         try:
             yield
         finally:
             self._patient.pop()
+
+    def _limit(self) -> float:
+        """Seconds the current wait may last."""
+        return self._patient[-1][1] if self._patient else self.stall_s
 
     # -- waiting ---------------------------------------------------------------------------
     def wait(self, reqs: Sequence[Any], what: Any, status: Any = None) -> None:
@@ -130,7 +138,8 @@ class Watchdog:
         Raises:
             StallError: the wait lasted ``stall_s`` and the rank reported it.
         """
-        pending = _test(reqs, status)
+        first = reqs[0] if status is not None and reqs else None  # the request whose status is asked
+        pending = _test(reqs, status, first)
         if not pending:
             return
         clock = self._clock
@@ -138,7 +147,7 @@ class Watchdog:
         check = t0 + CHECK_S
         polls = 0
         while True:
-            pending = _test(pending, status)
+            pending = _test(pending, status, first)
             if not pending:
                 return
             polls += 1
@@ -148,8 +157,8 @@ class Watchdog:
             if now >= check:
                 check = now + CHECK_S
                 self._serve(what, pending, now - t0)
-                if now - t0 >= self.stall_s and not self._patient:
-                    self._stalled(_AllOf(pending, status), what, t0)
+                if now - t0 >= self._limit():
+                    self._stalled(_AllOf(pending, status, first), what, t0)
                     return
 
     def wait_any(self, reqs: Sequence[Any], what: Any, status: Any = None) -> int | None:
@@ -176,13 +185,16 @@ class Watchdog:
             if now >= check:
                 check = now + CHECK_S
                 self._serve(what, waiting.pending(), now - t0)
-                if now - t0 >= self.stall_s and not self._patient:
+                if now - t0 >= self._limit():
                     self._stalled(waiting, what, t0)
                     return waiting.found
 
     # -- a stall ---------------------------------------------------------------------------
     def _stalled(self, waiting: _AllOf | _AnyOf, what: Any, t0: float) -> None:
         """Ask the others, collect their answers for ``grace_s``, then raise the report.
+
+        When another rank asked recently it is reporting: this rank waits for the job to
+        end, and asks itself if it is still alive :data:`FALLBACK_S` after that question.
 
         Args:
             waiting: the requests waited for.
@@ -195,13 +207,7 @@ class Watchdog:
         now = clock()
         reporting = not self._someone_else_reports(now)
         if reporting:
-            self._seq += 1
-            self._replies = {}
-            mine = self._describe(what, waiting.pending(), now - t0)
-            for r in range(self.size):
-                if r != self.rank:
-                    self._outbox.append(self._notes.isend((self._seq, mine), r, _ASK))
-                    self._sent[r] += 1
+            self._ask(what, waiting.pending(), now - t0)
             deadline = now + self.grace_s
         else:
             deadline = self._asked[1] + self.grace_s + FALLBACK_S  # type: ignore[index]
@@ -209,6 +215,8 @@ class Watchdog:
         try:
             while True:
                 if waiting.poll():
+                    if reporting:
+                        self._withdraw()
                     self._warn(what, clock() - t0)
                     return
                 _yield()
@@ -222,19 +230,35 @@ class Watchdog:
                     if reporting and len(self._replies or ()) == self.size - 1:
                         break
                 if now >= deadline:
-                    break
+                    if reporting:
+                        break
+                    # the rank that asked did not end the job (it died, or its wait completed
+                    # and its withdrawal was lost): ask and report here
+                    self._asked = None
+                    self._ask(what, waiting.pending(), now - t0)
+                    reporting, deadline = True, now + self.grace_s
             waited = clock() - t0
             mine = self._describe(what, waiting.pending(), waited)
-            if reporting:
-                raise StallError(self._report(mine, self._replies or {}, waited), waiting.pending())
-            asker = self._asked[0] if self._asked else "?"
-            raise StallError(
-                f"stall: rank {self.rank} waits {mine}; rank {asker} was reporting a stall but the job "
-                f"did not end within {FALLBACK_S:g} s (debug.stall_s = {self.stall_s:g})",
-                waiting.pending(),
-            )
+            raise StallError(self._report(mine, self._replies or {}, waited), waiting.pending())
         finally:
             self._replies = None
+
+    def _ask(self, what: Any, pending: Sequence[Any], waited: float) -> None:
+        """Send every other rank this rank's question; answers are collected in ``_replies``."""
+        self._seq += 1
+        self._replies = {}
+        mine = self._describe(what, pending, waited)
+        self._send_all((self._seq, mine), _ASK)
+
+    def _withdraw(self) -> None:
+        """This rank's wait completed while it asked: the others need not wait for its report."""
+        self._send_all((self._seq, ""), _WITHDRAW)
+
+    def _send_all(self, note: Any, tag: int) -> None:
+        for r in range(self.size):
+            if r != self.rank:
+                self._outbox.append(self._notes.isend(note, r, tag))
+                self._sent[r] += 1
 
     def _someone_else_reports(self, now: float) -> bool:
         """A lower rank (or, before this rank asked, any rank) asked recently."""
@@ -247,11 +271,14 @@ class Watchdog:
     def _serve(self, what: Any, pending: Sequence[Any], waited: float) -> None:
         """Answer the questions of stalled ranks; collect answers to this rank's own."""
         notes, st = self._notes, self._probe_status
-        while notes.Iprobe(self._any_source, self._any_tag, st):
+        while any(notes.Iprobe(self._any_source, t, st) for t in _NOTE_TAGS):  # not _SYNC: a barrier's
             source, tag = st.Get_source(), st.Get_tag()
             seq, text = notes.recv(source=source, tag=tag)
             self._received[source] += 1
-            if tag == _ASK:
+            if tag == _WITHDRAW:
+                if self._asked is not None and self._asked[0] == source:
+                    self._asked = None
+            elif tag == _ASK:
                 now = self._clock()
                 if (
                     self._asked is None
@@ -269,9 +296,9 @@ class Watchdog:
     # -- words -----------------------------------------------------------------------------
     def _describe(self, what: Any, pending: Sequence[Any], waited: float) -> str:
         """``12.0 s in Recv from rank 1 tag 0 on world (step 7, phase exchange): ...``"""
-        text = f"{waited:.1f} s in {_what_text(what)}"
+        text = f"{waited:.1f} s in {self._what_text(what)}"
         if self._patient:
-            text += f" (by design: {self._patient[-1]})"
+            text += f" (by design: {self._patient[-1][0]})"
         first = [k for k in ("step", "phase") if k in self.context]
         keys = first + [k for k in self.context if k not in first]
         notes = ", ".join(f"{k} {self.context[k]}" for k in keys if self.context[k] is not None)
@@ -291,8 +318,43 @@ class Watchdog:
         key = id(req)
         for ident, op, peer, tag, comm in reversed(self._posted):  # the newest with this id is it
             if ident == key:
-                return f"{op} rank {peer} tag {tag} on {comm}"
+                return self._what_text((op, peer, tag, comm))
         return ""
+
+    def _what_text(self, what: Any) -> str:
+        """``Recv from rank 1 tag 7 on world``, ``Barrier on world.dup1``, or ``what`` itself."""
+        if not isinstance(what, tuple):
+            return str(what)
+        op, peer, tag, comm = what
+        if peer is None:
+            return f"{op} on {comm}"
+        who = f"rank {peer}"
+        if peer == self._any_source:
+            who = "any rank"
+        elif peer == self._proc_null:
+            who = "no rank (PROC_NULL)"
+        tag_text = "" if tag is None else " tag any" if tag < 0 else f" tag {tag}"
+        return f"{op} {who}{tag_text} on {comm}"
+
+    # -- a barrier of some ranks, watched --------------------------------------------------
+    def members_barrier(self, world_ranks: Sequence[int], what: Any) -> None:
+        """Wait until every rank of ``world_ranks`` (this one included) has arrived: a watched wait.
+
+        For a sub-communicator created by its members only (MPI's ``Create_group`` blocks
+        with no nonblocking form): once all have arrived it completes at once. The first
+        member gathers a byte from each and answers each, on the private communicator.
+        """
+        import numpy as np
+
+        lead, others = world_ranks[0], [r for r in world_ranks if r != self.rank]
+        token = np.zeros(1, dtype=np.uint8)
+        inbox = np.zeros(max(1, len(others)), dtype=np.uint8)
+        if self.rank == lead:
+            self.wait([self._notes.Irecv(inbox[i : i + 1], r, _SYNC) for i, r in enumerate(others)], what)
+            self.wait([self._notes.Isend(token, r, _SYNC) for r in others], what)
+        else:
+            self.wait([self._notes.Isend(token, lead, _SYNC)], what)
+            self.wait([self._notes.Irecv(inbox[:1], lead, _SYNC)], what)
 
     def _report(self, mine: str, replies: dict[int, tuple[str, bool]], waited: float) -> str:
         silent = [r for r in range(self.size) if r != self.rank and r not in replies]
@@ -321,7 +383,7 @@ class Watchdog:
     def _warn(self, what: Any, waited: float) -> None:
         stream = self._stream if self._stream is not None else sys.stderr
         stream.write(
-            f"hpcdl: rank {self.rank} waited {waited:.1f} s in {_what_text(what)}, longer than "
+            f"hpcdl: rank {self.rank} waited {waited:.1f} s in {self._what_text(what)}, longer than "
             f"debug.stall_s = {self.stall_s:g} s, and it completed: raise debug.stall_s if this is expected\n"
         )
         stream.flush()
@@ -346,14 +408,12 @@ class Watchdog:
         notes.Free()
 
 
-def _test(reqs: Sequence[Any], status: Any) -> list[Any]:
-    """The requests of ``reqs`` still pending after one ``Test()`` each (``status``: the first's)."""
+def _test(reqs: Sequence[Any], status: Any, first: Any) -> list[Any]:
+    """The requests of ``reqs`` still pending after one ``Test()`` each (``status``: ``first``'s)."""
     pending = []
-    first = True
     for r in reqs:
-        if r is not None and r and not r.Test(status if first else None):
+        if r is not None and r and not r.Test(status if r is first else None):
             pending.append(r)
-        first = False
     return pending
 
 
@@ -363,13 +423,13 @@ _yield = getattr(os, "sched_yield", lambda: None)
 class _AllOf:
     """The requests of a wait for all of them (a stalled one: tested from :meth:`Watchdog._stalled`)."""
 
-    __slots__ = ("reqs", "status")
+    __slots__ = ("first", "reqs", "status")
 
-    def __init__(self, reqs: list[Any], status: Any) -> None:
-        self.reqs, self.status = reqs, status
+    def __init__(self, reqs: list[Any], status: Any, first: Any) -> None:
+        self.reqs, self.status, self.first = reqs, status, first
 
     def poll(self) -> bool:
-        self.reqs = _test(self.reqs, self.status)
+        self.reqs = _test(self.reqs, self.status, self.first)
         return not self.reqs
 
     def pending(self) -> list[Any]:
@@ -394,19 +454,6 @@ class _AnyOf:
 
     def pending(self) -> list[Any]:
         return [self.reqs[i] for i in self.active]
-
-
-def _what_text(what: Any) -> str:
-    if isinstance(what, tuple):
-        op, peer, tag, comm = what
-        if peer is None:
-            return f"{op} on {comm}"
-        return f"{op} rank {_peer_text(peer)}" + (f" tag {tag}" if tag is not None else "") + f" on {comm}"
-    return str(what)
-
-
-def _peer_text(peer: int) -> str:
-    return "any" if peer < 0 else str(peer)
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

@@ -118,11 +118,11 @@ class WatchedComm:
         self._dog.wait([self._comm.Ibarrier()], ("Barrier", None, None, self.name))
 
     def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
-        self._dog.wait([self._comm.Ibcast(buf, root)], ("Bcast from root", root, None, self.name))
+        self._dog.wait([self._comm.Ibcast(buf, root)], ("Bcast from", root, None, self.name))
 
     def Reduce(self, sendbuf: Any, recvbuf: Any, op: Any = None, root: int = 0) -> None:  # noqa: N802
         req = self._comm.Ireduce(sendbuf, recvbuf, self._sum if op is None else op, root)
-        self._dog.wait([req], ("Reduce to root", root, None, self.name))
+        self._dog.wait([req], ("Reduce to", root, None, self.name))
 
     def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None:  # noqa: N802
         req = self._comm.Iallreduce(sendbuf, recvbuf, self._sum if op is None else op)
@@ -133,12 +133,12 @@ class WatchedComm:
 
     def Gather(self, sendbuf: Any, recvbuf: Any, root: int = 0) -> None:  # noqa: N802
         req = self._comm.Igather(sendbuf, recvbuf, root)
-        self._dog.wait([req], ("Gather to root", root, None, self.name))
+        self._dog.wait([req], ("Gather to", root, None, self.name))
 
     # -- collectives, Python objects: a pickle's length, then its bytes ----------------------
     def bcast(self, obj: Any, root: int = 0) -> Any:
         """``root``'s object on every rank (a copy everywhere, the root included, as mpi4py)."""
-        what = ("bcast from root", root, None, self.name)
+        what = ("bcast from", root, None, self.name)
         n = np.zeros(1, dtype=np.int64)
         data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL) if self.rank == root else b""
         n[0] = len(data)
@@ -149,7 +149,7 @@ class WatchedComm:
 
     def gather(self, sendobj: Any, root: int = 0) -> list[Any] | None:
         """The list of every rank's object on ``root``, None elsewhere."""
-        what = ("gather to root", root, None, self.name)
+        what = ("gather to", root, None, self.name)
         data = np.frombuffer(pickle.dumps(sendobj, pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
         mine = np.array([data.size], dtype=np.int64)
         counts = np.zeros(self.size, dtype=np.int64) if self.rank == root else None
@@ -188,15 +188,27 @@ class WatchedComm:
         self.Barrier()
         return self._derived(self._comm.Dup(), "dup")
 
-    def Split(self, color: int = 0, key: int = 0) -> WatchedComm:  # noqa: N802
-        """``Split``, watched too (a watched barrier first: MPI's ``Split`` blocks)."""
-        self.Barrier()
-        return self._derived(self._comm.Split(color, key), "split")
+    def Split(self, color: int = 0, key: int = 0) -> Any:  # noqa: N802
+        """``Split``, watched too (a watched barrier first: MPI's ``Split`` blocks).
 
-    def subcomm(self, ranks: Sequence[int]) -> WatchedComm:
-        """The sub-communicator of ``ranks`` (:func:`hpcdl.comm.subcomm`), watched too."""
+        A rank that gives ``UNDEFINED`` gets MPI's ``COMM_NULL``, as with MPI's own.
+        """
         from hpcdl.comm import mpi
 
+        self.Barrier()
+        new = self._comm.Split(color, key)
+        return new if mpi.is_null(new) else self._derived(new, "split")
+
+    def subcomm(self, ranks: Sequence[int]) -> WatchedComm:
+        """The sub-communicator of ``ranks`` (:func:`hpcdl.comm.subcomm`), watched too.
+
+        Only the members call it: a watched barrier among them comes first (MPI's
+        ``Create_group`` blocks), on the watchdog's own communicator.
+        """
+        from hpcdl.comm import mpi
+
+        members = mpi.world_ranks(self._comm, ranks)
+        self._dog.members_barrier(members, ("subcomm of ranks", None, None, f"{self.name} {list(ranks)}"))
         return self._derived(mpi.subcomm(self._comm, ranks), "sub")
 
     def Free(self) -> None:  # noqa: N802
@@ -216,9 +228,9 @@ class WatchedComm:
         """The watchdog's notes (step, phase, ...): what reports say the rank was doing."""
         return self._dog.context
 
-    def long_wait(self, reason: str) -> contextlib.AbstractContextManager[None]:
-        """Waits inside are long by design and never stall (they still answer)."""
-        return self._dog.long_wait(reason)
+    def long_wait(self, reason: str, limit_s: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Waits inside are long by design: they stall only after ``limit_s`` (they still answer)."""
+        return self._dog.long_wait(reason, limit_s)
 
 
 @contextlib.contextmanager

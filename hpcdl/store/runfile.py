@@ -140,16 +140,38 @@ class RunFile:
                 os.close(fd)
             self._padded = True
         except OSError as err:
-            self.failed = file_error(self.path, err, what="run file", fix=_FIX_WRITE)
-            raise self.failed from None
+            raise self._fail(file_error(self.path, err, what="run file", fix=_FIX_WRITE)) from None
 
     def _written(self, what: str, call: Any, *args: Any) -> Any:
         """Run an HDF5 write; an ``OSError`` becomes the :class:`FileError` of this file."""
         try:
             return call(*args)
-        except OSError as err:
-            self.failed = file_error(self.path, err, what=f"run file ({what})", fix=_FIX_WRITE)
-            raise self.failed from None
+        except (OSError, RuntimeError) as err:  # HDF5 reports some write failures as RuntimeError
+            if isinstance(err, RuntimeError) and "errno" not in str(err):
+                raise
+            reason = err if isinstance(err, OSError) else OSError(str(err))
+            error = file_error(self.path, reason, what=f"run file ({what})", fix=_FIX_WRITE)
+            raise self._fail(error) from None
+
+    def _fail(self, error: FileError) -> FileError:
+        """After a failed write: HDF5 writes nothing more to the file, closing it included.
+
+        HDF5 would flush its metadata cache when the file is closed, in place, describing
+        data that never reached the disk: the file would not open again. Its file
+        descriptor is therefore replaced by a read-only one of the same file, so that every
+        later write fails and the file stays as its last flush left it.
+        """
+        self.failed = error
+        try:
+            fd = self.h5.id.get_vfd_handle()
+            readonly = os.open(self.path, os.O_RDONLY)
+            try:
+                os.dup2(readonly, int(fd))
+            finally:
+                os.close(readonly)
+        except (OSError, ValueError, TypeError, RuntimeError):
+            pass  # another driver: nothing to freeze, the close below is best effort
+        return error
 
     # -- opening ------------------------------------------------------------------------
     @classmethod
@@ -266,12 +288,15 @@ class RunFile:
         """Append rows (dicts of :data:`METRICS` names; missing values become NaN or 0)."""
         if not rows:
             return
-        group = self.h5["metrics"]
+        self._append_all(self.h5["metrics"], self._metric_columns(rows), "metrics")
+
+    @staticmethod
+    def _metric_columns(rows: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
         columns = {}
         for name, dtype in METRICS.items():
             default = np.nan if np.dtype(dtype).kind == "f" else 0
             columns[name] = np.array([row.get(name, default) for row in rows], dtype=dtype)
-        self._append_all(group, columns, "metrics")
+        return columns
 
     def append_ranks(self, series: Mapping[str, np.ndarray]) -> None:
         """Append (steps, ranks) blocks of :data:`RANK_SERIES`."""
@@ -287,25 +312,28 @@ class RunFile:
         self._append_all(self.h5["trace"], columns, "trace")
 
     def _append_all(self, group: h5py.Group, columns: Mapping[str, np.ndarray], what: str) -> None:
-        """Append each column to its dataset of ``group``, after reserving the space.
+        """Append each column to its dataset of ``group``, after reserving the space."""
+        self._reserve(_space(group, columns))
+        self._put(group, columns, what)
 
-        Rows go into chunks allocated whole when first written; only the chunks this
-        append starts need new space (plus the metadata slack).
-        """
-        need = 0
-        for name, values in columns.items():
-            dataset = group[name]
-            chunk_rows = dataset.chunks[0]
-            old = dataset.shape[0]
-            new_chunks = -(-(old + len(values)) // chunk_rows) - (-(-old // chunk_rows))
-            row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
-            if dataset.dtype.kind == "O":  # variable-length strings: their heap grows too
-                row_bytes += 64 + max((len(str(v)) for v in values), default=0)
-                need += row_bytes * len(values)
-            need += new_chunks * chunk_rows * row_bytes
-        self._reserve(need)
+    def _put(self, group: h5py.Group, columns: Mapping[str, np.ndarray], what: str) -> None:
         for name, values in columns.items():
             self._written(what, _append, group[name], values)
+
+    def append_rows(self, rows: Sequence[Mapping[str, float]], series: Mapping[str, np.ndarray]) -> None:
+        """A flush of the training log: metrics rows, per-rank blocks, heartbeat, then to disk.
+
+        The space of the whole batch is reserved before HDF5 is called at all, so a full
+        disk leaves the file exactly as its previous flush did (no metrics rows without
+        their per-rank rows).
+        """
+        metrics = self._metric_columns(rows)
+        ranks = {name: np.asarray(series[name], dtype=np.float64) for name in RANK_SERIES}
+        self._reserve(_space(self.h5["metrics"], metrics) + _space(self.h5["ranks"], ranks) + 4096)
+        self._put(self.h5["metrics"], metrics, "metrics")
+        self._put(self.h5["ranks"], ranks, "ranks")
+        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat", heartbeat_now())
+        self._written("flush", self.h5.flush)
 
     def write_profile(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Replace ``profile/`` by the per-layer profiler's table (one row per layer)."""
@@ -395,10 +423,36 @@ def _rank_series(group: h5py.Group, name: str, rows: int, ranks: int, fill: floa
     )
 
 
+def _space(group: h5py.Group, columns: Mapping[str, np.ndarray]) -> int:
+    """Bytes an append of ``columns`` to ``group`` may add past the file's end.
+
+    Rows go into chunks, allocated whole when first written: the chunks the new rows
+    touch that are not allocated yet (a series added to an older file has none), and
+    for variable-length strings their heap.
+    """
+    need = 0
+    for name, values in columns.items():
+        if not len(values):
+            continue
+        dataset = group[name]
+        chunk_rows = dataset.chunks[0]
+        row_bytes = dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64))
+        old = dataset.shape[0]
+        for first in range(old // chunk_rows * chunk_rows, old + len(values), chunk_rows):
+            coord = (first, *([0] * (dataset.ndim - 1)))
+            allocated = first < old and dataset.id.get_chunk_info_by_coord(coord).byte_offset is not None
+            if not allocated:
+                need += chunk_rows * row_bytes
+        if dataset.dtype.kind == "O":
+            need += sum(64 + len(str(v)) for v in values)
+    return need
+
+
 def _append(dataset: h5py.Dataset, values: np.ndarray) -> None:
     n = dataset.shape[0]
     dataset.resize((n + len(values), *dataset.shape[1:]))
     dataset[n:] = values
+    dataset.flush()  # a failure to write the chunk shows here, not when the dataset is let go
 
 
 def read_attrs(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -36,9 +36,11 @@ def test_watch_is_off_at_zero_and_inside_a_watched_world(comm: Communicator) -> 
         assert inner is outer
 
 
-def _late_sender(comm: Communicator, *, patient: bool) -> tuple[StallError | None, np.ndarray]:
+def _late_sender(
+    comm: Communicator, *, patient: bool, limit_s: float | None = None
+) -> tuple[StallError | None, np.ndarray]:
     """Rank 0 sleeps 2.5 s (outside any wait), then sends each rank its number; the others
-    wait in ``Recv`` with ``stall_s = 1`` (inside ``long_wait`` when ``patient``)."""
+    wait in ``Recv`` with ``stall_s = 1`` (inside ``long_wait(limit_s=...)`` when ``patient``)."""
     got = np.full(1, -1.0)
     error: StallError | None = None
     with watch(1.0, grace_s=0.5) as world:
@@ -51,7 +53,7 @@ def _late_sender(comm: Communicator, *, patient: bool) -> tuple[StallError | Non
             got[0] = 0.0
         else:
             try:
-                with long_wait("a test's planned wait") if patient else _nothing():
+                with long_wait("a test's planned wait", limit_s) if patient else _nothing():
                     world.Recv(got, source=0, tag=5)
             except StallError as err:
                 error = err
@@ -91,3 +93,36 @@ def test_a_rank_outside_any_wait_is_named(comm: Communicator) -> None:
 def test_a_long_wait_by_design_does_not_stall(comm: Communicator) -> None:
     error, got = _late_sender(comm, patient=True)
     assert error is None and got[0] == comm.Get_rank()
+
+
+def test_a_long_wait_with_a_limit_stalls_after_it(comm: Communicator) -> None:
+    error, got = _late_sender(comm, patient=True, limit_s=1.5)
+    assert got[0] == comm.Get_rank()
+    reports = [t for t in comm.allgather(str(error) if error is not None else None) if t is not None]
+    assert len(reports) == 1 and reports[0].startswith("stall: rank 0 did not respond"), reports
+    assert "(by design: a test's planned wait)" in reports[0], reports
+
+
+def test_split_with_undefined_gives_comm_null(comm: Communicator) -> None:
+    from mpi4py import MPI
+
+    with watch(60.0) as world:
+        rank = world.Get_rank()
+        sub = world.Split(MPI.UNDEFINED if rank == 0 else 1, rank)
+        if rank == 0:
+            assert sub == MPI.COMM_NULL
+        else:
+            assert isinstance(sub, WatchedComm) and sub.Get_size() == world.Get_size() - 1
+            sub.Barrier()
+            sub.Free()
+
+
+def test_a_watched_sub_communicator_of_some_ranks(comm: Communicator) -> None:
+    with watch(60.0) as world:
+        members = [0, world.Get_size() - 1]
+        if world.Get_rank() in members:
+            sub = hc.subcomm(world, members)
+            assert isinstance(sub, WatchedComm) and sub.Get_size() == 2
+            assert sub.allgather(world.Get_rank()) == members
+            sub.Free()
+        world.Barrier()
