@@ -9,13 +9,15 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS
 from hpcdl.parallel import EXCHANGES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hpcdl.driver.cli import ArgumentParser
 
 __all__ = [
     "add_set_argument",
@@ -379,6 +381,8 @@ def markdown_table() -> str:
 
 def build_parser() -> ArgumentParser:
     """The command line of ``python -m hpcdl.config``."""
+    from hpcdl.driver.cli import ArgumentParser  # the command's plumbing, not the schema's
+
     parser = ArgumentParser(
         prog="python -m hpcdl.config",
         description=(
@@ -404,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         ConfigError: an unknown option, ``--set`` without ``--config``, or a bad config.
         HelpRequested: ``--help`` was answered.
     """
+    from hpcdl.driver.cli import parse_args
+
     parser = build_parser()
     args = parse_args(parser, list(argv or []))
     if args.config is None:
@@ -419,6 +425,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hpcdl.cli import entry
+    from hpcdl.driver.cli import entry
 
     entry(main, "hpcdl.config")

@@ -17,9 +17,9 @@ import time
 import traceback
 from typing import Any
 
-from hpcdl.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args, python_command
+from hpcdl.driver.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args, python_command
+from hpcdl.driver.runlog import peak_rss_mb
 from hpcdl.errors import ConfigError, HpcdlError, file_error
-from hpcdl.runlog import peak_rss_mb
 
 __all__ = ["main", "build_parser", "EXIT_DEADLOCK"]
 
@@ -213,6 +213,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hpcdl.cli import entry
+    from hpcdl.driver.cli import entry
 
     entry(main, "hpcdl.simulate")

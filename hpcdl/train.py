@@ -14,21 +14,29 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
-from hpcdl import launch
 from hpcdl.backend import array_module, to_numpy
-from hpcdl.cli import ArgumentParser, parse_args, python_command
 from hpcdl.comm import Communicator, long_wait, notes, watch, world, wtime
 from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.data import DistributedSampler, gather_batch
+from hpcdl.driver import launch
+from hpcdl.driver.checkpoints import capture, restore
+from hpcdl.driver.cli import ArgumentParser, parse_args, python_command
+from hpcdl.driver.factory import (
+    build,
+    evaluate,
+    exchange_for,
+    load_data,
+    make_optimizer,
+    make_schedule,
+    observers,
+)
+from hpcdl.driver.progress import Progress, choose_mode
+from hpcdl.driver.runlog import RunLog, checkpoint_attrs, now, open_run, peak_rss_mb
+from hpcdl.driver.signals import current_stop_request
 from hpcdl.errors import ConfigError, DataError, FileError, HpcdlError
-from hpcdl.factory import build, evaluate, exchange_for, load_data, make_optimizer, make_schedule, observers
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy
 from hpcdl.optim import Optimizer
-from hpcdl.progress import Progress, choose_mode
-from hpcdl.resume import capture, restore
 from hpcdl.rng import generator
-from hpcdl.runlog import RunLog, checkpoint_attrs, now, open_run, peak_rss_mb
-from hpcdl.signals import current_stop_request
 from hpcdl.store.checkpoint import (
     checkpoint_path,
     prune_checkpoints,
@@ -433,6 +441,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from hpcdl.cli import entry
+    from hpcdl.driver.cli import entry
 
     entry(main, "hpcdl.train", stop_signals=True)

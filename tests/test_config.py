@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.cli import entry
 from hpcdl.config import SCHEMA, Config, build_parser, load_config, markdown_table, parse_set, preset_names
 from hpcdl.config import main as config_main
+from hpcdl.driver.cli import entry
 from hpcdl.errors import ConfigError
 
 

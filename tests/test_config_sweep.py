@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 from hpcdl import train
-from hpcdl.cli import entry
 from hpcdl.config import SCHEMA, Key, _toml_value, load_config
-from hpcdl.factory import load_data
+from hpcdl.driver.cli import entry
+from hpcdl.driver.factory import load_data
 
 #: a value of another type for each key type (TOML text); ints are accepted for floats
 WRONG_TYPE = {str: "7", int: "2.5", float: '"fast"', bool: "1", list: "3"}

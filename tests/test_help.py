@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from hpcdl.cli import HelpFormatter
+from hpcdl.driver.cli import HelpFormatter
 
 #: command module -> how to build its parser
 COMMANDS = ["hpcdl.train", "hpcdl.report", "hpcdl.simulate", "hpcdl.bench"]

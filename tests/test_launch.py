@@ -1,4 +1,4 @@
-"""hpcdl.launch: unconnected ranks are refused; the ready file says every rank can take a stop."""
+"""hpcdl.driver.launch: unconnected ranks are refused; the ready file says every rank can take a stop."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcdl.driver.launch import READY_FILE_VAR, check_world_size, launched_tasks, signal_ready, started
 from hpcdl.errors import ConfigError, FileError
-from hpcdl.launch import READY_FILE_VAR, check_world_size, launched_tasks, signal_ready, started
 
 BIN = Path(sys.executable).parent
 LAUNCH_VARS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")

@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from hpcdl.progress import SCHEDULER_VARS, Progress, choose_mode
+from hpcdl.driver.progress import SCHEDULER_VARS, Progress, choose_mode
 
 
 class _Tty(io.StringIO):

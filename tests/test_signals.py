@@ -12,7 +12,7 @@ from pathlib import Path
 import h5py
 import pytest
 
-from hpcdl.signals import StopRequest, install_handlers
+from hpcdl.driver.signals import StopRequest, install_handlers
 
 BIN = Path(sys.executable).parent
 # slow enough steps (tens of ms) that a signal lands well inside the run

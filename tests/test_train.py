@@ -63,7 +63,7 @@ def test_accumulation_names_itself_when_the_batch_does_not_fit() -> None:
 
 
 def test_accumulation_scales_the_learning_rate_by_the_global_batch() -> None:
-    from hpcdl.factory import make_schedule
+    from hpcdl.driver.factory import make_schedule
 
     cfg = load_config("digits-mlp", ["exchange.accumulate=4", "schedule.warmup_epochs=0"])
     assert make_schedule(cfg, 2, 10, 100)(0) == pytest.approx(cfg["optimizer.lr"] * 8)
@@ -177,7 +177,7 @@ def test_user_error_under_mpiexec_is_one_line_and_nonzero() -> None:
 
 FAILING = """
 import sys
-from hpcdl.cli import entry
+from hpcdl.driver.cli import entry
 from hpcdl.comm import world
 
 def main(argv):

@@ -20,7 +20,7 @@ BIN = Path(sys.executable).parent
 
 DEADLOCK = """
 import numpy as np
-from hpcdl.cli import entry
+from hpcdl.driver.cli import entry
 from hpcdl.comm import watch
 
 def main(argv):
@@ -118,7 +118,7 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
 WITHDRAWN = """
 import time
 import numpy as np
-from hpcdl.cli import entry
+from hpcdl.driver.cli import entry
 from hpcdl.comm import long_wait, watch
 
 def main(argv):
@@ -142,7 +142,7 @@ entry(main, "withdrawn")
 
 SUBCOMM = """
 import time
-from hpcdl.cli import entry
+from hpcdl.driver.cli import entry
 from hpcdl.comm import subcomm, watch
 
 def main(argv):

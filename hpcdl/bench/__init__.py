@@ -18,8 +18,8 @@ from typing import Any
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import allreduce, calibrate, pack, step, train
 from hpcdl.bench.common import agree
-from hpcdl.cli import ArgumentParser, parse_args
 from hpcdl.comm import world
+from hpcdl.driver.cli import ArgumentParser, parse_args
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "DESCRIPTION"]
 

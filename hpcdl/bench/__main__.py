@@ -1,6 +1,6 @@
 """``python -m hpcdl.bench``."""
 
 from hpcdl.bench import main
-from hpcdl.cli import entry
+from hpcdl.driver.cli import entry
 
 entry(main, "hpcdl.bench")

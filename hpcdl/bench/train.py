@@ -14,8 +14,8 @@ from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import Communicator, use_world, watch, world, wtime
 from hpcdl.config import add_set_argument, load_config
 from hpcdl.data import DistributedSampler, gather_batch
+from hpcdl.driver.factory import build, exchange_for, load_data, make_optimizer, observers
 from hpcdl.errors import ConfigError
-from hpcdl.factory import build, exchange_for, load_data, make_optimizer, observers
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
 
 __all__ = ["add_parser", "run", "bench_train"]

@@ -16,7 +16,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcdl.cli import ArgumentParser, parse_args
+from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.errors import file_error
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot

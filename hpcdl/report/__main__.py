@@ -1,6 +1,6 @@
 """``python -m hpcdl.report``."""
 
-from hpcdl.cli import entry
+from hpcdl.driver.cli import entry
 from hpcdl.report import main
 
 entry(main, "hpcdl.report")

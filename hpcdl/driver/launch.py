@@ -12,7 +12,7 @@ Two checks at the start of a command, both for batch jobs (``jobs/``):
   installed its stop-signal handlers kills it (no checkpoint, no requeue). The job
   scripts hold the walltime warning until rank 0 has created the file named by
   ``HPCDL_READY_FILE``, which :func:`signal_ready` does once every rank has its
-  handlers (``hpcdl.cli.entry(..., stop_signals=True)`` installs them before ``main``
+  handlers (``hpcdl.driver.cli.entry(..., stop_signals=True)`` installs them before ``main``
   runs; a barrier after that proves every rank is past it).
 
 Neither applies in the simulator, whose virtual ranks share one process.

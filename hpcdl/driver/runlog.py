@@ -13,9 +13,9 @@ import numpy as np
 from hpcdl import __version__
 from hpcdl.comm import Communicator
 from hpcdl.config import Config
+from hpcdl.driver.checkpoints import check_run_config, find_resume
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential
-from hpcdl.resume import check_run_config, find_resume
 from hpcdl.store import RunFile, RunFileError
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, orphaned_temporaries
 from hpcdl.store.runfile import heartbeat_now, read_attrs

@@ -52,7 +52,7 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
     every rank hits is printed once.
     """
     if stop_signals:  # SIGUSR1/SIGTERM/SIGINT ask the loop for a checkpoint and a clean exit
-        from hpcdl.signals import StopRequest, install_handlers, set_stop_request
+        from hpcdl.driver.signals import StopRequest, install_handlers, set_stop_request
 
         request = StopRequest()
         install_handlers(request)
