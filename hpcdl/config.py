@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 import operator
+import re
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS
-from hpcdl.parallel import EXCHANGES
+from hpcdl.parallel import EXCHANGES, STRATEGIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.driver.cli import ArgumentParser
@@ -52,6 +53,8 @@ class Key:
     item: type | None = None  # lists: the type of every element (positive when numeric)
     above: float | None = None  # exclusive lower bound
     also: tuple[Any, ...] = ()  # values allowed outside the bounds
+    pattern: str = ""  # lists of strings: the regular expression every element matches
+    pattern_doc: str = ""  # ... and how it reads, for the table and errors
 
     def bounds(self) -> str:
         """The allowed values in words, e.g. ``>= 2, or 0``, ``> 0``, ``>= 0, < 1``; '' if any."""
@@ -64,7 +67,9 @@ class Key:
             parts.append(f"> {self.above:g}")
         if self.below is not None:
             parts.append(f"< {self.below:g}")
-        if self.item is not None:
+        if self.item is str:
+            parts.append(f"strings {self.pattern_doc}")
+        elif self.item is not None:
             parts.append(f"{_type_name(self.item).split()[-1]}s > 0")
         text = ", ".join(parts)
         if self.also:
@@ -139,6 +144,12 @@ SCHEMA: dict[str, Key] = {
         "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
         choices=("none", "linear", "sqrt"),
     ),
+    "parallel.strategy": Key(
+        str,
+        "sync",
+        "how training is spread over the ranks: a strategy of hpcdl.parallel (sync: data parallel)",
+        choices=tuple(STRATEGIES),
+    ),
     "exchange.name": Key(
         str,
         "bucketed",
@@ -191,6 +202,15 @@ SCHEMA: dict[str, Key] = {
         "is aborted with a report (0: off)",
         minimum=0.0,
     ),
+    "debug.slowdown": Key(
+        list,
+        [],
+        "world ranks that take FACTOR times their compute time (a sleep after each layer), to "
+        "study heterogeneous ranks under mpiexec as the simulator's --straggler does",
+        item=str,
+        pattern=r"\d+:\d+(\.\d*)?",
+        pattern_doc='"RANK:FACTOR" (FACTOR >= 1)',
+    ),
 }
 
 
@@ -228,7 +248,11 @@ def _check(key: str, value: Any) -> Any:
                                 (spec.below, operator.ge, "<")):  # fmt: skip
         if bound is not None and broken(value, bound) and value not in spec.also:
             raise ConfigError(f"config key {key!r} must be {text} {bound}{also} (got {value!r})")
-    if spec.item is not None:
+    if spec.item is str:
+        bad = [v for v in value if not isinstance(v, str) or not re.fullmatch(spec.pattern, v)]
+        if bad:
+            raise ConfigError(f"config key {key!r} expects strings {spec.pattern_doc} (got {bad[0]!r})")
+    elif spec.item is not None:
         ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)
         if not ok or not value:
             raise ConfigError(

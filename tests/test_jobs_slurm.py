@@ -251,7 +251,8 @@ def slurm() -> Iterator[Cluster]:
 
 def _params(checkpoint: Path) -> dict[str, bytes]:
     with h5py.File(checkpoint, "r") as f:
-        return {name: f["params"][name][()].tobytes() for name in f["params"]}
+        params = f["pieces/model/params"]
+        return {name: params[name][()].tobytes() for name in params}
 
 
 def test_ranks_started_without_pmi_are_refused(slurm: Cluster) -> None:

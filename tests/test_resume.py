@@ -77,7 +77,7 @@ def test_auto_skips_a_damaged_newest_checkpoint(tmp_path: Path, capsys: pytest.C
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
-        ("model.channels=8", "holds another model"),
+        ("model.channels=8", "model.channels = 4; this run has 8"),
         ("data.batch_size=16", "data.batch_size = 32; this run has 16"),
         ("seed=3", "seed = 0; this run has 3"),
     ],
@@ -107,7 +107,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> No
     assert 22 < bad_step < 60 and kept, f"step {bad_step}, checkpoints {kept}"
     last_good = load_checkpoint(kept[0])
     assert last_good.step == 10 * ((bad_step - 1) // 10)  # the last one before the bad step
-    assert all(np.isfinite(a).all() for a in last_good.params.values())
+    assert all(np.isfinite(a).all() for a in last_good.pieces["model"]["params"].values())
     with h5py.File(out, "r") as f:
         assert f.attrs["status"] == "failed"
 

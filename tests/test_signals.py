@@ -29,8 +29,9 @@ def _train(out: Path, *extra: str) -> subprocess.Popen[str]:
 
 def _params(ckpt: Path) -> dict[str, bytes]:
     with h5py.File(ckpt, "r") as f:
-        return {k: f["params"][k][()].tobytes() for k in f["params"]} | {
-            f"{r}/{k}": f[f"buffers/{r}"][k][()].tobytes() for r in (0, 1) for k in f[f"buffers/{r}"]
+        params = f["pieces/model/params"]
+        return {k: params[k][()].tobytes() for k in params} | {
+            f"{r}/{k}": f[f"ranks/{r}"][k][()].tobytes() for r in (0, 1) for k in f[f"ranks/{r}"]
         }
 
 
@@ -117,9 +118,10 @@ def test_a_second_ctrl_c_marks_the_run_interrupted(tmp_path: Path, monkeypatch: 
     """The handler raises KeyboardInterrupt on a second Ctrl-C (tested above); the loop records it."""
     from hpcdl import train
     from hpcdl.config import load_config
+    from hpcdl.parallel import sync
 
     calls = {"n": 0}
-    real = train._forward_backward
+    real = sync.forward_backward
 
     def interrupted_at_step_5(*args: object) -> tuple[float, int]:
         calls["n"] += 1
@@ -127,7 +129,7 @@ def test_a_second_ctrl_c_marks_the_run_interrupted(tmp_path: Path, monkeypatch: 
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(train, "_forward_backward", interrupted_at_step_5)
+    monkeypatch.setattr(sync, "forward_backward", interrupted_at_step_5)
     out = tmp_path / "twice.h5"
     with pytest.raises(KeyboardInterrupt):
         train.run(load_config("digits-mlp", ["train.steps=20", "log.flush_every=2"]), out=out)

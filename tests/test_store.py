@@ -90,11 +90,12 @@ def test_run_file_is_never_overwritten(tmp_path: Path) -> None:
 
 def _ckpt(step: int, ranks: int = 1) -> Checkpoint:
     rng = np.random.default_rng(step)
-    return Checkpoint(
-        step=step, epoch=0, ranks=ranks, config="", params={"0.weight": rng.standard_normal((3, 4))},
-        optimizer={"momentum_buffer/0": rng.standard_normal((3, 4))}, buffers=[{} for _ in range(ranks)],
-        meta={"x": 1}, rng=[{"dropout": {"state": step}}] * ranks,
-    )  # fmt: skip
+    model = {"params": {"0.weight": rng.standard_normal((3, 4))},
+             "optimizer": {"momentum_buffer/0": rng.standard_normal((3, 4))},
+             "meta": {"optimizer": {"t": step}}}  # fmt: skip
+    own = [({"bn.mean": np.full(2, 1.0 * r)}, {"random": {"dropout": {"state": step}}}) for r in range(ranks)]
+    return Checkpoint(step=step, epoch=0, config="", placement="{}", pieces={"model": model}, ranks=own,
+                      meta={"x": 1})  # fmt: skip
 
 
 def test_checkpoint_round_trip_list_and_prune(tmp_path: Path) -> None:
@@ -104,12 +105,12 @@ def test_checkpoint_round_trip_list_and_prune(tmp_path: Path) -> None:
     (tmp_path / "r.ckpt-00000040.h5.123.tmp").write_bytes(b"half")  # a write that never finished
     (tmp_path / "other.ckpt-00000050.h5").write_bytes(b"")  # another run's
     assert [p.name for p in list_checkpoints(run_file)] == [f"r.ckpt-000000{s}.h5" for s in (30, 20, 10)]
-    back = load_checkpoint(checkpoint_path(run_file, 20))
-    np.testing.assert_array_equal(back.params["0.weight"], _ckpt(20).params["0.weight"])
-    np.testing.assert_array_equal(
-        back.optimizer["momentum_buffer/0"], _ckpt(20).optimizer["momentum_buffer/0"]
-    )
-    assert back.step == 20 and back.meta == {"x": 1} and back.rng[0]["dropout"]["state"] == 20
+    back, want = load_checkpoint(checkpoint_path(run_file, 20)), _ckpt(20)
+    for group in ("params", "optimizer"):
+        for name, a in want.pieces["model"][group].items():
+            np.testing.assert_array_equal(back.pieces["model"][group][name], a)
+    assert back.pieces["model"]["meta"] == {"optimizer": {"t": 20}}
+    assert back.step == 20 and back.meta == {"x": 1} and back.ranks[0][1]["random"]["dropout"]["state"] == 20
     prune_checkpoints(run_file, keep=2)
     assert [p.name for p in list_checkpoints(run_file)] == ["r.ckpt-00000030.h5", "r.ckpt-00000020.h5"]
 
@@ -122,7 +123,7 @@ def test_truncated_and_damaged_checkpoints_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"t\.ckpt-00000005\.h5 is damaged or truncated"):
         load_checkpoint(truncated)
     with h5py.File(path, "r+") as f:  # flip values behind the digest's back
-        f["params/0.weight"][0, 0] += 1.0
+        f["pieces/model/params/0.weight"][0, 0] += 1.0
     with pytest.raises(CheckpointError, match="do not match their SHA-256 digest"):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -134,7 +135,8 @@ import sys, numpy as np
 from hpcdl.store.checkpoint import Checkpoint, save_checkpoint
 # 800 MB: long enough to kill mid-write
 big = {f"p{i}": np.full((1024, 1024), i, dtype=np.float64) for i in range(100)}
-ck = Checkpoint(step=2, epoch=0, ranks=1, config="", params=big, optimizer={}, buffers=[{}])
+ck = Checkpoint(step=2, epoch=0, config="", placement="{}", pieces={"model": {"params": big}},
+                ranks=[({}, {})])
 print("writing", flush=True)
 save_checkpoint(ck, sys.argv[1])
 """

@@ -66,7 +66,7 @@ def test_accumulation_scales_the_learning_rate_by_the_global_batch() -> None:
     from hpcdl.driver.factory import make_schedule
 
     cfg = load_config("digits-mlp", ["exchange.accumulate=4", "schedule.warmup_epochs=0"])
-    assert make_schedule(cfg, 2, 10, 100)(0) == pytest.approx(cfg["optimizer.lr"] * 8)
+    assert make_schedule(cfg, 2 * 4, 10, 100)(0) == pytest.approx(cfg["optimizer.lr"] * 8)  # 2 ranks x 4
 
 
 def test_profiler_table() -> None:

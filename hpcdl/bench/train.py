@@ -13,49 +13,33 @@ from hpcdl import comm as ops
 from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import Communicator, use_world, watch, world, wtime
 from hpcdl.config import add_set_argument, load_config
-from hpcdl.data import DistributedSampler, gather_batch
-from hpcdl.driver.factory import build, exchange_for, load_data, make_optimizer, observers
+from hpcdl.driver.context import Context
+from hpcdl.driver.run import plan
 from hpcdl.errors import ConfigError
-from hpcdl.nn import Sequential, SoftmaxCrossEntropy
+from hpcdl.nn import Sequential
+from hpcdl.parallel import strategy_class
 
 __all__ = ["add_parser", "run", "bench_train"]
 
 
 def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Sequential, Callable[[], dict[str, float]], Any]:
-    """One optimizer step of the config's training (``exchange.accumulate`` micro-steps on one batch)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    data = load_data(cfg)
-    sampler = DistributedSampler(
-        len(data.y_train), cfg["data.batch_size"], rank, size, seed=cfg["seed"], kind=cfg["data.sampler"]
-    )
-    dtype = np.dtype(cfg["dtype"])
-    model = build(cfg, data, rank, dtype, np)
-    optimizer = make_optimizer(cfg, model, cfg["optimizer.lr"])
-    exchange = exchange_for(cfg, comm, model)
-    exchange.broadcast_parameters(root=0)
-    loss_fn = SoftmaxCrossEntropy()
-    x, y = gather_batch(data.x_train, data.y_train, sampler.indices(0, 0))
-    x = x.astype(dtype, copy=False)
-    micro_steps = cfg["exchange.accumulate"]
+    """One step of the config's strategy, the very step ``train`` runs (no run file, no meetings)."""
+    placement = plan(cfg, comm.Get_size())
+    ctx = Context(cfg, comm, placement)
+    strategy = strategy_class(cfg["parallel.strategy"])(ctx)
+    done = [0]
 
     def step() -> dict[str, float]:
-        comm_before = exchange.comm_time
         t0 = wtime()
-        for m in range(micro_steps):
-            last = m == micro_steps - 1
-            with observers(exchange if last else None):  # buckets are reduced during the last backward
-                loss_fn.forward(model.forward(x), y)
-                model.backward(loss_fn.backward())
-            if not last:
-                exchange.accumulate()
-        t1 = wtime()
-        exchange.exchange()  # what is left to wait for after backward: exposed
-        t2 = wtime()
-        optimizer.step()
-        comm_s = exchange.comm_time - comm_before
-        return {"compute_s": (wtime() - t0) - comm_s, "comm_s": comm_s, "exposed_comm_s": t2 - t1}
+        stats = strategy.step(done[0])
+        wall = wtime() - t0
+        done[0] += 1
+        return {"compute_s": wall - stats.comm_s, "comm_s": stats.comm_s, "exposed_comm_s": stats.exposed_s}
 
-    return model, step, (x, y)
+    member = placement.ranks[comm.Get_rank()].member
+    batch = ctx.batch(ctx.sampler(max(member, 0)).indices(0, 0))  # the batch PyTorch's twin trains on
+    step.close = strategy.close  # type: ignore[attr-defined]  # its communicators, when the bench ends
+    return strategy.model, step, batch
 
 
 def _torch_ddp_stepper(model: Sequential, batch: Any, comm: Communicator, cfg: Any) -> Callable[[], dict]:
@@ -174,6 +158,10 @@ def _bench_train(
         for name, step in impls.items():
             with use_world(worlds[name]) as here:
                 results[name].append(_measure(here, step, steps))
+    for name, step in impls.items():  # free what the strategies hold, in the world each ran in
+        if hasattr(step, "close"):
+            with use_world(worlds[name]):
+                step.close()
     size, batch_size = comm.Get_size(), cfg["data.batch_size"]
     rows = []
     for name, reps in results.items():

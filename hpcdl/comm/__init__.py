@@ -17,6 +17,7 @@ from hpcdl.comm.context import (
     notes,
     reset_world,
     set_world,
+    sleep,
     subcomm,
     use_world,
     waitall,
@@ -26,6 +27,7 @@ from hpcdl.comm.context import (
 )
 from hpcdl.comm.contract import Communicator, Request, WorldHooks
 from hpcdl.comm.contract import Status as StatusProtocol
+from hpcdl.comm.objects import agree, on_root, recv_object, scatter_objects, send_object
 from hpcdl.comm.watchdog import StallError
 from hpcdl.comm.watched import WatchedComm, watch
 
@@ -44,6 +46,12 @@ __all__ = [
     "WatchedComm",
     "WorldHooks",
     "abort_on_exception",
+    "agree",
+    "on_root",
+    "recv_object",
+    "scatter_objects",
+    "send_object",
+    "sleep",
     "long_wait",
     "notes",
     "reset_world",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar, Token
 from typing import Any
@@ -16,6 +17,7 @@ __all__ = [
     "notes",
     "reset_world",
     "set_world",
+    "sleep",
     "subcomm",
     "use_world",
     "waitall",
@@ -88,6 +90,25 @@ def wtime() -> float:
     from hpcdl.comm import mpi
 
     return mpi.wtime()
+
+
+def sleep(seconds: float) -> None:
+    """Spend ``seconds`` on purpose: a real sleep under MPI, the rank's clock moved on in the simulator.
+
+    What a rank does that takes time without computing or communicating (a modelled
+    slowdown, a pause): in the simulator a loop waiting on the clock would never end
+    under ``--compute none`` or a cost table, since only the models move its clock.
+
+    Args:
+        seconds: how long (>= 0).
+    """
+    if seconds <= 0:
+        return
+    hook = _world_hook("sleep")
+    if hook is not None:
+        hook(seconds)
+    else:
+        time.sleep(seconds)
 
 
 def Status() -> StatusLike:  # noqa: N802  (named like the mpi4py class it creates)

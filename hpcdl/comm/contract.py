@@ -197,6 +197,8 @@ class WorldHooks(Protocol):
     * ``waitall(reqs) -> bool`` and ``waitany(reqs, status) -> (bool, index)``: block on
       the world's own requests in :func:`hpcdl.comm.waitall`/:func:`~hpcdl.comm.waitany`
       (False: some request is not the world's own; the caller polls them all);
+    * ``sleep(seconds)``: spend time on purpose, used by :func:`hpcdl.comm.sleep` (a
+      simulated world moves the rank's virtual clock);
     * ``notes() -> dict`` and ``long_wait(reason)``: the stall watchdog's notes of what the
       rank is doing and its mark for waits that are long by design, used by
       :func:`hpcdl.comm.notes`/:func:`hpcdl.comm.long_wait` (MPI's world under

@@ -1,8 +1,11 @@
-"""Capturing a training run's whole state into a checkpoint, and putting it back.
+"""Capturing a training run's state into a checkpoint at a meeting point, and putting it back.
 
-Rank 0 writes and reads the files (the other ranks may not see rank 0's disk); each
-rank's own state (BatchNorm statistics, its dropout stream) travels by ``gather`` and
-``bcast``.
+Rank 0 writes and reads the files (the other ranks may not see rank 0's disk). Every rank
+contributes what it holds (:meth:`hpcdl.parallel.Strategy.state`): a piece several ranks
+hold alike (the model of sync data parallel, a server's shard, a pipeline stage) comes from
+its first holder only; each rank's own arrays and small values come from every rank. On
+resume each rank receives only its part — its own values (scattered from rank 0) and the
+pieces it holds (broadcast among their holders) — never the whole file.
 """
 
 from __future__ import annotations
@@ -11,105 +14,136 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from hpcdl.backend import to_numpy
-from hpcdl.comm import Communicator
+from hpcdl.comm import Communicator, recv_object, scatter_objects, send_object, subcomm
 from hpcdl.config import Config, stored_values
-from hpcdl.data import DistributedSampler
 from hpcdl.errors import ConfigError
-from hpcdl.nn import Sequential
-from hpcdl.optim import Optimizer
+from hpcdl.parallel import Placement, RankState, Strategy
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint
 
-__all__ = ["capture", "restore", "check_fits", "check_run_config", "find_resume", "FIT_KEYS"]
+__all__ = ["capture", "distribute", "check_fits", "check_run_config", "find_resume", "FIT_KEYS"]
 
 #: config keys a checkpoint must agree on: they fix the trajectory of the run
 FIT_KEYS = (
     "seed", "dtype", "model.name", "model.depth", "model.width", "model.width_mult", "model.channels",
     "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
-    "data.train_size", "data.test_size", "exchange.accumulate",
+    "data.train_size", "data.test_size", "exchange.accumulate", "parallel.strategy",
 )  # fmt: skip
+
+#: tag of the point-to-point messages that move pieces between rank 0 and their holders
+_PIECE_TAG = 31_001
 
 
 def capture(
     comm: Communicator,
-    model: Sequential,
-    optimizer: Optimizer,
-    sampler: DistributedSampler,
-    dropout_rng: np.random.Generator,
+    strategy: Strategy,
+    placement: Placement,
     config: Config,
+    *,
     step: int,
+    epoch: int,
     meta: dict[str, Any],
     attrs: dict[str, Any],
 ) -> Checkpoint | None:
-    """The run's state after ``step`` (collective); a :class:`Checkpoint` on rank 0, else None."""
-    local = (
-        {name: to_numpy(b).copy() for name, b in model.named_buffers()},
-        dropout_rng.bit_generator.state,
-    )
-    every = comm.gather(local, root=0)
-    if comm.Get_rank() != 0:
+    """The run's state after ``step`` (collective, at a meeting); a :class:`Checkpoint` on rank 0.
+
+    Args:
+        comm: the world.
+        strategy: this rank's strategy.
+        placement: who holds what.
+        config: the run's config.
+        step: steps done.
+        epoch: the epoch of the next batch.
+        meta: the driver's own values (counters), stored with :func:`_fit`.
+        attrs: provenance attributes for the file.
+
+    Returns:
+        The checkpoint on rank 0, None elsewhere.
+    """
+    rank = comm.Get_rank()
+    holds = placement.ranks[rank].holds
+    part = strategy.state(pieces=bool(holds) and placement.holders(holds)[0] == rank)
+    own = comm.gather((part.arrays, part.meta), root=0)
+    pieces = dict(part.pieces) if rank == 0 else {}
+    for piece in placement.pieces():
+        first = placement.holders(piece)[0]
+        if first == 0:
+            continue
+        if rank == first:
+            send_object(comm, part.pieces[piece], 0, _PIECE_TAG)
+        elif rank == 0:
+            pieces[piece] = recv_object(comm, first, _PIECE_TAG)
+    if rank != 0:
         return None
-    opt_state = optimizer.state_dict()
-    arrays = {k: v for k, v in opt_state.items() if isinstance(v, np.ndarray)}
-    scalars = {k: v for k, v in opt_state.items() if not isinstance(v, np.ndarray)}
+    assert own is not None
     return Checkpoint(
         step=step,
-        epoch=sampler.epoch,
-        ranks=comm.Get_size(),
+        epoch=epoch,
         config=config.toml(),
-        params={name: to_numpy(p.data).copy() for name, p in model.named_parameters()},
-        optimizer=arrays,
-        buffers=[bufs for bufs, _ in every],
-        meta={**meta, "sampler": sampler.state(), "optimizer": scalars, "fit": _fit(config)},
-        rng=[{"dropout": state} for _, state in every],
+        placement=placement.to_json(),
+        pieces=pieces,
+        ranks=list(own),
+        meta={**meta, "fit": _fit(config)},
         attrs=attrs,
     )
 
 
-def restore(
-    ckpt: Checkpoint,
-    rank: int,
-    model: Sequential,
-    optimizer: Optimizer,
-    sampler: DistributedSampler,
-    dropout_rng: np.random.Generator,
-) -> None:
-    """Put ``ckpt``'s state into this rank's model, optimizer, sampler and streams."""
-    model.load_state_dict({**ckpt.params, **ckpt.buffers[rank]})
-    optimizer.load_state_dict({**ckpt.meta["optimizer"], **ckpt.optimizer})
-    sampler.load_state(ckpt.meta["sampler"])
-    dropout_rng.bit_generator.state = ckpt.rng[rank]["dropout"]
+def distribute(comm: Communicator, ckpt: Checkpoint | None, placement: Placement) -> RankState:
+    """This rank's part of ``ckpt`` (which rank 0 read; collective): its own values and its pieces.
+
+    Each piece goes from rank 0 to its first holder, which broadcasts it to the other
+    holders (on a communicator of the holders when they are not every rank).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    arrays, meta = scatter_objects(comm, ckpt.ranks if ckpt is not None else None)
+    pieces: dict[str, Any] = {}
+    for piece in placement.pieces():
+        holders = placement.holders(piece)
+        value = ckpt.pieces[piece] if ckpt is not None else None
+        if holders[0] != 0:
+            if rank == 0:
+                send_object(comm, value, holders[0], _PIECE_TAG)
+            elif rank == holders[0]:
+                value = recv_object(comm, 0, _PIECE_TAG)
+        if len(holders) == size:
+            value = comm.bcast(value, root=holders[0])
+        elif len(holders) > 1 and rank in holders:
+            group = subcomm(comm, holders)
+            value = group.bcast(value, root=0)
+            group.Free()
+        if rank in holders:
+            pieces[piece] = value
+    return RankState(pieces=pieces, arrays=arrays, meta=meta)
 
 
 def _fit(config: Config) -> dict[str, Any]:
     return {k: config[k] for k in FIT_KEYS}
 
 
-def check_fits(ckpt: Checkpoint, config: Config, model: Sequential, ranks: int) -> None:
-    """Refuse a checkpoint of another model, rank count or data/batch/seed setting.
+def check_fits(ckpt: Checkpoint, config: Config, placement: Placement) -> None:
+    """Refuse a checkpoint of another rank count, trajectory (:data:`FIT_KEYS`) or placement.
 
     Raises:
-        CheckpointError: naming the first thing that differs.
+        CheckpointError: naming the first thing that differs, and both values.
     """
     where = ckpt.path or "the checkpoint"
-    if ckpt.ranks != ranks:
-        raise CheckpointError(f"{where} was written by {ckpt.ranks} ranks; this run has {ranks}")
-    mine = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    theirs = {name: tuple(a.shape) for name, a in ckpt.params.items()}
-    if mine != theirs:
-        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
-        raise CheckpointError(f"{where} holds another model (parameters differ: {diff} ...)")
+    if ckpt.world != placement.world:
+        raise CheckpointError(
+            f"{where} was written by {ckpt.world} ranks; this run has {placement.world}: continue it on "
+            f"{ckpt.world} ranks, or start a new run with another --out"
+        )
     for key, value in _fit(config).items():
-        saved = ckpt.meta["fit"].get(key)
+        saved = ckpt.meta["fit"].get(key, value)  # a key newer than the file: its default then
         if saved != value:
             raise CheckpointError(f"{where} was written with {key} = {saved!r}; this run has {value!r}")
+    theirs = Placement.from_json(ckpt.placement)
+    if theirs != placement:
+        raise CheckpointError(
+            f"{where} was written under another placement ({theirs.summary()}); this run's is "
+            f"{placement.summary()}: continue it as it was placed, or start a new run with another --out"
+        )
 
 
-def find_resume(
-    resume: str, run_file: Path, config: Config, model: Sequential, ranks: int
-) -> Checkpoint | None:
+def find_resume(resume: str, run_file: Path, config: Config, placement: Placement) -> Checkpoint | None:
     """The checkpoint ``--resume`` names (rank 0 only).
 
     ``auto`` takes the newest checkpoint of ``run_file`` that loads and fits, telling on
@@ -123,13 +157,13 @@ def find_resume(
     """
     if resume != "auto":
         ckpt = load_checkpoint(resume)
-        check_fits(ckpt, config, model, ranks)
+        check_fits(ckpt, config, placement)
         return ckpt
     refused: list[CheckpointError] = []
     for path in list_checkpoints(run_file):
         try:
             ckpt = load_checkpoint(path)
-            check_fits(ckpt, config, model, ranks)
+            check_fits(ckpt, config, placement)
         except CheckpointError as err:
             refused.append(err)
             continue

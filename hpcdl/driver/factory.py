@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,27 +10,22 @@ import numpy as np
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator
-from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
 from hpcdl.config import Config
 from hpcdl.data import Dataset, load_dataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
-from hpcdl.nn import LayerObserver, Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
-from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.rng import generator
 
-__all__ = [
-    "make_optimizer", "make_schedule", "load_data", "build", "evaluate",
-    "exchange_for", "observers", "auto_table", "EVAL_BATCH",
-]  # fmt: skip
+__all__ = ["make_optimizer", "make_schedule", "load_data", "build", "evaluate", "EVAL_BATCH"]
 
 EVAL_BATCH = 512
 
 
-def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
-    """The optimizer named in the config, over the model's parameters."""
-    params = model.parameters()
+def make_optimizer(cfg: Config, params: Sequence[Parameter], lr: float) -> Optimizer:
+    """The optimizer named in the config, over ``params`` (a model's, a stage's, a shard's)."""
+    params = list(params)
     name, wd = cfg["optimizer.name"], cfg["optimizer.weight_decay"]
     if name == "sgd":
         if cfg["optimizer.nesterov"] and cfg["optimizer.momentum"] <= 0:
@@ -49,23 +43,24 @@ def make_optimizer(cfg: Config, model: Sequential, lr: float) -> Optimizer:
     return AdamW(params, lr, betas=betas, eps=cfg["optimizer.eps"], weight_decay=wd)
 
 
-def make_schedule(cfg: Config, ranks: int, steps_per_epoch: int, total_steps: int) -> Schedule:
+def make_schedule(cfg: Config, batches: int, steps_per_epoch: int, total_steps: int) -> Schedule:
     """The learning-rate schedule, with the scaling rule applied to the global batch.
 
-    The global batch is ``ranks * exchange.accumulate`` times ``data.batch_size``, so the
-    rule (``schedule.scale``) scales by that factor: accumulating k micro-steps on one rank
-    is treated as k ranks.
+    ``batches`` is how many ``data.batch_size`` batches one update averages: the
+    placement's data-parallel width times its micro-steps (accumulating k micro-steps on
+    one rank counts as k ranks; a parameter server's asynchronous push counts as 1). The
+    rule (``schedule.scale``) scales the learning rate by that factor.
 
     Raises:
         ConfigError: a cosine schedule's ``schedule.min_lr`` is above its peak rate.
     """
     base = cfg["optimizer.lr"]
-    peak = scaled_lr(base, ranks * cfg["exchange.accumulate"], cfg["schedule.scale"])
+    peak = scaled_lr(base, batches, cfg["schedule.scale"])
     if cfg["schedule.name"] == "cosine" and cfg["schedule.min_lr"] > peak:
         raise ConfigError(
             f"schedule.min_lr = {cfg['schedule.min_lr']} is above the peak learning rate {peak:g} "
-            f"(optimizer.lr = {base} scaled for {ranks} rank(s)), so the cosine schedule would rise: "
-            f"set schedule.min_lr <= {peak:g}"
+            f"(optimizer.lr = {base} scaled for {batches} batches per update), so the cosine schedule "
+            f"would rise: set schedule.min_lr <= {peak:g}"
         )
     return Schedule(
         peak_lr=peak,
@@ -180,44 +175,3 @@ def evaluate(
     model.train()
     correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=ops.SUM)
     return float(correct / max(1, count)), float(loss_sum / max(1, count))
-
-
-def exchange_for(cfg: Config, comm: Communicator, model: Sequential) -> GradientExchange:
-    """The config's gradient exchange over the model's parameters."""
-    options: dict[str, Any] = {}
-    if cfg["exchange.name"] == "bucketed":
-        options = {
-            "bucket_mb": cfg["exchange.bucket_mb"],
-            "algorithm": cfg["exchange.algorithm"],
-            "auto": auto_table(cfg, comm),
-            "compression": cfg["exchange.compression"],
-        }
-    elif cfg["exchange.compression"] != "none" and comm.Get_size() > 1:
-        raise ConfigError(
-            f"exchange.compression = {cfg['exchange.compression']!r} needs exchange.name = 'bucketed' "
-            f"(the flat {cfg['exchange.name']!r} exchange sends the gradients' own dtype)"
-        )
-    return make_exchange(
-        cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"], **options
-    )
-
-
-def auto_table(cfg: Config, comm: Communicator) -> AutoTable:
-    """The table ``exchange.algorithm = "auto"`` chooses from: the threshold rule, a file, or packaged.
-
-    Rank 0 reads the file and broadcasts it (collective), so every rank chooses alike.
-    """
-    if cfg["exchange.auto_threshold_kb"] > 0:
-        return AutoTable.threshold(round(cfg["exchange.auto_threshold_kb"] * 1024))
-    return load_table_bcast(comm, cfg["exchange.auto_table"] or None)
-
-
-@contextlib.contextmanager
-def observers(*candidates: Any) -> Iterator[None]:
-    """Activate every candidate that is a per-layer observer (profiler, overlapping exchange)."""
-    with contextlib.ExitStack() as stack:
-        for c in candidates:
-            if c is not None and hasattr(c, "after") and hasattr(c, "before"):
-                obs: LayerObserver = c
-                stack.enter_context(observe(obs))
-        yield

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcdl import __version__
-from hpcdl.comm import Communicator
+from hpcdl.comm import Communicator, on_root
 from hpcdl.config import Config
 from hpcdl.driver.checkpoints import check_run_config, find_resume
 from hpcdl.errors import ConfigError, HpcdlError
-from hpcdl.nn import Sequential
+from hpcdl.parallel import Placement
 from hpcdl.store import RunFile, RunFileError
-from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, orphaned_temporaries
+from hpcdl.store.checkpoint import Checkpoint, list_checkpoints, orphaned_temporaries
 from hpcdl.store.runfile import heartbeat_now, read_attrs
 
-__all__ = ["RunLog", "open_run", "checkpoint_attrs", "now"]
+__all__ = ["Opened", "RunLog", "open_run", "checkpoint_attrs", "now", "peak_rss_mb"]
 
 
 class RunLog:
@@ -102,39 +103,51 @@ class RunLog:
             self.runfile = None
 
 
-def open_run(
-    comm: Communicator,
-    cfg: Config,
-    model: Sequential,
-    run_path: Path | None,
-    resume: str | None,
-    t_start: float,
-) -> tuple[Checkpoint | None, RunFile | None]:
-    """Rank 0 finds the checkpoint and opens the run file; every rank gets the checkpoint.
+@dataclass
+class Opened:
+    """What :func:`open_run` found: the run file (rank 0) and the checkpoint to continue from.
 
-    A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is
-    sent to every rank, so that all raise the same error instead of waiting.
+    Attributes:
+        runfile: the run file, on rank 0 (None elsewhere, or without ``--out``).
+        checkpoint: the checkpoint to continue from, on rank 0 only (the other ranks get
+            their part from :func:`hpcdl.driver.checkpoints.distribute`).
+        step: the checkpoint's step, on every rank (None: a fresh start).
+        meta: the checkpoint's driver part (its counters), on every rank.
     """
-    ckpt: Checkpoint | None = None
+
     runfile: RunFile | None = None
-    outcome: tuple[str, Any] = ("ok", None)
-    if comm.Get_rank() == 0:
-        try:
-            ckpt, runfile = _open_on_root(comm, cfg, model, run_path, resume)
-            outcome = ("ok", ckpt)
-        except HpcdlError as err:
-            outcome = ("error", (type(err), str(err)))
-    status, payload = comm.bcast(outcome if comm.Get_rank() == 0 else None, root=0)
-    if status == "error":
-        kind, message = payload
-        raise (kind if issubclass(kind, HpcdlError) else CheckpointError)(message)
-    if ckpt is not None and comm.Get_rank() == 0:
+    checkpoint: Checkpoint | None = None
+    step: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def open_run(
+    comm: Communicator, cfg: Config, placement: Placement, run_path: Path | None, resume: str | None
+) -> Opened:
+    """Rank 0 finds the checkpoint and opens the run file; every rank learns whether to resume.
+
+    A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is raised
+    on every rank, so that none waits. Only the checkpoint's step and the driver's counters
+    travel: each rank's part of it is sent by :func:`~hpcdl.driver.checkpoints.distribute`.
+    """
+    opened = Opened()
+
+    def decide() -> tuple[int, dict[str, Any]] | None:
+        opened.checkpoint, opened.runfile = _open_on_root(comm, cfg, placement, run_path, resume)
+        ckpt = opened.checkpoint
+        if ckpt is None:
+            return None
         print(f"hpcdl.train: resuming from {ckpt.path} (step {ckpt.step})", file=sys.stderr, flush=True)
-    return payload, runfile
+        return ckpt.step, ckpt.meta
+
+    found = on_root(comm, decide)
+    if found is not None:
+        opened.step, opened.meta = found
+    return opened
 
 
 def _open_on_root(
-    comm: Communicator, cfg: Config, model: Sequential, run_path: Path | None, resume: str | None
+    comm: Communicator, cfg: Config, placement: Placement, run_path: Path | None, resume: str | None
 ) -> tuple[Checkpoint | None, RunFile | None]:
     """What :func:`open_run` does on rank 0: check everything first, then change files.
 
@@ -153,7 +166,7 @@ def _open_on_root(
     if resume == "auto" and run_path is None:
         raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
     if run_path is None:
-        return (find_resume(resume, Path(resume), cfg, model, ranks) if resume else None), None
+        return (find_resume(resume, Path(resume), cfg, placement) if resume else None), None
     changes: dict[str, tuple[Any, Any]] = {}
     attrs: dict[str, Any] = {}
     exists = run_path.exists()
@@ -171,7 +184,7 @@ def _open_on_root(
     elif exists:
         attrs = {**read_attrs(run_path), "path": str(run_path)}
         changes = check_run_config(attrs, cfg, ranks)
-    ckpt = find_resume(resume, run_path, cfg, model, ranks) if resume is not None else None
+    ckpt = find_resume(resume, run_path, cfg, placement) if resume is not None else None
     if ckpt is None and exists and attrs.get("status") in ("finished", "stopped"):
         raise RunFileError(
             f"{run_path} is a {attrs['status']} run with no checkpoint to continue from (deleted?): "
@@ -185,7 +198,7 @@ def _open_on_root(
             shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
             print(f"hpcdl.train: {run_path} continues with changed settings: {shown}", file=sys.stderr)
     else:
-        runfile = RunFile.create(run_path, _run_attrs(cfg, comm), ranks)
+        runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks)
     orphans = orphaned_temporaries(run_path)
     for tmp in orphans:
         tmp.unlink(missing_ok=True)
@@ -200,7 +213,7 @@ def _open_on_root(
     return ckpt, runfile
 
 
-def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
+def _run_attrs(cfg: Config, comm: Communicator, placement: Placement) -> dict[str, Any]:
     """The root attributes of a new run file."""
     sim = getattr(comm, "sim_attrs", None)  # a simulated world says what it simulates
     if sim is not None:
@@ -221,6 +234,8 @@ def _run_attrs(cfg: Config, comm: Communicator) -> dict[str, Any]:
         "compute": "real",
         "start_time": now(),
         "argv": " ".join(sys.argv),
+        "strategy": placement.strategy,
+        "placement": placement.to_json(),
     }
     if sim is not None:
         attrs.update(sim())

@@ -1,4 +1,4 @@
-"""Parallel strategies, picked by name: ``make_exchange("bucketed", comm, params)``."""
+"""Parallel strategies (``parallel.strategy``) and sync's gradient exchanges (``make_exchange``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,28 @@ from hpcdl.comm import Communicator
 from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.bucketed import DEFAULT_BUCKET_MB, BucketedExchange
 from hpcdl.parallel.exchange import AllreduceExchange, ExchangeError, GradientExchange, LocalExchange
+from hpcdl.parallel.strategy import (
+    STRATEGIES,
+    Agreement,
+    Placement,
+    RankPlace,
+    RankState,
+    RunContext,
+    StepStats,
+    Strategy,
+    strategy_class,
+)
 
 __all__ = [
+    "STRATEGIES",
+    "Agreement",
+    "Placement",
+    "RankPlace",
+    "RankState",
+    "RunContext",
+    "StepStats",
+    "Strategy",
+    "strategy_class",
     "EXCHANGES",
     "DEFAULT_BUCKET_MB",
     "make_exchange",

@@ -23,10 +23,12 @@ class GradientExchange(Protocol):
     """What a data-parallel strategy offers the training loop.
 
     ``comm_time`` accumulates the seconds spent inside the exchange (from
-    :func:`hpcdl.comm.wtime`), for the run's metrics.
+    :func:`hpcdl.comm.wtime`), for the run's metrics; ``exposed_time`` the part of it that
+    nothing overlapped (the wait in :meth:`exchange`, after backward).
     """
 
     comm_time: float
+    exposed_time: float
     bytes_sent: int
 
     def broadcast_parameters(self, root: int = 0) -> None:
@@ -37,6 +39,9 @@ class GradientExchange(Protocol):
 
     def exchange(self) -> None:
         """Replace every parameter's ``.grad`` by its average over the ranks (and micro-steps)."""
+
+    def free(self) -> None:
+        """Release what the exchange owns (duplicated communicators; collective)."""
 
 
 class LocalExchange:
@@ -55,11 +60,16 @@ class LocalExchange:
         self.params = list(params)
         self.debug = debug
         self.comm_time = 0.0
+        self.exposed_time = 0.0
         self.bytes_sent = 0
         self._acc: list[Any] | None = None
         self._accumulated = 0  # micro-steps held in _acc
 
     def broadcast_parameters(self, root: int = 0) -> None:
+        return None
+
+    def free(self) -> None:
+        """Nothing to release (the multi-rank exchanges free their communicators)."""
         return None
 
     def accumulate(self) -> None:
@@ -141,7 +151,9 @@ class AllreduceExchange(LocalExchange):
         synchronize(send)
         self.comm.Allreduce(send, self._recv, op=ops.SUM)
         self._grads.unpack(self._recv, grads, scale=scale)
-        self.comm_time += wtime() - t0
+        dt = wtime() - t0
+        self.comm_time += dt
+        self.exposed_time += dt  # blocking, after backward: nothing overlaps it
         self.bytes_sent += int(send.nbytes)
 
 

@@ -31,6 +31,7 @@ from hpcdl._ext.simcore import CommBase, check_array
 from hpcdl._ext.simcore import Request as SimRequest
 from hpcdl.sim.engine import Engine
 from hpcdl.sim.errors import SimAbort
+from hpcdl.sim.ticks import ticks
 
 __all__ = ["SimComm", "SimRequest", "SimStatus", "SimWorld", "ANY_SOURCE", "ANY_TAG"]
 
@@ -276,6 +277,10 @@ class SimWorld(SimComm):
 
     def __init__(self, engine: Engine, world_rank: int) -> None:
         super().__init__(engine, world_rank, 0, range(engine.size))
+
+    def sleep(self, seconds: float) -> None:
+        """:func:`hpcdl.comm.sleep`: the rank's virtual clock moves on by ``seconds``."""
+        self._engine.charge(self._world_rank, ticks(seconds))
 
     def launcher(self) -> str:
         """The command line that started this simulation, up to the command's own arguments

@@ -1,18 +1,24 @@
 """Checkpoints: HDF5 files beside the run file, written to a temporary name and renamed.
 
-Layout (format version 1)::
+Layout (format version 2)::
 
-    /                     attrs: format_version, step, epoch, ranks, created (ISO 8601),
-                                 hpcdl_version, mpi_library, run_file (name of the run file),
-                                 config (TOML text), meta (JSON: sampler position, optimizer
-                                 scalars, exchange settings, counters), rng (JSON list: each
-                                 rank's generator states), digest (SHA-256 of every array)
-    /params/<name>        the parameters (equal on every rank)
-    /optimizer/<key>      optimizer state arrays (equal on every rank)
-    /buffers/<rank>/<name> each rank's buffers (BatchNorm statistics stay local)
+    /                          attrs: format_version, step, epoch, ranks (the world size),
+                                      created (ISO 8601), hpcdl_version, mpi_library,
+                                      run_file (name of the run file), config (TOML text),
+                                      placement (JSON: every rank's role, piece and
+                                      data-parallel member), meta (JSON: the driver's
+                                      counters and the keys the run's trajectory depends
+                                      on), digest (SHA-256 of every array and rank's meta)
+    /pieces/<piece>/<group>/<name>   state several ranks hold alike (sync: the model's
+                                      ``params`` and ``optimizer``), stored once; the
+                                      group's attribute ``meta`` (JSON) holds its scalars
+    /ranks/<rank>/<name>       each rank's own arrays (BatchNorm statistics stay local)
+    /rank_meta                 one JSON text per rank: its random streams, sampler
+                               position, counters
 
-A file is complete once it has its final name (``os.replace`` is atomic); the digest
-catches a file damaged later.
+Version 1 files (before pieces: ``/params``, ``/optimizer``, ``/buffers/<rank>``, the
+``rng`` attribute) are read as the sync strategy's pieces. A file is complete once it has
+its final name (``os.replace`` is atomic); the digest catches a file damaged later.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +49,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-CKPT_VERSION = 1
+CKPT_VERSION = 2
 _NAME = re.compile(r"\.ckpt-(\d{8,})\.h5$")
 
 
@@ -54,19 +59,36 @@ class CheckpointError(HpcdlError):
 
 @dataclass
 class Checkpoint:
-    """Everything a run needs to continue bit for bit from the end of step ``step``."""
+    """Everything a run needs to continue bit for bit from the end of step ``step``.
+
+    Attributes:
+        step: steps done.
+        epoch: the epoch of the next batch.
+        config: the run's config (TOML text).
+        placement: the placement it was written under (JSON text,
+            :meth:`hpcdl.parallel.Placement.to_json`).
+        pieces: state several ranks hold alike, once: piece -> group -> name -> array,
+            and piece -> ``"meta"`` -> JSON-compatible scalars.
+        ranks: per rank, its own arrays and its meta (JSON-compatible).
+        meta: the driver's part (counters, the keys the trajectory depends on).
+        attrs: other root attributes (provenance).
+        path: where it was read from.
+    """
 
     step: int
     epoch: int
-    ranks: int
     config: str
-    params: dict[str, np.ndarray]
-    optimizer: dict[str, np.ndarray]
-    buffers: list[dict[str, np.ndarray]]
+    placement: str
+    pieces: dict[str, dict[str, Any]]
+    ranks: list[tuple[dict[str, np.ndarray], dict[str, Any]]]
     meta: dict[str, Any] = field(default_factory=dict)
-    rng: list[dict[str, Any]] = field(default_factory=list)
     attrs: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+
+    @property
+    def world(self) -> int:
+        """The number of ranks that wrote it."""
+        return len(self.ranks)
 
 
 def checkpoint_path(run_file: str | os.PathLike[str], step: int) -> Path:
@@ -86,21 +108,33 @@ def list_checkpoints(run_file: str | os.PathLike[str]) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def _digest(groups: Mapping[str, Mapping[str, np.ndarray]]) -> str:
+def _digest(ckpt: Checkpoint) -> str:
     h = hashlib.sha256()
-    for gname in sorted(groups):
-        for key in sorted(groups[gname]):
-            a = np.ascontiguousarray(groups[gname][key])
-            h.update(f"{gname}/{key}:{a.dtype.str}:{a.shape}".encode())
-            h.update(a.tobytes())
+    for path, a in _arrays(ckpt):
+        a = np.ascontiguousarray(a)
+        h.update(f"{path}:{a.dtype.str}:{a.shape}".encode())
+        h.update(a.tobytes())
+    for r, (_, meta) in enumerate(ckpt.ranks):
+        h.update(f"rank_meta/{r}:".encode() + _json(meta).encode())
+    for piece in sorted(ckpt.pieces):
+        h.update(f"pieces/{piece}/meta:".encode() + _json(ckpt.pieces[piece].get("meta", {})).encode())
     return h.hexdigest()
 
 
-def _array_groups(ckpt: Checkpoint) -> dict[str, Mapping[str, np.ndarray]]:
-    groups: dict[str, Mapping[str, np.ndarray]] = {"params": ckpt.params, "optimizer": ckpt.optimizer}
-    for r, bufs in enumerate(ckpt.buffers):
-        groups[f"buffers/{r}"] = bufs
-    return groups
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _arrays(ckpt: Checkpoint) -> list[tuple[str, np.ndarray]]:
+    """Every array with its path in the file, in a fixed order."""
+    out = []
+    for piece in sorted(ckpt.pieces):
+        for group, arrays in sorted(ckpt.pieces[piece].items()):
+            if group != "meta":
+                out += [(f"pieces/{piece}/{group}/{k}", np.asarray(arrays[k])) for k in sorted(arrays)]
+    for r, (arrays, _) in enumerate(ckpt.ranks):
+        out += [(f"ranks/{r}/{k}", np.asarray(arrays[k])) for k in sorted(arrays)]
+    return out
 
 
 def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
@@ -129,7 +163,6 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
 
 
 def _write(ckpt: Checkpoint, tmp: Path) -> None:
-    groups = _array_groups(ckpt)
     h5 = h5py.File(tmp, "w")
     try:
         h5.attrs.update(
@@ -137,19 +170,21 @@ def _write(ckpt: Checkpoint, tmp: Path) -> None:
                 "format_version": CKPT_VERSION,
                 "step": ckpt.step,
                 "epoch": ckpt.epoch,
-                "ranks": ckpt.ranks,
+                "ranks": ckpt.world,
                 "config": ckpt.config,
+                "placement": ckpt.placement,
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "meta": json.dumps(ckpt.meta),
-                "rng": json.dumps(ckpt.rng),
-                "digest": _digest(groups),
+                "meta": _json(ckpt.meta),
+                "digest": _digest(ckpt),
                 **ckpt.attrs,
             }
         )
-        for gname, arrays in groups.items():
-            g = h5.require_group(gname)
-            for key, a in arrays.items():
-                g.create_dataset(key, data=np.asarray(a))
+        for path, a in _arrays(ckpt):
+            h5.create_dataset(path, data=a)
+        for piece, groups in ckpt.pieces.items():
+            h5.require_group(f"pieces/{piece}").attrs["meta"] = _json(groups.get("meta", {}))
+        metas = [_json(meta) for _, meta in ckpt.ranks]
+        h5.create_dataset("rank_meta", data=np.array(metas, dtype=h5py.string_dtype()))
         h5.flush()
     except BaseException:
         try:  # the temporary file is thrown away: no flush error of its closing matters
@@ -172,7 +207,7 @@ def _read_group(group: h5py.Group) -> dict[str, np.ndarray]:
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read and verify a checkpoint.
+    """Read and verify a checkpoint (format 2, or 1: read as the sync strategy's pieces).
 
     Raises:
         CheckpointError: the file is missing, not HDF5 (e.g. truncated), of another
@@ -185,33 +220,91 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         with h5py.File(path, "r") as h5:
             attrs = dict(h5.attrs)
             version = attrs.get("format_version")
-            if version != CKPT_VERSION:
+            if version == 1:
+                ckpt, digest = _read_v1(h5, attrs), _digest_v1(h5)
+            elif version == CKPT_VERSION:
+                ckpt, digest = _read_v2(h5, attrs), None
+            else:
                 raise CheckpointError(
-                    f"checkpoint {path} has format version {version}, this hpcdl reads {CKPT_VERSION}"
+                    f"checkpoint {path} has format version {version}, this hpcdl reads {CKPT_VERSION} (and 1)"
                 )
-            ranks = int(attrs["ranks"])
-            ckpt = Checkpoint(
-                step=int(attrs["step"]),
-                epoch=int(attrs["epoch"]),
-                ranks=ranks,
-                config=str(attrs["config"]),
-                params=_read_group(h5["params"]),
-                optimizer=_read_group(h5["optimizer"]),
-                buffers=[
-                    _read_group(h5[f"buffers/{r}"]) if f"buffers/{r}" in h5 else {} for r in range(ranks)
-                ],
-                meta=json.loads(attrs["meta"]),
-                rng=json.loads(attrs["rng"]),
-                attrs={k: v for k, v in attrs.items() if k not in ("meta", "rng", "config")},
-                path=path,
-            )
     except CheckpointError:
         raise
     except (OSError, KeyError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path} is damaged or truncated ({err})") from None
-    if _digest(_array_groups(ckpt)) != attrs.get("digest"):
+    ckpt.path = path
+    if (digest if digest is not None else _digest(ckpt)) != attrs.get("digest"):
         raise CheckpointError(f"checkpoint {path} is damaged: its arrays do not match their SHA-256 digest")
     return ckpt
+
+
+_KEPT = ("format_version", "created", "hpcdl_version", "mpi_library", "run_file", "digest")
+
+
+def _read_v2(h5: h5py.File, attrs: dict[str, Any]) -> Checkpoint:
+    pieces: dict[str, dict[str, Any]] = {}
+    for piece, groups in h5["pieces"].items():
+        pieces[piece] = {g: _read_group(groups[g]) for g in groups}
+        pieces[piece]["meta"] = json.loads(groups.attrs["meta"])
+    world = int(attrs["ranks"])
+    metas = [json.loads(m) for m in h5["rank_meta"].asstr()[...]]
+    ranks = [(_read_group(h5[f"ranks/{r}"]) if f"ranks/{r}" in h5 else {}, metas[r]) for r in range(world)]
+    return Checkpoint(
+        step=int(attrs["step"]),
+        epoch=int(attrs["epoch"]),
+        config=str(attrs["config"]),
+        placement=str(attrs["placement"]),
+        pieces=pieces,
+        ranks=ranks,
+        meta=json.loads(attrs["meta"]),
+        attrs={k: attrs[k] for k in _KEPT if k in attrs},
+    )
+
+
+def _read_v1(h5: h5py.File, attrs: dict[str, Any]) -> Checkpoint:
+    """A format-1 file (sync data parallel, before pieces) in the format-2 structures."""
+    world = int(attrs["ranks"])
+    meta, rng = json.loads(attrs["meta"]), json.loads(attrs["rng"])
+    fit, counters = meta.get("fit", {}), meta.get("counters", {})
+    places = [{"role": "worker", "holds": "model", "member": r} for r in range(world)]
+    placement = {"strategy": "sync", "ranks": places, "batch_size": fit.get("data.batch_size", 0),
+                 "micro_steps": fit.get("exchange.accumulate", 1), "notes": []}  # fmt: skip
+    exchange = {"bytes_sent": counters.get("bytes_sent", 0), "comm_time": 0.0, "exposed_time": 0.0}
+    ranks = [
+        (
+            _read_group(h5[f"buffers/{r}"]) if f"buffers/{r}" in h5 else {},
+            {"random": rng[r], "sampler": meta["sampler"], "exchange": exchange},
+        )
+        for r in range(world)
+    ]
+    model = {"params": _read_group(h5["params"]), "optimizer": _read_group(h5["optimizer"]),
+             "meta": {"optimizer": meta["optimizer"]}}  # fmt: skip
+    kept = ("train_s", "compute_s", "elapsed_s")
+    driver = {"counters": {k: counters.get(k, 0.0) for k in kept}, "fit": fit}
+    return Checkpoint(
+        step=int(attrs["step"]),
+        epoch=int(attrs["epoch"]),
+        config=str(attrs["config"]),
+        placement=json.dumps(placement, sort_keys=True),
+        pieces={"model": model},
+        ranks=ranks,
+        meta=driver,
+        attrs={k: attrs[k] for k in _KEPT if k in attrs},
+    )
+
+
+def _digest_v1(h5: h5py.File) -> str:
+    """A format-1 file's digest, over its groups as they were written."""
+    groups = {"params": _read_group(h5["params"]), "optimizer": _read_group(h5["optimizer"])}
+    for r in range(int(h5.attrs["ranks"])):
+        groups[f"buffers/{r}"] = _read_group(h5[f"buffers/{r}"]) if f"buffers/{r}" in h5 else {}
+    h = hashlib.sha256()
+    for gname in sorted(groups):
+        for key in sorted(groups[gname]):
+            a = np.ascontiguousarray(groups[gname][key])
+            h.update(f"{gname}/{key}:{a.dtype.str}:{a.shape}".encode())
+            h.update(a.tobytes())
+    return h.hexdigest()
 
 
 def orphaned_temporaries(run_file: str | os.PathLike[str]) -> list[Path]:

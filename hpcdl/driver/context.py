@@ -1,0 +1,167 @@
+"""The run context the driver hands a strategy: the config, the world, the placement, builders."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module
+from hpcdl.comm import Communicator, sleep, wtime
+from hpcdl.config import Config
+from hpcdl.data import Dataset, DistributedSampler, gather_batch
+from hpcdl.driver.factory import build, evaluate, load_data, make_optimizer, make_schedule
+from hpcdl.errors import ConfigError, DataError
+from hpcdl.nn import LayerProfiler, Parameter, Sequential, observe
+from hpcdl.optim import Optimizer, Schedule
+from hpcdl.parallel import Placement
+from hpcdl.rng import generator
+
+__all__ = ["Context", "Slowdown", "slowdown_factor"]
+
+
+class Context:
+    """What a strategy builds from (:class:`hpcdl.parallel.RunContext`), for one rank.
+
+    Loading the data set fixes the epoch arithmetic: ``steps_per_epoch`` global batches of
+    the placement's width fit in the training set, and ``total_steps`` is ``train.steps``
+    or ``train.epochs`` of them.
+
+    Args:
+        cfg: the run's config.
+        comm: the world.
+        placement: the strategy's placement for the world's size.
+
+    Raises:
+        DataError: the data set is missing or malformed.
+    """
+
+    def __init__(self, cfg: Config, comm: Communicator, placement: Placement) -> None:
+        self.cfg, self.comm, self.placement = cfg, comm, placement
+        self.xp = array_module(cfg["device"])
+        self.dtype = np.dtype(cfg["dtype"])
+        self._data = load_data(cfg)
+        self.dropout_rng = generator(cfg["seed"], self.rank, "dropout")  # differs per rank
+        self.steps_per_epoch = max(1, len(self._data.y_train) // placement.global_batch)
+        self.total_steps: int = cfg["train.steps"] or cfg["train.epochs"] * self.steps_per_epoch
+        self._schedule: Schedule | None = None
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the world."""
+        return self.comm.Get_rank()
+
+    def data(self) -> Dataset:
+        """The config's data set (a read-only copy shared within the process)."""
+        return self._data
+
+    def build_model(self) -> Sequential:
+        """The config's model, initialised alike on every rank; its dropout draws from this rank's stream."""
+        return build(self.cfg, self._data, self.rank, self.dtype, self.xp, self.dropout_rng)
+
+    def schedule(self) -> Schedule:
+        """The learning-rate schedule, scaled by the batches one update averages (width x micro-steps)."""
+        if self._schedule is None:
+            batches = self.placement.width * self.placement.micro_steps
+            self._schedule = make_schedule(self.cfg, batches, self.steps_per_epoch, self.total_steps)
+        return self._schedule
+
+    def optimizer(self, params: Sequence[Parameter]) -> Optimizer:
+        """The config's optimizer over ``params``, at the schedule's first learning rate."""
+        return make_optimizer(self.cfg, params, self.schedule()(0))
+
+    def sampler(self, member: int) -> DistributedSampler:
+        """The batches of data-parallel member ``member``: micro-steps x ``data.batch_size`` per step.
+
+        Raises:
+            DataError: the global batch exceeds the training set (with the sampler's fix).
+        """
+        micro, batch = self.placement.micro_steps, self.placement.batch_size
+        try:
+            return DistributedSampler(
+                len(self._data.y_train), batch * micro, member, self.placement.width,
+                seed=self.cfg["seed"], kind=self.cfg["data.sampler"],
+            )  # fmt: skip
+        except DataError as err:
+            if micro == 1:
+                raise
+            raise DataError(
+                f"{err} (with exchange.accumulate = {micro}, a rank's batch per step is "
+                f"{micro} x data.batch_size {batch})"
+            ) from None
+
+    def batch(self, indices: Any) -> tuple[Any, Any]:
+        """Training samples and labels at ``indices``, on the config's device and dtype."""
+        x, y = gather_batch(self._data.x_train, self._data.y_train, indices, self.xp)
+        return x.astype(self.dtype, copy=False), y
+
+    def evaluate(self, model: Sequential, comm: Communicator) -> tuple[float, float]:
+        """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
+        return evaluate(model, self._data, comm, self.xp, self.dtype)
+
+    def random_state(self) -> dict[str, Any]:
+        """This rank's random streams (dropout) for its checkpoint part."""
+        return {"dropout": self.dropout_rng.bit_generator.state}
+
+    def load_random_state(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`random_state` returned."""
+        self.dropout_rng.bit_generator.state = state["dropout"]
+
+    @contextmanager
+    def observing(self, profiler: LayerProfiler | None, slowdown: Slowdown | None) -> Iterator[None]:
+        """The driver's per-layer observers around a step (the strategy adds its own inside)."""
+        if profiler is None and slowdown is None:
+            yield
+            return
+        with (
+            observe(profiler) if profiler is not None else nullcontext(),
+            observe(slowdown) if slowdown is not None else nullcontext(),
+        ):
+            yield
+
+
+class Slowdown:
+    """A per-layer observer: after each layer, spend ``factor - 1`` times its compute time.
+
+    ``debug.slowdown = ["RANK:FACTOR"]`` makes that world rank a straggler under mpiexec,
+    as the simulator's ``--straggler`` does: :func:`hpcdl.comm.sleep` is a real sleep
+    there and a move of the virtual clock in the simulator. Only outermost layers are
+    timed (a residual block's inner layers are inside its time).
+    """
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._depth = 0
+        self._start = 0.0
+
+    def before(self, phase: str, layer: Any, x: Any) -> None:
+        if self._depth == 0:
+            self._start = wtime()
+        self._depth += 1
+
+    def after(self, phase: str, layer: Any, y: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            sleep((self.factor - 1.0) * (wtime() - self._start))
+
+
+def slowdown_factor(cfg: Config, rank: int, world: int) -> float:
+    """This rank's factor in ``debug.slowdown`` (1.0: none).
+
+    Raises:
+        ConfigError: a rank outside the world, a factor below 1, a rank named twice.
+    """
+    factors: dict[int, float] = {}
+    for item in cfg["debug.slowdown"]:
+        r, _, f = item.partition(":")
+        who, factor = int(r), float(f)
+        if not 0 <= who < world:
+            raise ConfigError(f"debug.slowdown names rank {who}, outside the {world} ranks of this run")
+        if factor < 1:
+            raise ConfigError(f"debug.slowdown factor of rank {who} is {factor}: a factor must be >= 1")
+        if who in factors:
+            raise ConfigError(f"debug.slowdown names rank {who} twice: give each rank one factor")
+        factors[who] = factor
+    return factors.get(rank, 1.0)

@@ -1,0 +1,178 @@
+"""The driver's loop for strategies whose ranks step together (Chainer's ``Trainer``).
+
+:class:`Trainer` runs the strategy's steps and, at the strategy's meeting points only,
+fires the periodic work every strategy shares: agreeing on the metrics and a stop, the run
+file's rows (flushed every ``log.flush_every`` rows), evaluation (``train.eval_every`` or
+each epoch's end), progress, stops (a signal, ``train.stop_at``) and checkpoints
+(``checkpoint.every``). Work due at a step between two meetings fires at the next meeting;
+the driver also makes the ranks meet at the last step and at ``train.stop_at``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcdl.comm import notes, wtime
+from hpcdl.driver.context import Context, Slowdown
+from hpcdl.driver.progress import Progress
+from hpcdl.driver.runlog import RunLog, now
+from hpcdl.driver.signals import StopRequest
+from hpcdl.errors import HpcdlError
+from hpcdl.nn import LayerProfiler
+from hpcdl.parallel import StepStats, Strategy
+
+__all__ = ["Counters", "Trainer"]
+
+
+@dataclass
+class Counters:
+    """The driver's running totals on this rank (stored in checkpoints, restored on resume)."""
+
+    train_s: float = 0.0  # in steps
+    compute_s: float = 0.0  # in steps, less their communication
+    comm_s: float = 0.0
+    elapsed_s: float = 0.0  # since the run began, over every segment
+
+    def as_dict(self) -> dict[str, float]:
+        return {"train_s": self.train_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "elapsed_s": self.elapsed_s}  # fmt: skip
+
+
+@dataclass
+class _Step:
+    """A step this rank ran since the last meeting: the strategy's stats and the driver's times."""
+
+    stats: StepStats
+    wall_s: float
+    other_s: float
+
+
+@dataclass
+class Trainer:
+    """Runs ``strategy`` from ``step`` to the end, a stop, or a non-finite loss.
+
+    Args (fields):
+        ctx: the run context.
+        strategy: this rank's strategy.
+        log: the run file's log (rows on rank 0, timings from every rank).
+        bar: progress (rank 0).
+        stop: this rank's stop flag (a signal sets it).
+        save: writes a checkpoint of the state after a step (collective), or does nothing.
+        step: steps done (after a resume: the checkpoint's).
+        counters: the running totals.
+        profiler: the per-layer profiler (``profile.layers``), or None.
+        slowdown: this rank's ``debug.slowdown``, or None.
+    """
+
+    ctx: Context
+    strategy: Strategy
+    log: RunLog
+    bar: Progress
+    stop: StopRequest
+    save: Callable[[int], Path | None]
+    step: int = 0
+    counters: Counters = field(default_factory=Counters)
+    profiler: LayerProfiler | None = None
+    slowdown: Slowdown | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    accuracy: tuple[float, float] = (math.nan, math.nan)  # the last evaluation: accuracy, loss
+    stopped_by: str = ""
+    _pending: list[_Step] = field(default_factory=list)
+    _met: int = 0  # the step of the last meeting
+    _t_end: float | None = None  # when this rank's previous step ended
+    _t_segment: float = 0.0  # when this segment (a run, or a resumed part) began training
+    _note: dict[str, Any] = field(default_factory=notes)  # what this rank does, for stall reports
+
+    def run(self) -> None:
+        """Steps and meetings until the last step, a stop or an error."""
+        cfg = self.ctx.cfg
+        total, stop_at = self.ctx.total_steps, cfg["train.stop_at"]
+        self._met, self._t_segment = self.step, wtime()
+        while self.step < total and not self.stopped_by:
+            self._one_step()
+            if self.strategy.meets_after(self.step) or self.step in (total, stop_at):
+                self._meeting()
+
+    def elapsed(self) -> float:
+        """Seconds since the run began, every segment included."""
+        return self.counters.elapsed_s + wtime() - self._t_segment
+
+    def end_segment(self) -> None:
+        """Add this segment's time to ``counters.elapsed_s`` (once, when the run ends or stops)."""
+        self.counters.elapsed_s = self.elapsed()
+        self._t_segment = wtime()
+
+    def _one_step(self) -> None:
+        t0 = wtime()
+        other = t0 - self._t_end if self._t_end is not None else 0.0
+        self._note["step"], self._note["phase"] = self.step + 1, "step"
+        with self.ctx.observing(self.profiler, self.slowdown):
+            stats = self.strategy.step(self.step)
+        self._t_end = wtime()
+        wall = self._t_end - t0
+        self.step += 1
+        self.counters.train_s += wall
+        self.counters.compute_s += wall - stats.comm_s
+        self.counters.comm_s += stats.comm_s
+        self._pending.append(_Step(stats, wall, other))
+
+    def _meeting(self) -> None:
+        """What fires at a meeting: agree, rows, evaluation, progress, a stop, a checkpoint."""
+        steps, self._pending = self._pending, []
+        first = self.step - len(steps) + 1
+        self._note["phase"] = "metrics and stop vote"
+        agreed = self.strategy.agree([s.stats for s in steps], self.stop.requested)
+        for i, (done, row) in enumerate(zip(steps, agreed.rows)):
+            self._record(first + i, done, row, last=i == len(steps) - 1)
+        rate = self.ctx.placement.global_batch * self.step / max(self.counters.train_s, 1e-12)
+        self.bar.update(self.step, loss=self.history[-1]["loss"], samples_per_s=rate)
+        self._stop_or_save(agreed.stop_votes, first - 1)
+        self._met = self.step
+
+    def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
+        """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
+        if not math.isfinite(agreed["loss"]):
+            self.log.close("failed", end_time=now())
+            raise HpcdlError(
+                f"loss is {agreed['loss']} at step {step}: stopped; the last good checkpoint is kept "
+                "(lower optimizer.lr or check the data)"
+            )
+        spe, stats = self.ctx.steps_per_epoch, done.stats
+        row = {"step": step, "epoch": (step - 1) // spe, **agreed, "lr": stats.lr,
+               "step_time": done.wall_s, "samples_per_s": self.ctx.placement.global_batch / done.wall_s,
+               "bytes_sent": stats.bytes_sent, "time": self.elapsed()}  # fmt: skip
+        if last and self._evaluation_due():
+            self._note["phase"] = "evaluation"
+            self.accuracy = self.strategy.evaluate()
+            acc, loss = self.accuracy
+            row.update(test_accuracy=acc, test_loss=loss)
+            epoch = row["epoch"]
+            self.bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {loss:.4f}")
+        self.history.append(row)
+        self._note["phase"] = "run file"
+        self.log.record(row, done.wall_s - stats.comm_s, stats.comm_s, stats.exposed_s, done.other_s)
+
+    def _evaluation_due(self) -> bool:
+        every = self.ctx.cfg["train.eval_every"]
+        period = every or self.ctx.steps_per_epoch  # 0: at the end of each epoch
+        return _crossed(self._met, self.step, period) or self.step == self.ctx.total_steps
+
+    def _stop_or_save(self, stop_votes: int, before: int) -> None:
+        total, cfg = self.ctx.total_steps, self.ctx.cfg
+        stop_at, every = cfg["train.stop_at"], cfg["checkpoint.every"]
+        if stop_votes:
+            self.stopped_by = self.stop.name or "a signal to another rank"
+        elif stop_at and before < stop_at <= self.step < total:
+            self.stopped_by = f"train.stop_at = {stop_at}"
+        elif every and _crossed(before, self.step, every) and self.step < total:
+            self.save(self.step)
+
+
+def _crossed(before: int, now: int, period: int) -> bool:
+    """True when a multiple of ``period`` lies in ``(before, now]``."""
+    return period > 0 and now // period > before // period
+

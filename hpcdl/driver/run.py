@@ -1,0 +1,195 @@
+"""One training run: plan, build, open the run file, resume, train, finish (:func:`train`)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcdl.comm import Communicator, long_wait, notes, on_root, world, wtime
+from hpcdl.config import Config
+from hpcdl.driver.checkpoints import capture, distribute
+from hpcdl.driver.context import Context, Slowdown, slowdown_factor
+from hpcdl.driver.loop import Counters, Trainer
+from hpcdl.driver.progress import Progress, choose_mode
+from hpcdl.driver.runlog import RunLog, checkpoint_attrs, now, open_run, peak_rss_mb
+from hpcdl.driver.signals import current_stop_request
+from hpcdl.nn import LayerProfiler
+from hpcdl.parallel import Placement, Strategy, strategy_class
+from hpcdl.store.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+
+__all__ = ["RunResult", "plan", "train"]
+
+
+@dataclass
+class RunResult:
+    """What a training run returns (rank 0's view; the metrics are global)."""
+
+    config: Config
+    ranks: int
+    steps: int
+    epochs: float
+    test_accuracy: float
+    test_loss: float
+    wall_s: float
+    train_s: float
+    samples_per_s: float
+    compute_s: float
+    comm_s: float
+    strategy: Strategy
+    history: list[dict[str, float]] = field(default_factory=list)
+    profile: list[dict[str, Any]] | None = None
+    run_file: Path | None = None
+    checkpoint: Path | None = None
+    stopped_by: str = ""
+
+    @property
+    def model(self) -> Any:
+        """This rank's model, when its strategy has one."""
+        return getattr(self.strategy, "model", None)
+
+    @property
+    def optimizer(self) -> Any:
+        """This rank's optimizer, when its strategy has one."""
+        return getattr(self.strategy, "optimizer", None)
+
+    def summary(self) -> str:
+        """The one summary line printed at the end of a run."""
+        acc = self.test_accuracy
+        accuracy = f"{100 * acc:.2f}%" if math.isfinite(acc) else "not evaluated"
+        return (
+            f"{self.config['name']}: test accuracy {accuracy} | "
+            f"{self.steps} steps ({self.epochs:g} epochs) on {self.ranks} rank{'s' * (self.ranks > 1)} | "
+            f"wall {self.wall_s:.1f} s | {self.samples_per_s:.0f} samples/s"
+            + (f" | run file {self.run_file}" if self.run_file is not None else "")
+        )
+
+
+def plan(cfg: Config, world_size: int) -> Placement:
+    """The placement of ``parallel.strategy`` for ``world_size`` ranks (pure: nothing is built).
+
+    Raises:
+        ConfigError: the strategy is unknown or does not fit the rank count.
+    """
+    return strategy_class(cfg["parallel.strategy"]).plan(cfg, world_size)
+
+
+def train(
+    cfg: Config,
+    comm: Communicator | None = None,
+    progress: str = "none",
+    out: str | os.PathLike[str] | None = None,
+    resume: str | None = None,
+) -> RunResult:
+    """Train as ``cfg`` says on ``comm`` (default: :func:`hpcdl.comm.world`), with its strategy.
+
+    Args:
+        cfg: a validated config.
+        comm: the world; one rank trains alone, N ranks as ``parallel.strategy`` places them.
+        progress: ``bar``, ``lines``, ``none`` (rank 0 only) or ``auto``.
+        out: the run file (HDF5) to write, checkpoints beside it; None writes nothing.
+        resume: ``auto`` or a checkpoint path to continue from (``auto`` needs ``out``).
+
+    Returns:
+        The result, the same on every rank except for local timings; ``stopped_by`` is set
+        when a stop was honoured at a meeting.
+
+    Raises:
+        HpcdlError: the data set does not fit the placement, a checkpoint does not fit,
+            the loss is not finite, and the like.
+    """
+    comm = comm or world()
+    t_start = wtime()
+    placement = plan(cfg, comm.Get_size())
+    factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
+    ctx = Context(cfg, comm, placement)
+    strategy = strategy_class(cfg["parallel.strategy"])(ctx)
+    run_path = Path(out) if out is not None else None
+    opened = open_run(comm, cfg, placement, run_path, resume)
+    rank0 = comm.Get_rank() == 0
+    bar = Progress(choose_mode(progress), ctx.total_steps, cfg["train.log_every"], active=rank0)
+    trainer = Trainer(
+        ctx,
+        strategy,
+        log=RunLog(comm, opened.runfile, cfg["log.flush_every"]),
+        bar=bar,
+        stop=current_stop_request(),
+        save=lambda step: _checkpoint(trainer, run_path, step),
+        profiler=LayerProfiler() if cfg["profile.layers"] else None,
+        slowdown=Slowdown(factor) if factor != 1.0 else None,
+    )
+    if opened.step is not None:  # each rank receives its own part only
+        strategy.load_state(distribute(comm, opened.checkpoint, placement))
+        trainer.step = opened.step
+        saved = opened.meta.get("counters", {})
+        trainer.counters = Counters(**{k: float(saved.get(k, v)) for k, v in Counters().as_dict().items()})
+    try:
+        trainer.run()
+        return _finish(trainer, run_path, t_start)
+    except BaseException as exc:
+        trainer.log.abandon("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+        raise
+    finally:
+        trainer.bar.close()
+
+
+def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResult:
+    """After the last step or a stop: a last evaluation, the last checkpoint, the file's summary."""
+    ctx, strategy = trainer.ctx, trainer.strategy
+    if not trainer.stopped_by and (not trainer.history or "test_accuracy" not in trainer.history[-1]):
+        notes()["phase"] = "evaluation"
+        trainer.accuracy = strategy.evaluate()
+    ckpt_path = _checkpoint(trainer, run_path, trainer.step)
+    trainer.end_segment()
+    counters = trainer.counters
+    rate = ctx.placement.global_batch * trainer.step / counters.train_s if counters.train_s > 0 else 0.0
+    runfile = trainer.log.runfile
+    if runfile is not None and trainer.profiler is not None:
+        runfile.write_profile(trainer.profiler.table())
+    acc, loss = trainer.accuracy
+    trainer.log.close(
+        "stopped" if trainer.stopped_by else "finished",
+        end_time=now(),
+        wall_s=counters.elapsed_s,
+        final_test_accuracy=acc,
+        samples_per_s=rate,
+        peak_rss_mb=peak_rss_mb(),  # the process's: all virtual ranks of a simulation together
+    )
+    strategy.close()
+    return RunResult(
+        config=ctx.cfg, ranks=ctx.comm.Get_size(), steps=trainer.step,
+        epochs=round(trainer.step / ctx.steps_per_epoch, 3), test_accuracy=acc, test_loss=loss,
+        wall_s=wtime() - t_start, train_s=counters.train_s, samples_per_s=rate, compute_s=counters.compute_s,
+        comm_s=counters.comm_s, strategy=strategy, history=trainer.history,
+        profile=trainer.profiler.table() if trainer.profiler is not None else None,
+        run_file=run_path, checkpoint=ckpt_path, stopped_by=trainer.stopped_by,
+    )  # fmt: skip
+
+
+def _checkpoint(trainer: Trainer, run_path: Path | None, step: int) -> Path | None:
+    """Flush the log, then write a checkpoint of the state after ``step`` (collective, at a meeting).
+
+    The other ranks wait while rank 0 writes — a wait the stall watchdog takes as long by
+    design, up to ten stall limits — and all learn whether it worked: a failed write (a
+    full disk) ends every rank with the same error.
+    """
+    if run_path is None:
+        return None
+    ctx = trainer.ctx
+    notes()["phase"] = "checkpoint"
+    trainer.log.flush()
+    ckpt = capture(ctx.comm, trainer.strategy, ctx.placement, ctx.cfg, step=step,
+                   epoch=step // ctx.steps_per_epoch,
+                   meta={"counters": {**trainer.counters.as_dict(), "elapsed_s": trainer.elapsed()}},
+                   attrs=checkpoint_attrs(run_path))  # fmt: skip
+
+    def write() -> str:
+        assert ckpt is not None
+        path = save_checkpoint(ckpt, checkpoint_path(run_path, step))
+        prune_checkpoints(run_path, ctx.cfg["checkpoint.keep"])
+        return str(path)
+
+    with long_wait("rank 0 writes a checkpoint", limit_s=10 * ctx.cfg["debug.stall_s"] or None):
+        return Path(on_root(ctx.comm, write))

@@ -1,0 +1,368 @@
+"""The seam between the training driver and a way of spreading training: :class:`Strategy`.
+
+A strategy is the driver's *updater* (Chainer's ``Updater``): it owns the roles of the
+ranks and the communicators it splits for them, what each rank holds, what a step is,
+when ranks meet, what each step records, how the model is evaluated, and its own part of
+a checkpoint. The driver (:mod:`hpcdl.driver`) owns what every strategy shares — the
+config and the objects built from it, the run file, checkpoint files and ``--resume``,
+stops, progress, the summary — and fires its periodic work (log flushes, evaluation,
+checkpoints, the stop vote, progress) at the strategy's meeting points only, so a
+strategy whose ranks meet rarely is never forced into a per-step collective.
+
+Placement is data (:class:`Placement`): before anything is built, a strategy says what
+each rank does and holds, which ranks read which batches, and the batch arithmetic; the
+learning-rate scaling rule and the global batch use its data-parallel width, not the
+world size. ``python -m hpcdl.train --plan`` prints it; checkpoints record it.
+
+A strategy lives in one module of :mod:`hpcdl.parallel` and is registered in
+:data:`STRATEGIES` under the name ``parallel.strategy`` gives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from hpcdl.comm import Communicator
+from hpcdl.errors import ConfigError
+
+__all__ = [
+    "STRATEGIES",
+    "Agreement",
+    "Placement",
+    "RankPlace",
+    "RankState",
+    "RunContext",
+    "StepStats",
+    "Strategy",
+    "strategy_class",
+]
+
+#: strategy name (``parallel.strategy``) -> ``module:Class``, imported on first use
+STRATEGIES: dict[str, str] = {"sync": "hpcdl.parallel.sync:SyncDataParallel"}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The strategy registered as ``name``.
+
+    Raises:
+        ConfigError: no strategy has that name.
+    """
+    target = STRATEGIES.get(name)
+    if target is None:
+        known = ", ".join(STRATEGIES)
+        raise ConfigError(f"parallel.strategy = {name!r} is not a strategy; strategies: {known}")
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+# -- placement: what each rank does, as data ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """One rank's place in a strategy.
+
+    Attributes:
+        role: what the rank does (``worker``, ``server``, ``stage 2``, ``switch``, ...).
+        holds: the piece of training state it holds (``model``, ``shard 1``, ...); ranks
+            holding the same piece hold equal copies of it, and a checkpoint stores it once
+            (from its first holder). ``""``: none.
+        member: the data-parallel member whose batches this rank processes (the index of
+            its stream of samples, ``0 <= member < width``); -1: it reads no batches.
+    """
+
+    role: str
+    holds: str = ""
+    member: int = -1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What every rank of a run does, before anything is built (pure data).
+
+    Attributes:
+        strategy: the strategy's name.
+        ranks: one :class:`RankPlace` per world rank.
+        batch_size: samples per data-parallel member and micro-step (``data.batch_size``).
+        micro_steps: micro-steps per optimizer step (``exchange.accumulate`` for sync).
+        notes: lines a strategy adds to the ``--plan`` printout (a partition, a schedule).
+    """
+
+    strategy: str
+    ranks: tuple[RankPlace, ...]
+    batch_size: int
+    micro_steps: int = 1
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return len(self.ranks)
+
+    @property
+    def width(self) -> int:
+        """Data-parallel width: the number of members whose batches make one global batch."""
+        return len({p.member for p in self.ranks if p.member >= 0})
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step: width x micro-steps x batch."""
+        return self.width * self.micro_steps * self.batch_size
+
+    def holders(self, piece: str) -> list[int]:
+        """The ranks holding ``piece``, in rank order (the first writes it to checkpoints)."""
+        return [r for r, p in enumerate(self.ranks) if p.holds == piece]
+
+    def pieces(self) -> list[str]:
+        """The pieces of state held, in order of their first holder."""
+        return list(dict.fromkeys(p.holds for p in self.ranks if p.holds))
+
+    def to_json(self) -> str:
+        """The placement as JSON text (stored in checkpoints)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Placement:
+        """The placement :meth:`to_json` wrote."""
+        d = json.loads(text)
+        return cls(
+            strategy=d["strategy"],
+            ranks=tuple(RankPlace(**p) for p in d["ranks"]),
+            batch_size=int(d["batch_size"]),
+            micro_steps=int(d.get("micro_steps", 1)),
+            notes=tuple(d.get("notes", ())),
+        )
+
+    def summary(self) -> str:
+        """One line: ``sync on 3 ranks: ranks 0-2 worker holding model``."""
+        groups = ", ".join(
+            f"{_ranks(rs)} {place.role}" + (f" holding {place.holds}" if place.holds else "")
+            for place, rs in self._runs()
+        )
+        return f"{self.strategy} on {self.world} rank{'s' * (self.world > 1)}: {groups}"
+
+    def table(self) -> str:
+        """The placement as a table (``--plan``): runs of like ranks on one line each."""
+        lines = [
+            f"strategy {self.strategy} on {self.world} rank{'s' * (self.world > 1)}: data-parallel width "
+            f"{self.width}, global batch {self.global_batch} = {self.width} x {self.micro_steps} "
+            f"micro-step{'s' * (self.micro_steps > 1)} x {self.batch_size}",
+            "",
+            f"{'ranks':<14}{'role':<14}{'holds':<24}data-parallel member",
+        ]
+        for place, rs in self._runs():
+            members = [self.ranks[r].member for r in rs]
+            member = "-" if members[0] < 0 else _span(members)
+            lines.append(f"{_ranks(rs):<14}{place.role:<14}{place.holds or '-':<24}{member}")
+        return "\n".join([*lines, *(["", *self.notes] if self.notes else [])])
+
+    def _runs(self) -> list[tuple[RankPlace, list[int]]]:
+        """Consecutive ranks with the same role and piece, whose members count up with them."""
+        runs: list[tuple[RankPlace, list[int]]] = []
+        for r, place in enumerate(self.ranks):
+            if runs:
+                head, rs = runs[-1]
+                last = self.ranks[rs[-1]]
+                steps_with = place.member < 0 and last.member < 0 or place.member == last.member + 1
+                if (place.role, place.holds) == (head.role, head.holds) and steps_with:
+                    rs.append(r)
+                    continue
+            runs.append((place, [r]))
+        return runs
+
+
+def _span(values: Sequence[int]) -> str:
+    """``3``, ``0-7`` (consecutive), ``1,4,9``."""
+    if len(values) == 1:
+        return str(values[0])
+    if list(values) == list(range(values[0], values[-1] + 1)):
+        return f"{values[0]}-{values[-1]}"
+    return ",".join(map(str, values))
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {_span(ranks)}"
+
+
+# -- what a strategy reports ---------------------------------------------------------------------
+
+
+@dataclass
+class StepStats:
+    """What one step did on this rank (the driver keeps them until the next meeting).
+
+    Attributes:
+        loss: this rank's training loss for the step (NaN when it computed none).
+        correct: correctly classified samples of its batch.
+        samples: samples it trained on (0 when it reads no batches).
+        lr: the learning rate it used.
+        compute_s: seconds computing (the step's time less its communication).
+        comm_s: seconds in communication.
+        exposed_s: the part of ``comm_s`` that nothing overlapped (after backward).
+        bytes_sent: bytes this rank has sent since the run began (a running total).
+        epoch: the epoch of its batch.
+    """
+
+    loss: float = float("nan")
+    correct: int = 0
+    samples: int = 0
+    lr: float = float("nan")
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_s: float = 0.0
+    bytes_sent: int = 0
+    epoch: int = 0
+
+
+@dataclass
+class Agreement:
+    """What the ranks agreed on at a meeting: one row per step since the last one, and the stop.
+
+    Attributes:
+        rows: per step, the global metrics (``loss``, ``train_accuracy`` and whatever the
+            strategy records), the same on every rank.
+        stop_votes: how many ranks asked to stop (a signal); > 0 stops every rank.
+    """
+
+    rows: list[dict[str, float]]
+    stop_votes: int
+
+
+@dataclass
+class RankState:
+    """One rank's part of a checkpoint.
+
+    Attributes:
+        pieces: the pieces this rank holds (``Placement.holders``), name -> group ->
+            arrays: the ``params`` and ``optimizer`` arrays of a model, a shard, a stage.
+            Only their first holder's copy is written; every holder gets it back.
+        arrays: this rank's own arrays (BatchNorm statistics: local to each rank).
+        meta: this rank's own small values (random streams, sampler position, counters),
+            JSON-compatible.
+    """
+
+    pieces: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    arrays: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class RunContext(Protocol):
+    """What the driver hands a strategy: the config, the world, the placement and builders.
+
+    The builders make the objects a strategy asks for — a data set, a model, an optimizer,
+    a learning-rate schedule scaled by the placement's width, a sampler for a data-parallel
+    member — so that a strategy names what it needs and the driver knows how to build it.
+    """
+
+    cfg: Any
+    comm: Communicator
+    placement: Placement
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the world."""
+        ...
+
+    def data(self) -> Any:
+        """The config's data set (shared read-only within a process)."""
+        ...
+
+    def build_model(self) -> Any:
+        """The config's model, initialised alike on every rank; dropout from this rank's stream."""
+        ...
+
+    def optimizer(self, params: Any) -> Any:
+        """The config's optimizer over ``params``."""
+        ...
+
+    def schedule(self) -> Any:
+        """The learning-rate schedule, scaled for the placement's data-parallel width."""
+        ...
+
+    def sampler(self, member: int) -> Any:
+        """The batches of data-parallel member ``member`` (of the placement's width)."""
+        ...
+
+    def batch(self, indices: Any) -> tuple[Any, Any]:
+        """Training samples and labels at ``indices``, on the config's device and dtype."""
+        ...
+
+    def evaluate(self, model: Any, comm: Communicator) -> tuple[float, float]:
+        """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
+        ...
+
+    def random_state(self) -> dict[str, Any]:
+        """This rank's random streams (dropout), for its checkpoint part."""
+        ...
+
+    def load_random_state(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`random_state` returned."""
+        ...
+
+
+class Strategy:
+    """A way of spreading training over ranks: the driver's updater.
+
+    Subclasses set :attr:`name`, implement :meth:`plan` (pure) and build what their rank
+    holds in ``__init__``. Strategies whose ranks step together implement :meth:`step`
+    and meet after the steps :meth:`meets_after` says (every step by default); at a
+    meeting every rank calls :meth:`agree`, and, when due, :meth:`evaluate` and
+    :meth:`state` (a checkpoint). :meth:`close` releases what the strategy owns.
+
+    Attributes a driver or a benchmark may read when a strategy has them: ``model`` and
+    ``optimizer`` (this rank's).
+    """
+
+    #: the name ``parallel.strategy`` selects it by
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def plan(cls, cfg: Any, world: int) -> Placement:
+        """Each rank's role, piece and data-parallel member for ``world`` ranks (pure).
+
+        Raises:
+            ConfigError: the config does not fit ``world`` ranks.
+        """
+        raise NotImplementedError
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    def step(self, step: int) -> StepStats:
+        """Step ``step`` (0-based: the steps done before it) on this rank."""
+        raise NotImplementedError
+
+    def meets_after(self, step: int) -> bool:
+        """True when the ranks meet after ``step`` (1-based): the driver's work fires there."""
+        return True
+
+    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
+        """The global metrics of the steps since the last meeting, and the stop (collective)."""
+        raise NotImplementedError
+
+    def evaluate(self) -> tuple[float, float]:
+        """Test accuracy and loss of the trained model (collective, at a meeting)."""
+        raise NotImplementedError
+
+    def state(self, pieces: bool) -> RankState:
+        """This rank's part of a checkpoint (at a meeting).
+
+        Args:
+            pieces: include the pieces this rank holds (asked of their first holder only:
+                the others hold equal copies).
+        """
+        raise NotImplementedError
+
+    def load_state(self, state: RankState) -> None:
+        """Continue from this rank's part of a checkpoint."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the strategy owns (communicators it duplicated or split; collective)."""
+        return None

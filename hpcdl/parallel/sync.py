@@ -1,0 +1,245 @@
+"""``parallel.strategy = "sync"``: synchronous data parallel, every rank a whole replica.
+
+Each rank trains the whole model on its own shard of every global batch; during
+backward its gradients are packed into buckets and summed with the other ranks' (the
+``[exchange]`` keys: bucketed or one flat allreduce, compression, accumulation), and every
+rank applies the same update. The ranks meet every step: the step's mean loss and the stop
+vote travel in one small allreduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+
+from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
+from hpcdl.backend import to_numpy
+from hpcdl.comm import Communicator, notes
+from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
+from hpcdl.errors import ConfigError
+from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.parallel import GradientExchange, make_exchange
+from hpcdl.parallel.strategy import (
+    Agreement,
+    Placement,
+    RankPlace,
+    RankState,
+    RunContext,
+    StepStats,
+    Strategy,
+)
+
+__all__ = ["SyncDataParallel", "exchange_for", "forward_backward", "mean_over_members"]
+
+
+class SyncDataParallel(Strategy):
+    """Synchronous data parallel (DDP, Horovod): N replicas, one global batch, one update.
+
+    Args:
+        ctx: the driver's run context.
+    """
+
+    name = "sync"
+
+    @classmethod
+    def plan(cls, cfg: Any, world: int) -> Placement:
+        """Every rank a worker holding the whole model; rank r reads member r's batches."""
+        ranks = tuple(RankPlace("worker", "model", r) for r in range(world))
+        return Placement(cls.name, ranks, cfg["data.batch_size"], cfg["exchange.accumulate"])
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.comm = ctx.comm
+        self.micro_steps = ctx.placement.micro_steps
+        self.sampler = ctx.sampler(ctx.placement.ranks[ctx.rank].member)
+        self.model: Sequential = ctx.build_model()
+        self.lr = ctx.schedule()
+        self.optimizer = ctx.optimizer(self.model.parameters())
+        self.exchange = exchange_for(ctx.cfg, self.comm, self.model)
+        self.exchange.broadcast_parameters(root=0)  # rank 0's weights, whatever the others built
+        self.loss_fn = SoftmaxCrossEntropy()
+        self._batches: Any = None  # the rest of the sampler's current epoch
+        self._agree = np.zeros(8)
+        self._note = notes()  # what this rank does, for the stall watchdog's reports
+
+    # -- a step ------------------------------------------------------------------------------
+    def step(self, step: int) -> StepStats:
+        """Batch -> forward/backward per micro-step (buckets summed during backward) -> exchange -> update."""
+        epoch, indices = self._next_batch()
+        self.optimizer.lr = self.lr(step)
+        comm_before, exposed_before = self.exchange.comm_time, self.exchange.exposed_time
+        loss, correct = 0.0, 0
+        for m, part in enumerate(np.split(indices, self.micro_steps)):
+            x, y = self.ctx.batch(part)
+            last = m == self.micro_steps - 1  # the exchange observes only the last backward
+            with observe(self.exchange) if last and hasattr(self.exchange, "after") else nullcontext():
+                micro_loss, micro_correct = forward_backward(self.model, self.loss_fn, x, y)
+            if not last:
+                self.exchange.accumulate()
+            loss += micro_loss / self.micro_steps
+            correct += micro_correct
+        self._note["phase"] = "gradient exchange"
+        self.exchange.exchange()  # with buckets in flight since backward: only what is left
+        self.optimizer.step()
+        return StepStats(
+            loss=loss,
+            correct=correct,
+            samples=len(indices),
+            lr=self.optimizer.lr,
+            comm_s=self.exchange.comm_time - comm_before,
+            exposed_s=self.exchange.exposed_time - exposed_before,
+            bytes_sent=self.exchange.bytes_sent,
+            epoch=epoch,
+        )
+
+    def _next_batch(self) -> tuple[int, Any]:
+        """The epoch and this rank's indices of the next batch (the sampler keeps the position)."""
+        for _ in range(2):
+            if self._batches is None:
+                self._batches = (self.sampler.epoch, iter(self.sampler))
+            epoch, batches = self._batches
+            for _, indices in batches:
+                return epoch, indices
+            self._batches = None  # the epoch is over: the next one
+        raise AssertionError("a sampler yields at least one batch per epoch")
+
+    # -- meetings ----------------------------------------------------------------------------
+    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
+        """The step's mean loss and batch accuracy over the ranks, and the stop votes: one allreduce."""
+        return mean_over_members(self.comm, stats, stop, self.ctx.placement.width, self._agree)
+
+    def evaluate(self) -> tuple[float, float]:
+        """The whole test set, sharded over the ranks (each with its own BatchNorm statistics)."""
+        return self.ctx.evaluate(self.model, self.comm)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state(self, pieces: bool) -> RankState:
+        """The model and optimizer (when asked: they are the same on every rank) and this rank's own."""
+        part = RankState(
+            arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
+            meta={
+                "random": self.ctx.random_state(),
+                "sampler": self.sampler.state(),
+                "exchange": {"bytes_sent": self.exchange.bytes_sent, "comm_time": self.exchange.comm_time,
+                             "exposed_time": self.exchange.exposed_time},
+            },
+        )  # fmt: skip
+        if pieces:
+            opt = self.optimizer.state_dict()
+            part.pieces["model"] = {
+                "params": {name: to_numpy(p.data).copy() for name, p in self.model.named_parameters()},
+                "optimizer": {k: v for k, v in opt.items() if isinstance(v, np.ndarray)},
+                "meta": {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}},
+            }
+        return part
+
+    def load_state(self, state: RankState) -> None:
+        """Put the model, optimizer, sampler position, streams and counters back.
+
+        Raises:
+            ConfigError: the checkpoint's model has other parameters than this one.
+        """
+        model = state.pieces["model"]
+        mine = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        theirs = {name: tuple(a.shape) for name, a in model["params"].items()}
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ConfigError(f"the checkpoint holds another model (parameters differ: {diff} ...)")
+        self.model.load_state_dict({**model["params"], **state.arrays})
+        self.optimizer.load_state_dict({**model["meta"]["optimizer"], **model["optimizer"]})
+        self.sampler.load_state(state.meta["sampler"])
+        self.ctx.load_random_state(state.meta["random"])
+        counters = state.meta["exchange"]
+        self.exchange.bytes_sent = int(counters["bytes_sent"])
+        self.exchange.comm_time = float(counters["comm_time"])
+        self.exchange.exposed_time = float(counters["exposed_time"])
+        self._batches = None
+
+    def close(self) -> None:
+        """Free the exchange's duplicated communicator (collective)."""
+        self.exchange.free()
+
+
+def forward_backward(model: Sequential, loss_fn: SoftmaxCrossEntropy, x: Any, y: Any) -> tuple[float, int]:
+    """Forward, loss, backward; the local loss and the number of correct predictions."""
+    logits = model.forward(x)
+    loss = loss_fn.forward(logits, y)
+    correct = int(to_numpy(logits.argmax(axis=1) == y).sum())
+    model.backward(loss_fn.backward())
+    return float(loss), correct
+
+
+def mean_over_members(
+    comm: Communicator, stats: Sequence[StepStats], stop: bool, width: int, buf: np.ndarray | None = None
+) -> Agreement:
+    """Per step, the mean loss over the ``width`` data-parallel members and their batch accuracy.
+
+    One ``Allreduce`` of ``[loss, correct, samples] x steps + [stop]``: the stop votes travel
+    with the metrics, so agreeing on a stop costs nothing extra (a sum > 0 is the MAX of the
+    flags > 0). Ranks that read no batches add zeros.
+
+    Args:
+        comm: every rank of the world (collective).
+        stats: this rank's steps since the last meeting (the same number on every rank).
+        stop: this rank asks to stop.
+        width: the data-parallel width.
+        buf: scratch of at least ``2 (3 k + 1)`` doubles, reused across calls.
+
+    Returns:
+        The rows (``loss``, ``train_accuracy``) and the stop votes, the same on every rank.
+    """
+    k = len(stats)
+    n = 3 * k + 1
+    if buf is None or buf.size < 2 * n:
+        buf = np.zeros(2 * n)
+    mine, total = buf[:n], buf[n : 2 * n]
+    for i, s in enumerate(stats):
+        member = s.samples > 0
+        mine[3 * i : 3 * i + 3] = (s.loss if member else 0.0, s.correct, s.samples)
+    mine[-1] = float(stop)
+    if comm.Get_size() == 1:
+        total[:] = mine
+    else:
+        comm.Allreduce(mine, total, op=ops.SUM)
+    rows = [
+        {"loss": float(total[3 * i]) / width, "train_accuracy": float(total[3 * i + 1] / total[3 * i + 2])}
+        for i in range(k)
+    ]  # fmt: skip
+    return Agreement(rows=rows, stop_votes=int(total[-1]))
+
+
+def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExchange:
+    """The config's gradient exchange (``[exchange]``) over the model's parameters.
+
+    Raises:
+        ConfigError: compression asked of the flat allreduce exchange.
+    """
+    options: dict[str, Any] = {}
+    if cfg["exchange.name"] == "bucketed":
+        options = {
+            "bucket_mb": cfg["exchange.bucket_mb"],
+            "algorithm": cfg["exchange.algorithm"],
+            "auto": auto_table(cfg, comm),
+            "compression": cfg["exchange.compression"],
+        }
+    elif cfg["exchange.compression"] != "none" and comm.Get_size() > 1:
+        raise ConfigError(
+            f"exchange.compression = {cfg['exchange.compression']!r} needs exchange.name = 'bucketed' "
+            f"(the flat {cfg['exchange.name']!r} exchange sends the gradients' own dtype)"
+        )
+    return make_exchange(
+        cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"], **options
+    )
+
+
+def auto_table(cfg: Any, comm: Communicator) -> AutoTable:
+    """The table ``exchange.algorithm = "auto"`` chooses from: the threshold rule, a file, or packaged.
+
+    Rank 0 reads the file and broadcasts it (collective), so every rank chooses alike.
+    """
+    if cfg["exchange.auto_threshold_kb"] > 0:
+        return AutoTable.threshold(round(cfg["exchange.auto_threshold_kb"] * 1024))
+    return load_table_bcast(comm, cfg["exchange.auto_table"] or None)
