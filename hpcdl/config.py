@@ -147,8 +147,7 @@ SCHEMA: dict[str, Key] = {
     "parallel.strategy": Key(
         str,
         "sync",
-        "how training is spread over the ranks: a strategy of hpcdl.parallel (sync: data parallel)",
-        choices=tuple(STRATEGIES),
+        f"how training is spread over the ranks: a strategy of hpcdl.parallel ({', '.join(STRATEGIES)})",
     ),
     "exchange.name": Key(
         str,

@@ -132,7 +132,7 @@ def print_plan(cfg: Config, world_size: int) -> None:
     if placement.global_batch > samples and cfg["data.sampler"] == "shuffle":
         print(
             f"! the global batch of {placement.global_batch} exceeds the {samples} training samples: "
-            "lower data.batch_size or set data.sampler = \"random\""
+            'lower data.batch_size or set data.sampler = "random"'
         )
 
 

@@ -4,8 +4,9 @@
 fires the periodic work every strategy shares: agreeing on the metrics and a stop, the run
 file's rows (flushed every ``log.flush_every`` rows), evaluation (``train.eval_every`` or
 each epoch's end), progress, stops (a signal, ``train.stop_at``) and checkpoints
-(``checkpoint.every``). Work due at a step between two meetings fires at the next meeting;
-the driver also makes the ranks meet at the last step and at ``train.stop_at``.
+(``checkpoint.every``). Work due at a step between two meetings fires at the next meeting
+(``train.stop_at = 6`` with meetings every 4 steps stops after step 8); the ranks also
+meet after the last step.
 """
 
 from __future__ import annotations
@@ -89,12 +90,11 @@ class Trainer:
 
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
-        cfg = self.ctx.cfg
-        total, stop_at = self.ctx.total_steps, cfg["train.stop_at"]
+        total = self.ctx.total_steps
         self._met, self._t_segment = self.step, wtime()
         while self.step < total and not self.stopped_by:
             self._one_step()
-            if self.strategy.meets_after(self.step) or self.step in (total, stop_at):
+            if self.strategy.meets_after(self.step) or self.step == total:
                 self._meeting()
 
     def elapsed(self) -> float:
@@ -142,9 +142,9 @@ class Trainer:
                 "(lower optimizer.lr or check the data)"
             )
         spe, stats = self.ctx.steps_per_epoch, done.stats
-        row = {"step": step, "epoch": (step - 1) // spe, **agreed, "lr": stats.lr,
-               "step_time": done.wall_s, "samples_per_s": self.ctx.placement.global_batch / done.wall_s,
-               "bytes_sent": stats.bytes_sent, "time": self.elapsed()}  # fmt: skip
+        rate = self.ctx.placement.global_batch / done.wall_s if done.wall_s > 0 else math.nan  # no time: none
+        row = {"step": step, "epoch": (step - 1) // spe, **agreed, "lr": stats.lr, "step_time": done.wall_s,
+               "samples_per_s": rate, "bytes_sent": stats.bytes_sent, "time": self.elapsed()}  # fmt: skip
         if last and self._evaluation_due():
             self._note["phase"] = "evaluation"
             self.accuracy = self.strategy.evaluate()
@@ -175,4 +175,3 @@ class Trainer:
 def _crossed(before: int, now: int, period: int) -> bool:
     """True when a multiple of ``period`` lies in ``(before, now]``."""
     return period > 0 and now // period > before // period
-

@@ -199,6 +199,12 @@ def _open_on_root(
             print(f"hpcdl.train: {run_path} continues with changed settings: {shown}", file=sys.stderr)
     else:
         runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks)
+    _remove_orphans(run_path)
+    return ckpt, runfile
+
+
+def _remove_orphans(run_path: Path) -> None:
+    """Remove the partial checkpoint files (``*.tmp``) a killed run of ``run_path`` left, and say so."""
     orphans = orphaned_temporaries(run_path)
     for tmp in orphans:
         tmp.unlink(missing_ok=True)
@@ -210,7 +216,6 @@ def _open_on_root(
             file=sys.stderr,
             flush=True,
         )
-    return ckpt, runfile
 
 
 def _run_attrs(cfg: Config, comm: Communicator, placement: Placement) -> dict[str, Any]:

@@ -1,0 +1,218 @@
+"""The driver and its seam, in one process and in the simulator: plans, placements, the toy
+strategy on virtual ranks, spending time on purpose, slowdowns, format-1 checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import toy_strategy  # noqa: F401  (registers the toy strategy)
+
+from hpcdl.config import load_config
+from hpcdl.driver import train
+from hpcdl.driver.checkpoints import check_fits
+from hpcdl.driver.context import Slowdown, slowdown_factor
+from hpcdl.errors import ConfigError
+from hpcdl.parallel import Placement, RankPlace
+from hpcdl.simulate import main as simulate
+from hpcdl.store.checkpoint import CheckpointError, checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.train import main as train_command
+
+# -- --plan: the placement, for any rank count, without starting ranks -------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "table_line", "arithmetic"),
+    [
+        (1, "rank 0        worker        model                   0",
+         "learning rate 0.05 (optimizer.lr 0.05, schedule.scale = 'linear' for 1 batch per update); 44 "),
+        (2, "ranks 0-1     worker        model                   0-1",
+         "learning rate 0.1 (optimizer.lr 0.05, schedule.scale = 'linear' for 2 batches per update); 22 "),
+        (3, "ranks 0-2     worker        model                   0-2",
+         "learning rate 0.15 (optimizer.lr 0.05, schedule.scale = 'linear' for 3 batches per update); 14 "),
+        (1024, "ranks 0-1023  worker        model                   0-1023",
+         "learning rate 51.2 (optimizer.lr 0.05, schedule.scale = 'linear' for 1024 batches per update); 1 "),
+    ],
+)  # fmt: skip
+def test_plan_of_sync(n: int, table_line: str, arithmetic: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert train_command(["--config", "digits-mlp", "--plan", "-n", str(n)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"strategy sync on {n} rank{'s' * (n > 1)}: data-parallel width {n}, global batch "
+                      f"{32 * n} = {n} x 1 micro-step x 32")  # fmt: skip
+    assert out[2] == "ranks         role          holds                   data-parallel member"
+    assert out[3] == table_line and out[5].startswith(arithmetic)
+    exceeds = any(line.startswith("! the global batch of 32768 exceeds") for line in out)
+    assert exceeds == (n == 1024)
+
+
+def test_plan_of_a_strategy_with_two_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--config", "digits-mlp", "--set", 'parallel.strategy="toy"', "--plan", "-n", "4"]
+    assert train_command(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("strategy toy on 4 ranks: data-parallel width 3, global batch 96")
+    assert out[3].split() == ["rank", "0", "keeper", "average", "-"]
+    assert out[4].split() == ["rank", "1", "worker", "replica", "0", "0"]
+    assert "the ranks meet every 4 steps" in out
+
+
+def test_train_refuses_n_without_plan() -> None:
+    with pytest.raises(ConfigError, match="-n RANKS goes with --plan"):
+        train_command(["--config", "digits-mlp", "-n", "2"])
+
+
+def test_placement_is_data() -> None:
+    places = (RankPlace("keeper", "average"), *(RankPlace("worker", f"replica {w}", w) for w in range(3)))
+    p = Placement("toy", places, batch_size=16, micro_steps=2)
+    assert (p.world, p.width, p.global_batch) == (4, 3, 96)
+    assert p.holders("replica 1") == [2] and p.pieces() == ["average", "replica 0", "replica 1", "replica 2"]
+    assert Placement.from_json(p.to_json()) == p
+    assert p.summary().startswith("toy on 4 ranks: rank 0 keeper holding average, rank 1 worker")
+
+
+def test_a_checkpoint_under_another_placement_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "r.h5"
+    cfg = load_config("digits-mlp", ["train.steps=4"])
+    train(cfg, out=out)
+    ckpt = load_checkpoint(list_checkpoints(out)[0])
+    other = Placement("sync", (RankPlace("worker", "all of it", 0),), batch_size=32)
+    expected = (r"under another placement \(sync on 1 rank: rank 0 worker holding model\); this run's is "
+                r"sync on 1 rank: rank 0 worker holding all of it")  # fmt: skip
+    with pytest.raises(CheckpointError, match=expected):
+        check_fits(ckpt, cfg, other)
+
+
+# -- the toy strategy on virtual ranks -----------------------------------------------------------
+
+
+def _pieces_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    ckpt = load_checkpoint(path)
+    for piece in sorted(ckpt.pieces):
+        for name, a in sorted(ckpt.pieces[piece]["params"].items()):
+            h.update(f"{piece}/{name}".encode() + np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: Path) -> None:
+    sets = ["--set", 'parallel.strategy="toy"', "--set", "train.steps=12", "--set", "model.width=32",
+            "--set", "checkpoint.every=8", "--progress", "none"]  # fmt: skip
+    sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
+           "--config", "digits-mlp"]  # fmt: skip
+    assert simulate([*sim, *sets, "--out", str(tmp_path / "whole.h5")]) == 0
+    assert simulate([*sim, *sets, "--set", "train.stop_at=5", "--out", str(tmp_path / "split.h5")]) == 0
+    assert list_checkpoints(tmp_path / "split.h5") == [checkpoint_path(tmp_path / "split.h5", 8)]
+    assert simulate([*sim, *sets, "--out", str(tmp_path / "split.h5"), "--resume", "auto"]) == 0
+    whole, split = checkpoint_path(tmp_path / "whole.h5", 12), checkpoint_path(tmp_path / "split.h5", 12)
+    assert _pieces_digest(whole) == _pieces_digest(split)
+    with h5py.File(tmp_path / "split.h5", "r") as f:
+        assert f.attrs["world"] == "sim" and list(f.attrs["resumed_at"]) == [8]
+        assert json.loads(f.attrs["placement"])["strategy"] == "toy"
+
+
+# -- spending time on purpose --------------------------------------------------------------------
+
+
+def test_sleep_is_a_real_sleep_in_one_process() -> None:
+    from hpcdl.comm import sleep
+
+    t0 = time.monotonic()
+    sleep(0.05)
+    assert time.monotonic() - t0 >= 0.05  # at least: a sleep may take longer, never less
+
+
+def _sleeping_program() -> int:
+    """On a virtual rank: a wait loop on the clock ends, and a slowed layer takes FACTOR x."""
+    from hpcdl.comm import sleep, world, wtime
+    from hpcdl.nn import Sequential, observe
+    from hpcdl.nn.layer import Layer
+
+    class Busy(Layer):
+        """Computes for 1 ms of virtual time (the simulator's compute model charges nothing here)."""
+
+        def forward(self, x: np.ndarray) -> np.ndarray:
+            sleep(1e-3)
+            return x
+
+        def backward(self, gy: np.ndarray) -> np.ndarray:
+            return gy
+
+    t0 = wtime()
+    while wtime() < t0 + 0.25:  # never ends without sleep under --compute none
+        sleep(0.1)
+    waited = wtime() - t0
+    net = Sequential([Busy(), Busy()])
+    t1 = wtime()
+    with observe(Slowdown(3.0)) if world().Get_rank() == 1 else observe(Slowdown(1.0)):
+        net.forward(np.zeros(2))
+    slowed = wtime() - t1
+    return round(waited * 1e6) * 1000 + round(slowed * 1e6)
+
+
+def test_sleep_moves_the_virtual_clock_and_a_slowdown_scales_compute() -> None:
+    from hpcdl.sim.compute import make_compute
+    from hpcdl.sim.engine import simulate as run_virtual
+
+    result = run_virtual(2, _sleeping_program, compute=make_compute("none"))
+    assert result.results == [300_000 * 1000 + 2_000, 300_000 * 1000 + 6_000]  # 0.3 s; 2 ms, 3 x 2 ms
+
+
+def test_slowdown_factors_are_checked() -> None:
+    cfg = load_config("digits-mlp", ['debug.slowdown=["1:2.5", "3:4"]'])
+    assert [slowdown_factor(cfg, r, 4) for r in range(4)] == [1.0, 2.5, 1.0, 4.0]
+    with pytest.raises(ConfigError, match="debug.slowdown names rank 3, outside the 2 ranks"):
+        slowdown_factor(cfg, 0, 2)
+    with pytest.raises(ConfigError, match="a factor must be >= 1"):
+        slowdown_factor(load_config("digits-mlp", ['debug.slowdown=["0:0.5"]']), 0, 1)
+
+
+def test_a_slowed_rank_computes_longer_in_the_run_file(tmp_path: Path) -> None:
+    """debug.slowdown through the driver: rank 1 at 4 x (measured compute, so a wide margin)."""
+    out = tmp_path / "slow.h5"
+    argv = ["-n", "2", "-m", "hpcdl.train", "--config", "digits-cnn", "--set", "train.steps=10",
+            "--set", 'debug.slowdown=["1:4"]', "--progress", "none", "--out", str(out)]  # fmt: skip
+    assert simulate(argv) == 0
+    with h5py.File(out, "r") as f:
+        compute = f["ranks/compute_time"][...].sum(axis=0)
+    assert compute[1] > 2 * compute[0], compute
+
+
+# -- format-1 checkpoints (before pieces) still resume -------------------------------------------
+
+
+def _as_format_1(v2: Path, v1: Path) -> None:
+    """Rewrite a sync checkpoint of this hpcdl in the layout hpcdl wrote before pieces (format 1)."""
+    ckpt = load_checkpoint(v2)
+    model, (arrays, meta) = ckpt.pieces["model"], ckpt.ranks[0]
+    groups = {"params": model["params"], "optimizer": model["optimizer"], "buffers/0": arrays}
+    h = hashlib.sha256()
+    for gname in sorted(groups):
+        for key in sorted(groups[gname]):
+            a = np.ascontiguousarray(groups[gname][key])
+            h.update(f"{gname}/{key}:{a.dtype.str}:{a.shape}".encode())
+            h.update(a.tobytes())
+    old_meta = {"counters": {**ckpt.meta["counters"], "bytes_sent": 0}, "fit": ckpt.meta["fit"],
+                "sampler": meta["sampler"], "optimizer": model["meta"]["optimizer"]}  # fmt: skip
+    with h5py.File(v1, "w") as f:
+        f.attrs.update({"format_version": 1, "step": ckpt.step, "epoch": ckpt.epoch, "ranks": 1,
+                        "config": ckpt.config, "meta": json.dumps(old_meta),
+                        "rng": json.dumps([meta["random"]]), "digest": h.hexdigest()})  # fmt: skip
+        for gname, arrays_ in groups.items():
+            for key, a in arrays_.items():
+                f.create_dataset(f"{gname}/{key}", data=a)
+
+
+def test_a_format_1_checkpoint_resumes_bitwise(tmp_path: Path) -> None:
+    sets = ["model.channels=4", "model.dropout=0.3", "train.steps=30", "checkpoint.every=0"]
+    cfg = load_config("digits-cnn", sets)
+    whole = train(cfg, out=tmp_path / "whole.h5")
+    train(load_config("digits-cnn", [*sets, "train.stop_at=12"]), out=tmp_path / "new.h5")
+    _as_format_1(checkpoint_path(tmp_path / "new.h5", 12), tmp_path / "old.ckpt-00000012.h5")
+    rest = train(cfg, out=tmp_path / "old.h5", resume=str(tmp_path / "old.ckpt-00000012.h5"))
+    assert rest.steps == 30
+    for (name, a), (_, b) in zip(rest.model.state_dict().items(), whole.model.state_dict().items()):
+        assert np.array_equal(a, b), name

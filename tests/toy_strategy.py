@@ -1,0 +1,118 @@
+"""A toy strategy for the tests (not shipped): two roles, and ranks that meet every k steps.
+
+Rank 0 is a *keeper*: it reads no batches and holds the average of the workers' weights.
+Ranks 1..N-1 are *workers*: each trains its own replica on its own batches with no
+communication at all, and every ``TOY_K`` steps (a meeting) the workers' weights are
+summed over the world (the keeper adds zeros), every worker continues from their mean, and
+the keeper keeps it. This is local SGD with a keeper; what matters here is that it is not
+sync data parallel: ranks with different roles and pieces, batches only on some ranks,
+and the driver's periodic work at meetings only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hpcdl import comm as ops
+from hpcdl.backend import to_numpy
+from hpcdl.comm.pack import Packer
+from hpcdl.nn import SoftmaxCrossEntropy
+from hpcdl.parallel import STRATEGIES, Agreement, Placement, RankPlace, RankState, StepStats, Strategy
+from hpcdl.parallel.sync import forward_backward, mean_over_members
+
+#: steps between meetings
+TOY_K = 4
+
+STRATEGIES["toy"] = "toy_strategy:KeeperAveraging"
+
+
+class KeeperAveraging(Strategy):
+    """Workers step alone; every :data:`TOY_K` steps their weights are averaged (the keeper keeps it)."""
+
+    name = "toy"
+
+    @classmethod
+    def plan(cls, cfg: Any, world: int) -> Placement:
+        if world < 2:
+            from hpcdl.errors import ConfigError
+
+            raise ConfigError(f"the toy strategy needs a keeper and a worker: 2 ranks or more ({world})")
+        ranks = [RankPlace("keeper", "average")]
+        ranks += [RankPlace("worker", f"replica {w}", w) for w in range(world - 1)]
+        notes = (f"the ranks meet every {TOY_K} steps",)
+        return Placement(cls.name, tuple(ranks), cfg["data.batch_size"], notes=notes)
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self.comm = ctx.comm
+        self.member = ctx.placement.ranks[ctx.rank].member
+        self.model = ctx.build_model()
+        self.params = self.model.parameters()
+        self.packer = Packer([p.data for p in self.params])
+        self.lr = ctx.schedule()
+        self.optimizer = ctx.optimizer(self.params) if self.member >= 0 else None
+        self.sampler = ctx.sampler(self.member) if self.member >= 0 else None
+        self.loss_fn = SoftmaxCrossEntropy()
+        self.meetings = 0
+        self._epoch_batches: Any = None
+
+    def meets_after(self, step: int) -> bool:
+        return step % TOY_K == 0
+
+    def step(self, step: int) -> StepStats:
+        if self.member < 0:
+            return StepStats()  # the keeper waits for the meeting
+        if self._epoch_batches is None:
+            self._epoch_batches = iter(self.sampler)
+        batch = next(self._epoch_batches, None)
+        if batch is None:  # the epoch is over
+            self._epoch_batches = iter(self.sampler)
+            batch = next(self._epoch_batches)
+        indices = batch[1]
+        x, y = self.ctx.batch(indices)
+        self.optimizer.lr = self.lr(step)
+        loss, correct = forward_backward(self.model, self.loss_fn, x, y)
+        self.optimizer.step()
+        return StepStats(loss=loss, correct=correct, samples=len(indices), lr=self.optimizer.lr)
+
+    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
+        """The meeting: average the workers' weights over the world, then the metrics."""
+        self.meetings += 1
+        mine = self.packer.pack([p.data for p in self.params])
+        if self.member < 0:
+            mine = np.zeros_like(mine)
+        total = np.empty_like(mine)
+        self.comm.Allreduce(mine, total, op=ops.SUM)
+        self.packer.unpack(total, [p.data for p in self.params], scale=1.0 / self.ctx.placement.width)
+        return mean_over_members(self.comm, stats, stop, self.ctx.placement.width)
+
+    def evaluate(self) -> tuple[float, float]:
+        """The keeper's average on the whole test set (every rank holds it after a meeting)."""
+        return self.ctx.evaluate(self.model, self.comm)
+
+    def state(self, pieces: bool) -> RankState:
+        sampler = self.sampler.state() if self.sampler is not None else None
+        meta = {"random": self.ctx.random_state(), "meetings": self.meetings, "sampler": sampler}
+        part = RankState(meta=meta)
+        if pieces:
+            params = {n: to_numpy(p.data).copy() for n, p in self.model.named_parameters()}
+            piece: dict[str, Any] = {"params": params}
+            if self.optimizer is not None:
+                opt = self.optimizer.state_dict()
+                piece["optimizer"] = {k: v for k, v in opt.items() if isinstance(v, np.ndarray)}
+                piece["meta"] = {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}}
+            part.pieces[self.ctx.placement.ranks[self.ctx.rank].holds] = piece
+        return part
+
+    def load_state(self, state: RankState) -> None:
+        (piece,) = state.pieces.values()
+        self.model.load_state_dict(piece["params"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict({**piece["meta"]["optimizer"], **piece["optimizer"]})
+            self.sampler.load_state(state.meta["sampler"])
+        self.ctx.load_random_state(state.meta["random"])
+        self.meetings = state.meta["meetings"]
+        self._epoch_batches = None
