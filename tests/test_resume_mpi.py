@@ -6,10 +6,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
 from hpcdl.comm import world
+from hpcdl.comm.collectives import CollectivesFreedError
 from hpcdl.config import load_config
 from hpcdl.train import run
 
@@ -31,6 +33,13 @@ def test_resume_is_bitwise_identical_across_ranks() -> None:
     for key, value in whole.optimizer.state_dict().items():
         if isinstance(value, np.ndarray):
             assert rest.optimizer.state_dict()[key].tobytes() == value.tobytes(), key
+    if comm.Get_rank() == 0:  # every metric but the timings, bytes sent included (it restarted at 0)
+        with h5py.File(Path(tmp) / "split.h5", "r") as f, h5py.File(Path(tmp) / "whole.h5", "r") as g:
+            for name in ("step", "loss", "train_accuracy", "test_accuracy", "lr", "bytes_sent"):
+                np.testing.assert_array_equal(f["metrics"][name][...], g["metrics"][name][...], err_msg=name)
+    for result in (whole, rest):  # the exchange's duplicated communicator is freed at the end
+        with pytest.raises(CollectivesFreedError):
+            _ = result.strategy.exchange.coll.comm
     comm.Barrier()
     if comm.Get_rank() == 0:
         shutil.rmtree(tmp)

@@ -17,8 +17,7 @@ from typing import Any
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import allreduce, calibrate, pack, step, train
-from hpcdl.bench.common import agree
-from hpcdl.comm import world
+from hpcdl.comm import agree, world
 from hpcdl.driver.cli import ArgumentParser, parse_args
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "DESCRIPTION"]

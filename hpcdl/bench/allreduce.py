@@ -20,8 +20,7 @@ import numpy as np
 
 import hpcdl
 from hpcdl.atomic import check_writable
-from hpcdl.bench.common import agree
-from hpcdl.comm import MAX, world, wtime
+from hpcdl.comm import MAX, agree, world, wtime
 from hpcdl.comm.collectives import ALGORITHMS, AutoTable, Collectives
 from hpcdl.comm.collectives.auto import (
     TOLERANCE,

@@ -27,8 +27,7 @@ import numpy as np
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench.allreduce import parse_size
-from hpcdl.bench.common import agree
-from hpcdl.comm import Communicator, world, wtime
+from hpcdl.comm import Communicator, agree, world, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.sim.network import load_network, network_toml, parse_network
 

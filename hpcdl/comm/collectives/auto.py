@@ -391,20 +391,14 @@ def load_table_bcast(
     Raises:
         ConfigError: as :func:`load_table`, on every rank.
     """
-    payload: tuple[str, Any] | None = None
-    if comm.Get_rank() == 0:
-        try:
-            if missing_ok and path is not None and str(path) != "" and not Path(path).exists():
-                table = AutoTable()
-            else:
-                table = load_table(path)
-            payload = ("ok", table.to_dict())
-        except ConfigError as err:
-            payload = ("error", str(err))
-    kind, value = comm.bcast(payload, root=0)
-    if kind == "error":
-        raise ConfigError(value)
-    return AutoTable.from_dict(value)
+    from hpcdl.comm.objects import on_root
+
+    def read() -> dict[str, Any]:
+        if missing_ok and path is not None and str(path) != "" and not Path(path).exists():
+            return AutoTable().to_dict()
+        return load_table(path).to_dict()
+
+    return AutoTable.from_dict(on_root(comm, read))
 
 
 # -- helpers ---------------------------------------------------------------------------------
