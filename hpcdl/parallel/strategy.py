@@ -200,22 +200,18 @@ class StepStats:
         correct: correctly classified samples of its batch.
         samples: samples it trained on (0 when it reads no batches).
         lr: the learning rate it used.
-        compute_s: seconds computing (the step's time less its communication).
         comm_s: seconds in communication.
         exposed_s: the part of ``comm_s`` that nothing overlapped (after backward).
         bytes_sent: bytes this rank has sent since the run began (a running total).
-        epoch: the epoch of its batch.
     """
 
     loss: float = float("nan")
     correct: int = 0
     samples: int = 0
     lr: float = float("nan")
-    compute_s: float = 0.0
     comm_s: float = 0.0
     exposed_s: float = 0.0
     bytes_sent: int = 0
-    epoch: int = 0
 
 
 @dataclass

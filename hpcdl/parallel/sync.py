@@ -68,7 +68,7 @@ class SyncDataParallel(Strategy):
     # -- a step ------------------------------------------------------------------------------
     def step(self, step: int) -> StepStats:
         """Batch -> forward/backward per micro-step (buckets summed during backward) -> exchange -> update."""
-        epoch, indices = self._next_batch()
+        indices = self._next_batch()
         self.optimizer.lr = self.lr(step)
         comm_before, exposed_before = self.exchange.comm_time, self.exchange.exposed_time
         loss, correct = 0.0, 0
@@ -92,19 +92,16 @@ class SyncDataParallel(Strategy):
             comm_s=self.exchange.comm_time - comm_before,
             exposed_s=self.exchange.exposed_time - exposed_before,
             bytes_sent=self.exchange.bytes_sent,
-            epoch=epoch,
         )
 
-    def _next_batch(self) -> tuple[int, Any]:
-        """The epoch and this rank's indices of the next batch (the sampler keeps the position)."""
-        for _ in range(2):
-            if self._batches is None:
-                self._batches = (self.sampler.epoch, iter(self.sampler))
-            epoch, batches = self._batches
-            for _, indices in batches:
-                return epoch, indices
-            self._batches = None  # the epoch is over: the next one
-        raise AssertionError("a sampler yields at least one batch per epoch")
+    def _next_batch(self) -> Any:
+        """This rank's indices of the next batch (the sampler keeps the position, for resume)."""
+        if self._batches is not None:
+            for _, indices in self._batches:
+                return indices
+        self._batches = iter(self.sampler)  # the rest of the current epoch, or the next one
+        _, indices = next(self._batches)
+        return indices
 
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:

@@ -3,7 +3,9 @@
 Layout (format version 1)::
 
     /                       attrs: format_version, name, config (TOML text), hpcdl_version,
-                                   git_commit, mpi_library, ranks, world ("mpi" | "sim"),
+                                   git_commit, mpi_library, ranks, strategy, placement
+                                   (JSON: each rank's role, piece, data-parallel member),
+                                   world ("mpi" | "sim"),
                                    network, compute, start_time (ISO 8601, UTC), status
                                    ("running" | "finished" | "stopped" | "failed"), end_time,
                                    wall_s, final_test_accuracy, samples_per_s, peak_rss_mb
