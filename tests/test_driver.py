@@ -195,7 +195,7 @@ def _as_format_1(v2: Path, v1: Path) -> None:
             a = np.ascontiguousarray(groups[gname][key])
             h.update(f"{gname}/{key}:{a.dtype.str}:{a.shape}".encode())
             h.update(a.tobytes())
-    old_meta = {"counters": {**ckpt.meta["counters"], "bytes_sent": 0}, "fit": ckpt.meta["fit"],
+    old_meta = {"counters": {**meta["driver"], "bytes_sent": 0}, "fit": ckpt.meta["fit"],
                 "sampler": meta["sampler"], "optimizer": model["meta"]["optimizer"]}  # fmt: skip
     with h5py.File(v1, "w") as f:
         f.attrs.update({"format_version": 1, "step": ckpt.step, "epoch": ckpt.epoch, "ranks": 1,

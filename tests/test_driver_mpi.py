@@ -82,9 +82,12 @@ def test_the_driver_meets_only_at_the_strategys_meetings(comm: Communicator, tmp
     assert during <= {4, 8}, f"collectives after steps {sorted(during)}: the toy meets after 4, 8, 12"
     assert {step for _, step in events} >= {4, 8, 12}
     assert len(set(comm.allgather(_digest(result)))) == 1  # after the last meeting: one average everywhere
-    if comm.Get_rank() == 0:
+    if comm.Get_rank() == 0:  # rank 0, the keeper, reads no batches: a row's lr, time, bytes are others'
         with h5py.File(out, "r") as f:
             assert list(f["metrics/step"][...]) == list(range(1, 13)) and f.attrs["status"] == "finished"
+            assert np.all(f["metrics/lr"][...] > 0) and np.all(np.diff(f["metrics/time"][...]) > 0)
+            assert f["metrics/bytes_sent"][3] > 0 and np.isfinite(f["metrics/samples_per_s"][...]).all()
+            assert f["ranks/comm_time"][3, 1] > 0  # the averaging at the meeting after step 4
             assert f["ranks/compute_time"].shape == (12, comm.Get_size()) and f.attrs["strategy"] == "toy"
             assert np.isfinite(f["metrics/loss"][...]).all() and np.isfinite(f["metrics/test_accuracy"][-1])
         ckpt = load_checkpoint(checkpoint_path(out, 12))
@@ -102,6 +105,7 @@ def test_a_stop_between_meetings_waits_for_the_next_and_resumes_bitwise(
     assert first.stopped_by == "train.stop_at = 6" and first.steps == 8  # the next meeting
     rest = train(cfg, comm, out=base / "split.h5", resume="auto")
     assert rest.steps == 12 and rest.strategy.meetings == whole.strategy.meetings == 3
+    assert all(comm.allgather(rest.train_s > first.train_s))  # each rank's own time goes on
     same = _digest(rest) == _digest(whole)
     assert all(comm.allgather(same)), "a resumed toy run must end bitwise where the whole run ends"
     if comm.Get_rank() == 0:

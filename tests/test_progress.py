@@ -53,3 +53,14 @@ def test_bar_and_inactive_ranks() -> None:
     q.write("hello")
     q.close()
     assert silent.getvalue() == ""
+
+
+def test_lines_due_between_two_meetings_are_printed_at_the_next() -> None:
+    import io
+
+    stream = io.StringIO()
+    bar = Progress("lines", total=22, every=5, active=True, stream=stream)
+    for step, since in ((4, 0), (8, 4), (12, 8), (16, 12), (20, 16), (22, 20)):  # meetings every 4 steps
+        bar.update(step, since=since, loss=1.0)
+    printed = [line.split("/")[0] for line in stream.getvalue().splitlines()]
+    assert printed == ["step 8", "step 12", "step 16", "step 20", "step 22"]  # 5, 10, 15, 20 and the end

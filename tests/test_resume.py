@@ -13,7 +13,13 @@ import pytest
 
 from hpcdl.config import load_config
 from hpcdl.errors import HpcdlError
-from hpcdl.store.checkpoint import CheckpointError, checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.store.checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from hpcdl.train import run
 
 # a CNN with BatchNorm and dropout, Adam: every kind of state a checkpoint must carry
@@ -134,3 +140,30 @@ def test_command_line_errors(tmp_path: Path) -> None:
 def test_auto_with_no_checkpoint_starts_fresh(tmp_path: Path) -> None:
     result = run(load_config("digits-mlp", ["train.steps=3"]), out=tmp_path / "new.h5", resume="auto")
     assert result.steps == 3 and (tmp_path / "new.h5").exists()
+
+
+def test_plain_sgd_without_momentum_resumes_bitwise(tmp_path: Path) -> None:
+    """An optimizer with no array state: its empty group is still a group of the checkpoint."""
+    sets = ["optimizer.momentum=0.0", "train.steps=30", "checkpoint.every=0"]
+    whole = run(load_config("digits-mlp", sets), out=tmp_path / "whole.h5")
+    run(load_config("digits-mlp", [*sets, "train.stop_at=13"]), out=tmp_path / "split.h5")
+    rest = run(load_config("digits-mlp", sets), out=tmp_path / "split.h5", resume="auto")
+    assert _state(rest) == _state(whole)
+
+
+def test_auto_passes_over_a_checkpoint_of_another_model_before_changing_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r.h5"
+    sets = [*BASE, "checkpoint.every=20", "checkpoint.keep=3", "train.stop_at=25"]
+    run(load_config("digits-cnn", sets), out=out)
+    newest = load_checkpoint(checkpoint_path(out, 25))  # as if written by a model with another layer name
+    params = newest.pieces["model"]["params"]
+    params["renamed.weight"] = params.pop(sorted(params)[0])
+    save_checkpoint(newest, checkpoint_path(out, 25))
+    rest = run(load_config("digits-cnn", BASE), out=out, resume="auto")
+    err = capsys.readouterr().err
+    assert "skipping a checkpoint" in err and "holds another model" in err, err
+    assert rest.steps == 88
+    with h5py.File(out, "r") as f:
+        assert list(f.attrs["resumed_at"]) == [20]

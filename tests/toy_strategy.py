@@ -18,6 +18,7 @@ import numpy as np
 
 from hpcdl import comm as ops
 from hpcdl.backend import to_numpy
+from hpcdl.comm import wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.nn import SoftmaxCrossEntropy
 from hpcdl.parallel import STRATEGIES, Agreement, Placement, RankPlace, RankState, StepStats, Strategy
@@ -57,6 +58,7 @@ class KeeperAveraging(Strategy):
         self.sampler = ctx.sampler(self.member) if self.member >= 0 else None
         self.loss_fn = SoftmaxCrossEntropy()
         self.meetings = 0
+        self.bytes_sent = 0
         self._epoch_batches: Any = None
 
     def meets_after(self, step: int) -> bool:
@@ -85,9 +87,14 @@ class KeeperAveraging(Strategy):
         if self.member < 0:
             mine = np.zeros_like(mine)
         total = np.empty_like(mine)
+        t0 = wtime()
         self.comm.Allreduce(mine, total, op=ops.SUM)
+        averaging = wtime() - t0
+        self.bytes_sent += int(mine.nbytes)
         self.packer.unpack(total, [p.data for p in self.params], scale=1.0 / self.ctx.placement.width)
-        return mean_over_members(self.comm, stats, stop, self.ctx.placement.width)
+        agreed = mean_over_members(self.comm, stats, stop, self.ctx.placement.width)
+        agreed.comm_s, agreed.bytes_sent = averaging, self.bytes_sent  # the averaging is the meeting's
+        return agreed
 
     def evaluate(self) -> tuple[float, float]:
         """The keeper's average on the whole test set (every rank holds it after a meeting)."""
@@ -95,7 +102,8 @@ class KeeperAveraging(Strategy):
 
     def state(self, pieces: bool) -> RankState:
         sampler = self.sampler.state() if self.sampler is not None else None
-        meta = {"random": self.ctx.random_state(), "meetings": self.meetings, "sampler": sampler}
+        meta = {"random": self.ctx.random_state(), "meetings": self.meetings, "sampler": sampler,
+                "bytes_sent": self.bytes_sent}  # fmt: skip
         part = RankState(meta=meta)
         if pieces:
             params = {n: to_numpy(p.data).copy() for n, p in self.model.named_parameters()}
@@ -115,4 +123,5 @@ class KeeperAveraging(Strategy):
             self.sampler.load_state(state.meta["sampler"])
         self.ctx.load_random_state(state.meta["random"])
         self.meetings = state.meta["meetings"]
+        self.bytes_sent = state.meta["bytes_sent"]
         self._epoch_batches = None

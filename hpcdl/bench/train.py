@@ -167,6 +167,8 @@ def _bench_train(
     for name, reps in results.items():
         step_s = statistics.median(r["step_s"] for r in reps)
         micro = variants[name]["exchange.accumulate"] if name != "torch-ddp" else 1
+        # samples per step: the strategy's global batch (its data-parallel width, not the world)
+        per_step = plan(variants[name], size).global_batch if name != "torch-ddp" else size * batch_size
         rows.append(
             {
                 "impl": name,
@@ -174,7 +176,7 @@ def _bench_train(
                 "ranks": size,
                 "batch_per_rank": batch_size,
                 "micro_steps": micro,
-                "samples_per_s": size * batch_size * micro / step_s,
+                "samples_per_s": per_step / step_s,
                 "step_s": step_s,
                 "compute_s": statistics.median(r["compute_s"] for r in reps),
                 "comm_s": statistics.median(r["comm_s"] for r in reps),

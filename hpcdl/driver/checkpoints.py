@@ -16,11 +16,11 @@ from typing import Any
 
 from hpcdl.comm import Communicator, recv_object, scatter_objects, send_object, subcomm
 from hpcdl.config import Config, stored_values
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.parallel import Placement, RankState, Strategy
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint
 
-__all__ = ["capture", "distribute", "check_fits", "check_run_config", "find_resume", "FIT_KEYS"]
+__all__ = ["DRIVER", "capture", "distribute", "check_fits", "check_run_config", "find_resume", "FIT_KEYS"]
 
 #: config keys a checkpoint must agree on: they fix the trajectory of the run
 FIT_KEYS = (
@@ -28,6 +28,9 @@ FIT_KEYS = (
     "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
     "data.train_size", "data.test_size", "exchange.accumulate", "parallel.strategy",
 )  # fmt: skip
+
+#: the key of the driver's counters in each rank's meta (the strategy's part holds the rest)
+DRIVER = "driver"
 
 #: tag of the point-to-point messages that move pieces between rank 0 and their holders
 _PIECE_TAG = 31_001
@@ -41,7 +44,7 @@ def capture(
     *,
     step: int,
     epoch: int,
-    meta: dict[str, Any],
+    counters: dict[str, float],
     attrs: dict[str, Any],
 ) -> Checkpoint | None:
     """The run's state after ``step`` (collective, at a meeting); a :class:`Checkpoint` on rank 0.
@@ -53,7 +56,7 @@ def capture(
         config: the run's config.
         step: steps done.
         epoch: the epoch of the next batch.
-        meta: the driver's own values (counters), stored with :func:`_fit`.
+        counters: this rank's driver counters (kept with its own part: timings differ per rank).
         attrs: provenance attributes for the file.
 
     Returns:
@@ -62,7 +65,7 @@ def capture(
     rank = comm.Get_rank()
     holds = placement.ranks[rank].holds
     part = strategy.state(pieces=bool(holds) and placement.holders(holds)[0] == rank)
-    own = comm.gather((part.arrays, part.meta), root=0)
+    own = comm.gather((part.arrays, {**part.meta, DRIVER: counters}), root=0)
     pieces = dict(part.pieces) if rank == 0 else {}
     for piece in placement.pieces():
         first = placement.holders(piece)[0]
@@ -82,7 +85,7 @@ def capture(
         placement=placement.to_json(),
         pieces=pieces,
         ranks=list(own),
-        meta={**meta, "fit": _fit(config)},
+        meta={"fit": _fit(config)},
         attrs=attrs,
     )
 
@@ -119,8 +122,11 @@ def _fit(config: Config) -> dict[str, Any]:
     return {k: config[k] for k in FIT_KEYS}
 
 
-def check_fits(ckpt: Checkpoint, config: Config, placement: Placement) -> None:
-    """Refuse a checkpoint of another rank count, trajectory (:data:`FIT_KEYS`) or placement.
+def check_fits(
+    ckpt: Checkpoint, config: Config, placement: Placement, strategy: Strategy | None = None
+) -> None:
+    """Refuse a checkpoint of another rank count, trajectory (:data:`FIT_KEYS`), placement, or
+    pieces the strategy cannot take (:meth:`~hpcdl.parallel.Strategy.check_state`: another model).
 
     Raises:
         CheckpointError: naming the first thing that differs, and both values.
@@ -136,14 +142,21 @@ def check_fits(ckpt: Checkpoint, config: Config, placement: Placement) -> None:
         if saved != value:
             raise CheckpointError(f"{where} was written with {key} = {saved!r}; this run has {value!r}")
     theirs = Placement.from_json(ckpt.placement)
-    if theirs != placement:
+    if not theirs.same_as(placement):
         raise CheckpointError(
             f"{where} was written under another placement ({theirs.summary()}); this run's is "
             f"{placement.summary()}: continue it as it was placed, or start a new run with another --out"
         )
+    if strategy is not None:
+        try:
+            strategy.check_state(ckpt.pieces)
+        except HpcdlError as err:
+            raise CheckpointError(f"{where}: {err}") from None
 
 
-def find_resume(resume: str, run_file: Path, config: Config, placement: Placement) -> Checkpoint | None:
+def find_resume(
+    resume: str, run_file: Path, config: Config, placement: Placement, strategy: Strategy | None = None
+) -> Checkpoint | None:
     """The checkpoint ``--resume`` names (rank 0 only).
 
     ``auto`` takes the newest checkpoint of ``run_file`` that loads and fits, telling on
@@ -157,13 +170,13 @@ def find_resume(resume: str, run_file: Path, config: Config, placement: Placemen
     """
     if resume != "auto":
         ckpt = load_checkpoint(resume)
-        check_fits(ckpt, config, placement)
+        check_fits(ckpt, config, placement, strategy)
         return ckpt
     refused: list[CheckpointError] = []
     for path in list_checkpoints(run_file):
         try:
             ckpt = load_checkpoint(path)
-            check_fits(ckpt, config, placement)
+            check_fits(ckpt, config, placement, strategy)
         except CheckpointError as err:
             refused.append(err)
             continue

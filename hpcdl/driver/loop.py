@@ -50,6 +50,8 @@ class _Step:
     stats: StepStats
     wall_s: float
     other_s: float
+    elapsed_s: float  # the run's time when the step ended (a row's ``time``)
+    meeting_comm_s: float = 0.0  # the meeting after it communicated this long (its comm, not "other")
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Trainer:
     _t_end: float | None = None  # when this rank's previous step ended
     _t_segment: float = 0.0  # when this segment (a run, or a resumed part) began training
     _note: dict[str, Any] = field(default_factory=notes)  # what this rank does, for stall reports
+    _meeting_comm: float = 0.0  # communication at the last meeting: not time outside the steps
 
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
@@ -108,7 +111,8 @@ class Trainer:
 
     def _one_step(self) -> None:
         t0 = wtime()
-        other = t0 - self._t_end if self._t_end is not None else 0.0
+        other = t0 - self._t_end - self._meeting_comm if self._t_end is not None else 0.0
+        self._meeting_comm = 0.0
         self._note["step"], self._note["phase"] = self.step + 1, "step"
         with self.ctx.observing(self.profiler, self.slowdown):
             stats = self.strategy.step(self.step)
@@ -118,7 +122,7 @@ class Trainer:
         self.counters.train_s += wall
         self.counters.compute_s += wall - stats.comm_s
         self.counters.comm_s += stats.comm_s
-        self._pending.append(_Step(stats, wall, other))
+        self._pending.append(_Step(stats, wall, other, self.elapsed()))
 
     def _meeting(self) -> None:
         """What fires at a meeting: agree, rows, evaluation, progress, a stop, a checkpoint."""
@@ -126,12 +130,23 @@ class Trainer:
         first = self.step - len(steps) + 1
         self._note["phase"] = "metrics and stop vote"
         agreed = self.strategy.agree([s.stats for s in steps], self.stop.requested)
+        if agreed.bytes_sent is not None:  # the meeting sent data: the last step's running total
+            steps[-1].stats.bytes_sent = agreed.bytes_sent
+        steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
+        self.counters.comm_s += agreed.comm_s
         for i, (done, row) in enumerate(zip(steps, agreed.rows)):
             self._record(first + i, done, row, last=i == len(steps) - 1)
-        rate = self.ctx.placement.global_batch * self.step / max(self.counters.train_s, 1e-12)
-        self.bar.update(self.step, loss=self.history[-1]["loss"], samples_per_s=rate)
+        self.bar.update(self.step, since=self._met, loss=self.history[-1]["loss"], samples_per_s=self._rate())
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
+
+    def _rate(self) -> float:
+        """Samples per second so far, for the progress display (rank 0's view)."""
+        if self.ctx.placement.ranks[self.ctx.rank].member >= 0:
+            seconds = self.counters.train_s  # in steps, as the summary
+        else:  # a rank that reads no batches: the run's time
+            seconds = self.elapsed()
+        return self.ctx.placement.global_batch * self.step / seconds if seconds > 0 else math.nan
 
     def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
         """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
@@ -144,7 +159,7 @@ class Trainer:
         spe, stats = self.ctx.steps_per_epoch, done.stats
         rate = self.ctx.placement.global_batch / done.wall_s if done.wall_s > 0 else math.nan  # no time: none
         row = {"step": step, "epoch": (step - 1) // spe, **agreed, "lr": stats.lr, "step_time": done.wall_s,
-               "samples_per_s": rate, "bytes_sent": stats.bytes_sent, "time": self.elapsed()}  # fmt: skip
+               "samples_per_s": rate, "bytes_sent": stats.bytes_sent, "time": done.elapsed_s}  # fmt: skip
         if last and self._evaluation_due():
             self._note["phase"] = "evaluation"
             self.accuracy = self.strategy.evaluate()
@@ -154,7 +169,9 @@ class Trainer:
             self.bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {loss:.4f}")
         self.history.append(row)
         self._note["phase"] = "run file"
-        self.log.record(row, done.wall_s - stats.comm_s, stats.comm_s, stats.exposed_s, done.other_s)
+        comm = stats.comm_s + done.meeting_comm_s
+        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s,
+                        wall_s=done.wall_s, bytes_sent=stats.bytes_sent, lr=stats.lr)  # fmt: skip
 
     def _evaluation_due(self) -> bool:
         every = self.ctx.cfg["train.eval_every"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any, TextIO
@@ -45,12 +46,18 @@ class Progress:
 
             self._bar = tqdm(total=total, unit="step", file=self.stream, dynamic_ncols=True, leave=True)
 
-    def update(self, step: int, **fields: float) -> None:
-        """Report that ``step`` (1-based) is done, with named values (loss, samples/s, …)."""
+    def update(self, step: int, since: int | None = None, **fields: float) -> None:
+        """Report that ``step`` (1-based) is done, with named values (loss, samples/s, ...).
+
+        ``since``: the step reported before (the previous meeting of a strategy whose ranks
+        meet every few steps); a line is printed when a multiple of the interval lies in
+        ``(since, step]`` (default: ``step - 1``, the previous step).
+        """
+        since = step - 1 if since is None else since
         if self.mode == "bar":
             self._bar.set_postfix({k: _fmt(v) for k, v in fields.items()}, refresh=False)
             self._bar.update(step - self._bar.n)
-        elif self.mode == "lines" and (step % self.every == 0 or step == self.total):
+        elif self.mode == "lines" and (step // self.every > since // self.every or step == self.total):
             text = "  ".join(f"{k} {_fmt(v)}" for k, v in fields.items())
             print(f"step {step}/{self.total}  {text}", file=self.stream, flush=True)
 
@@ -70,4 +77,6 @@ class Progress:
 def _fmt(v: float) -> str:
     if isinstance(v, int):
         return str(v)
+    if not math.isfinite(v):  # NaN, inf: no time measured
+        return "n/a"
     return f"{v:.4g}" if abs(v) < 1000 else f"{v:.0f}"

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdl.comm import Communicator, long_wait, notes, on_root, world, wtime
+from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
+from hpcdl.comm import Communicator, StallError, long_wait, notes, on_root, world, wtime
 from hpcdl.config import Config
-from hpcdl.driver.checkpoints import capture, distribute
+from hpcdl.driver.checkpoints import DRIVER, capture, distribute
 from hpcdl.driver.context import Context, Slowdown, slowdown_factor
 from hpcdl.driver.loop import Counters, Trainer
 from hpcdl.driver.progress import Progress, choose_mode
 from hpcdl.driver.runlog import RunLog, checkpoint_attrs, now, open_run, peak_rss_mb
 from hpcdl.driver.signals import current_stop_request
+from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
 from hpcdl.parallel import Placement, Strategy, strategy_class
 from hpcdl.store.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
@@ -62,9 +65,13 @@ class RunResult:
         return (
             f"{self.config['name']}: test accuracy {accuracy} | "
             f"{self.steps} steps ({self.epochs:g} epochs) on {self.ranks} rank{'s' * (self.ranks > 1)} | "
-            f"wall {self.wall_s:.1f} s | {self.samples_per_s:.0f} samples/s"
+            f"wall {self.wall_s:.1f} s | {_rate(self.samples_per_s)}"
             + (f" | run file {self.run_file}" if self.run_file is not None else "")
         )
+
+
+def _rate(samples_per_s: float) -> str:
+    return f"{samples_per_s:.0f} samples/s" if math.isfinite(samples_per_s) else "samples/s n/a"
 
 
 def plan(cfg: Config, world_size: int) -> Placement:
@@ -106,14 +113,33 @@ def train(
     factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
     ctx = Context(cfg, comm, placement)
     strategy = strategy_class(cfg["parallel.strategy"])(ctx)
-    run_path = Path(out) if out is not None else None
-    opened = open_run(comm, cfg, placement, run_path, resume)
+    try:
+        return _run(ctx, strategy, factor, progress, Path(out) if out is not None else None, resume, t_start)
+    except HpcdlError as err:  # a user error, raised alike on every rank: they free the communicators
+        if not isinstance(err, StallError):  # (a stall: some rank is gone; the job is ending)
+            with contextlib.suppress(Exception):  # collectives left in flight by the error: never mind
+                strategy.close()
+        raise
+
+
+def _run(
+    ctx: Context,
+    strategy: Strategy,
+    factor: float,
+    progress: str,
+    run_path: Path | None,
+    resume: str | None,
+    t_start: float,
+) -> RunResult:
+    """Open the run file (and the checkpoint to continue from), train, finish."""
+    comm, cfg, placement = ctx.comm, ctx.cfg, ctx.placement
+    opened = open_run(comm, cfg, placement, run_path, resume, strategy)
     rank0 = comm.Get_rank() == 0
     bar = Progress(choose_mode(progress), ctx.total_steps, cfg["train.log_every"], active=rank0)
     trainer = Trainer(
         ctx,
         strategy,
-        log=RunLog(comm, opened.runfile, cfg["log.flush_every"]),
+        log=RunLog(comm, opened.runfile, cfg["log.flush_every"], placement),
         bar=bar,
         stop=current_stop_request(),
         save=lambda step: _checkpoint(trainer, run_path, step),
@@ -121,9 +147,10 @@ def train(
         slowdown=Slowdown(factor) if factor != 1.0 else None,
     )
     if opened.step is not None:  # each rank receives its own part only
-        strategy.load_state(distribute(comm, opened.checkpoint, placement))
+        state = distribute(comm, opened.checkpoint, placement)
+        saved = state.meta.pop(DRIVER, {})  # this rank's own counters
+        strategy.load_state(state)
         trainer.step = opened.step
-        saved = opened.meta.get("counters", {})
         trainer.counters = Counters(**{k: float(saved.get(k, v)) for k, v in Counters().as_dict().items()})
     try:
         trainer.run()
@@ -144,7 +171,8 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
     ckpt_path = _checkpoint(trainer, run_path, trainer.step)
     trainer.end_segment()
     counters = trainer.counters
-    rate = ctx.placement.global_batch * trainer.step / counters.train_s if counters.train_s > 0 else 0.0
+    train_s = ctx.comm.allreduce(counters.train_s, op=ops.MAX)  # the slowest rank's: rank 0 may read no batch
+    rate = ctx.placement.global_batch * trainer.step / train_s if train_s > 0 else math.nan
     runfile = trainer.log.runfile
     if runfile is not None and trainer.profiler is not None:
         runfile.write_profile(trainer.profiler.table())
@@ -180,9 +208,9 @@ def _checkpoint(trainer: Trainer, run_path: Path | None, step: int) -> Path | No
     ctx = trainer.ctx
     notes()["phase"] = "checkpoint"
     trainer.log.flush()
+    counters = {**trainer.counters.as_dict(), "elapsed_s": trainer.elapsed()}
     ckpt = capture(ctx.comm, trainer.strategy, ctx.placement, ctx.cfg, step=step,
-                   epoch=step // ctx.steps_per_epoch,
-                   meta={"counters": {**trainer.counters.as_dict(), "elapsed_s": trainer.elapsed()}},
+                   epoch=step // ctx.steps_per_epoch, counters=counters,
                    attrs=checkpoint_attrs(run_path))  # fmt: skip
 
     def write() -> str:

@@ -3,6 +3,7 @@ per-step metrics from every rank into rank 0's copy, gathered every few steps.""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from hpcdl.comm import Communicator, on_root
 from hpcdl.config import Config
 from hpcdl.driver.checkpoints import check_run_config, find_resume
 from hpcdl.errors import ConfigError, HpcdlError
-from hpcdl.parallel import Placement
+from hpcdl.parallel import Placement, Strategy
 from hpcdl.store import RunFile, RunFileError
 from hpcdl.store.checkpoint import Checkpoint, list_checkpoints, orphaned_temporaries
 from hpcdl.store.runfile import heartbeat_now, read_attrs
@@ -39,43 +40,76 @@ class RunLog:
     also writes the ``heartbeat`` attribute: the run is alive.
     """
 
-    def __init__(self, comm: Communicator, runfile: RunFile | None, flush_every: int) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        runfile: RunFile | None,
+        flush_every: int,
+        placement: Placement | None = None,
+    ) -> None:
         self.comm = comm
         self.runfile = runfile  # only rank 0 has one
         self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
-        self._times: list[tuple[float, float, float, float]] = []
+        self._times: list[tuple[float, ...]] = []
+        # a row's lr is a data-parallel member's; its step time and bytes the slowest and busiest rank's
+        members = [r for r, p in enumerate(placement.ranks) if p.member >= 0] if placement else [0]
+        self._member = members[0] if members else 0
+        self._global_batch = placement.global_batch if placement else None
 
     def record(
-        self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float = 0.0
+        self,
+        row: dict[str, Any],
+        compute_s: float,
+        comm_s: float,
+        exposed_s: float,
+        other_s: float = 0.0,
+        *,
+        wall_s: float = math.nan,
+        bytes_sent: int = 0,
+        lr: float = math.nan,
     ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
         ``exposed_s`` is the part of ``comm_s`` the step spent waiting after backward;
-        ``other_s`` the time since the previous step ended, outside any step.
+        ``other_s`` the time since the previous step ended, outside any step. At the flush,
+        rank 0's row takes its ``lr`` from the first data-parallel member, its
+        ``step_time`` (and ``samples_per_s``) from the slowest rank's ``wall_s`` and its
+        ``bytes_sent`` from the rank that sent most: rank 0 may read no batches at all.
         """
         if self.runfile is not None:
             self._rows.append(row)
-        self._times.append((compute_s, comm_s, exposed_s, other_s))
+        self._times.append((compute_s, comm_s, exposed_s, other_s, wall_s, float(bytes_sent), lr))
         if len(self._times) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
-        mine = np.array(self._times, dtype=np.float64).reshape(-1, 4)
+        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7)
         every = self.comm.gather(mine, root=0)
         self._times = []
         if self.runfile is None:
             return
-        times = np.stack(every, axis=1)  # steps, ranks, 4
+        times = np.stack(every, axis=1)  # steps, ranks, 7
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
+        if self._global_batch is not None:
+            self._agreed_columns(times)
         self.runfile.append_rows(
             self._rows,
             {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
              "other_time": other},
         )  # fmt: skip
         self._rows = []
+
+    def _agreed_columns(self, times: np.ndarray) -> None:
+        """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them."""
+        assert self._global_batch is not None
+        for row, wall, sent, lr in zip(
+            self._rows, times[..., 4].max(axis=1), times[..., 5].max(axis=1), times[:, self._member, 6]
+        ):
+            row["lr"], row["step_time"], row["bytes_sent"] = float(lr), float(wall), int(sent)
+            row["samples_per_s"] = self._global_batch / wall if wall > 0 else math.nan
 
     def close(self, status: str, **attrs: Any) -> None:
         """Flush (collective), then set the final attributes and close the file (rank 0)."""
@@ -122,7 +156,12 @@ class Opened:
 
 
 def open_run(
-    comm: Communicator, cfg: Config, placement: Placement, run_path: Path | None, resume: str | None
+    comm: Communicator,
+    cfg: Config,
+    placement: Placement,
+    run_path: Path | None,
+    resume: str | None,
+    strategy: Strategy | None = None,
 ) -> Opened:
     """Rank 0 finds the checkpoint and opens the run file; every rank learns whether to resume.
 
@@ -133,7 +172,7 @@ def open_run(
     opened = Opened()
 
     def decide() -> tuple[int, dict[str, Any]] | None:
-        opened.checkpoint, opened.runfile = _open_on_root(comm, cfg, placement, run_path, resume)
+        opened.checkpoint, opened.runfile = _open_on_root(comm, cfg, placement, run_path, resume, strategy)
         ckpt = opened.checkpoint
         if ckpt is None:
             return None
@@ -147,7 +186,12 @@ def open_run(
 
 
 def _open_on_root(
-    comm: Communicator, cfg: Config, placement: Placement, run_path: Path | None, resume: str | None
+    comm: Communicator,
+    cfg: Config,
+    placement: Placement,
+    run_path: Path | None,
+    resume: str | None,
+    strategy: Strategy | None,
 ) -> tuple[Checkpoint | None, RunFile | None]:
     """What :func:`open_run` does on rank 0: check everything first, then change files.
 
@@ -166,7 +210,7 @@ def _open_on_root(
     if resume == "auto" and run_path is None:
         raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
     if run_path is None:
-        return (find_resume(resume, Path(resume), cfg, placement) if resume else None), None
+        return (find_resume(resume, Path(resume), cfg, placement, strategy) if resume else None), None
     changes: dict[str, tuple[Any, Any]] = {}
     attrs: dict[str, Any] = {}
     exists = run_path.exists()
@@ -184,7 +228,7 @@ def _open_on_root(
     elif exists:
         attrs = {**read_attrs(run_path), "path": str(run_path)}
         changes = check_run_config(attrs, cfg, ranks)
-    ckpt = find_resume(resume, run_path, cfg, placement) if resume is not None else None
+    ckpt = find_resume(resume, run_path, cfg, placement, strategy) if resume is not None else None
     if ckpt is None and exists and attrs.get("status") in ("finished", "stopped"):
         raise RunFileError(
             f"{run_path} is a {attrs['status']} run with no checkpoint to continue from (deleted?): "

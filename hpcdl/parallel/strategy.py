@@ -121,6 +121,15 @@ class Placement:
         """The pieces of state held, in order of their first holder."""
         return list(dict.fromkeys(p.holds for p in self.ranks if p.holds))
 
+    def __post_init__(self) -> None:
+        if self.ranks and self.width < 1:
+            raise ConfigError(f"strategy {self.strategy!r} has no rank read batches: nothing would train")
+
+    def same_as(self, other: Placement) -> bool:
+        """The same roles, pieces, members and batch arithmetic (``notes`` are only words)."""
+        mine = (self.strategy, self.ranks, self.batch_size, self.micro_steps)
+        return mine == (other.strategy, other.ranks, other.batch_size, other.micro_steps)
+
     def to_json(self) -> str:
         """The placement as JSON text (stored in checkpoints)."""
         return json.dumps(asdict(self), sort_keys=True)
@@ -222,10 +231,16 @@ class Agreement:
         rows: per step, the global metrics (``loss``, ``train_accuracy`` and whatever the
             strategy records), the same on every rank.
         stop_votes: how many ranks asked to stop (a signal); > 0 stops every rank.
+        comm_s: seconds this rank communicated at the meeting beyond agreeing (weights
+            averaged, say): counted as the last step's communication.
+        bytes_sent: this rank's running total of bytes sent after the meeting, when the
+            meeting sent some (None: the last step's total stands).
     """
 
     rows: list[dict[str, float]]
     stop_votes: int
+    comm_s: float = 0.0
+    bytes_sent: int | None = None
 
 
 @dataclass
@@ -358,6 +373,16 @@ class Strategy:
     def load_state(self, state: RankState) -> None:
         """Continue from this rank's part of a checkpoint."""
         raise NotImplementedError
+
+    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
+        """Refuse a checkpoint's pieces this strategy cannot take (on rank 0, before anything changes).
+
+        ``--resume auto`` passes over a checkpoint that fails it, as over a damaged one.
+
+        Raises:
+            ConfigError: naming what differs (another model, say).
+        """
+        return None
 
     def close(self) -> None:
         """Release what the strategy owns (communicators it duplicated or split; collective)."""

@@ -140,11 +140,7 @@ class SyncDataParallel(Strategy):
             ConfigError: the checkpoint's model has other parameters than this one.
         """
         model = state.pieces["model"]
-        mine = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        theirs = {name: tuple(a.shape) for name, a in model["params"].items()}
-        if mine != theirs:
-            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
-            raise ConfigError(f"the checkpoint holds another model (parameters differ: {diff} ...)")
+        self.check_state(state.pieces)
         self.model.load_state_dict({**model["params"], **state.arrays})
         self.optimizer.load_state_dict({**model["meta"]["optimizer"], **model["optimizer"]})
         self.sampler.load_state(state.meta["sampler"])
@@ -154,6 +150,18 @@ class SyncDataParallel(Strategy):
         self.exchange.comm_time = float(counters["comm_time"])
         self.exchange.exposed_time = float(counters["exposed_time"])
         self._batches = None
+
+    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
+        """Refuse a model with other parameters (names or shapes) than this one's.
+
+        Raises:
+            ConfigError: naming up to three parameters that differ.
+        """
+        mine = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        theirs = {name: tuple(a.shape) for name, a in pieces.get("model", {}).get("params", {}).items()}
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ConfigError(f"it holds another model (parameters differ: {diff} ...)")
 
     def close(self) -> None:
         """Free the exchange's duplicated communicator (collective)."""

@@ -165,8 +165,10 @@ def save_checkpoint(ckpt: Checkpoint, path: str | os.PathLike[str]) -> Path:
 def _write(ckpt: Checkpoint, tmp: Path) -> None:
     h5 = h5py.File(tmp, "w")
     try:
+        provenance = {k: v for k, v in ckpt.attrs.items() if k not in ("format_version", "digest")}
         h5.attrs.update(
             {
+                **provenance,  # what a loaded checkpoint carried; the computed values below win
                 "format_version": CKPT_VERSION,
                 "step": ckpt.step,
                 "epoch": ckpt.epoch,
@@ -176,13 +178,15 @@ def _write(ckpt: Checkpoint, tmp: Path) -> None:
                 "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "meta": _json(ckpt.meta),
                 "digest": _digest(ckpt),
-                **ckpt.attrs,
             }
         )
-        for path, a in _arrays(ckpt):
-            h5.create_dataset(path, data=a)
         for piece, groups in ckpt.pieces.items():
             h5.require_group(f"pieces/{piece}").attrs["meta"] = _json(groups.get("meta", {}))
+            for group in groups:
+                if group != "meta":
+                    h5.require_group(f"pieces/{piece}/{group}")  # an empty group too (SGD without momentum)
+        for path, a in _arrays(ckpt):
+            h5.create_dataset(path, data=a)
         metas = [_json(meta) for _, meta in ckpt.ranks]
         h5.create_dataset("rank_meta", data=np.array(metas, dtype=h5py.string_dtype()))
         h5.flush()
@@ -273,14 +277,14 @@ def _read_v1(h5: h5py.File, attrs: dict[str, Any]) -> Checkpoint:
     ranks = [
         (
             _read_group(h5[f"buffers/{r}"]) if f"buffers/{r}" in h5 else {},
-            {"random": rng[r], "sampler": meta["sampler"], "exchange": exchange},
+            {"random": rng[r], "sampler": meta["sampler"], "exchange": exchange,
+             "driver": {k: counters.get(k, 0.0) for k in ("train_s", "compute_s", "elapsed_s")}},
         )
         for r in range(world)
     ]
     model = {"params": _read_group(h5["params"]), "optimizer": _read_group(h5["optimizer"]),
              "meta": {"optimizer": meta["optimizer"]}}  # fmt: skip
-    kept = ("train_s", "compute_s", "elapsed_s")
-    driver = {"counters": {k: counters.get(k, 0.0) for k in kept}, "fit": fit}
+    driver = {"fit": fit}
     return Checkpoint(
         step=int(attrs["step"]),
         epoch=int(attrs["epoch"]),
