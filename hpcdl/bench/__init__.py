@@ -17,7 +17,7 @@ from typing import Any
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import allreduce, calibrate, pack, step, train
-from hpcdl.comm import agree, world
+from hpcdl.comm import on_root, world
 from hpcdl.driver.cli import ArgumentParser, parse_args
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "DESCRIPTION"]
@@ -72,16 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = parse_args(build_parser(), list(argv or []))
     comm = world()
-    rank = comm.Get_rank()
     if args.json is not None:
-        agree(comm, lambda: check_writable(args.json, what=_JSON_WHAT) if rank == 0 else None)
+        on_root(comm, lambda: check_writable(args.json, what=_JSON_WHAT))
     rows: list[dict[str, Any]] = SUBCOMMANDS[args.command].run(args)
     if args.json is not None:
 
         def write() -> None:
-            if rank == 0:
-                write_text_atomic(args.json, json.dumps(rows, indent=1) + "\n", what=_JSON_WHAT)
-                print(f"rows written to {args.json}", file=sys.stderr)
+            write_text_atomic(args.json, json.dumps(rows, indent=1) + "\n", what=_JSON_WHAT)
+            print(f"rows written to {args.json}", file=sys.stderr)
 
-        agree(comm, write)
+        on_root(comm, write)
     return 0

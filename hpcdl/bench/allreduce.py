@@ -20,7 +20,7 @@ import numpy as np
 
 import hpcdl
 from hpcdl.atomic import check_writable
-from hpcdl.comm import MAX, agree, world, wtime
+from hpcdl.comm import MAX, on_root, world, wtime
 from hpcdl.comm.collectives import ALGORITHMS, AutoTable, Collectives
 from hpcdl.comm.collectives.auto import (
     TOLERANCE,
@@ -210,7 +210,7 @@ def calibrate(
             "(once per rank count the runs will use)"
         )
     existing = load_table_bcast(comm, table_path, missing_ok=True)
-    agree(comm, lambda: check_writable(table_path, what=_TABLE_WHAT) if comm.Get_rank() == 0 else None)
+    on_root(comm, lambda: check_writable(table_path, what=_TABLE_WHAT))
     rows: list[dict[str, Any]] = []
     for run in range(runs):  # passes over every size at different times: the machine drifts
         for row in bench_allreduce(comm, sizes, algorithms, repeat, min_time, dtype):
@@ -221,8 +221,6 @@ def calibrate(
     table = merge(existing, ranks, segments, meta)
 
     def report() -> None:
-        if comm.Get_rank() != 0:
-            return
         print_rows(rows)
         print(f"auto at {ranks} ranks (previous winner kept within {100 * tolerance:g}% of the fastest):")
         low: int | None = 0
@@ -234,7 +232,7 @@ def calibrate(
         others = f"; kept {', '.join(map(str, kept))} ranks from before" if kept else ""
         print(f"auto table for {ranks} ranks written to {table_path}{others}")
 
-    agree(comm, report)
+    on_root(comm, report)
     return rows, table
 
 
@@ -345,8 +343,7 @@ def run(args: Any) -> list[dict[str, Any]]:
         if args.runs < 1:
             raise ConfigError(f"--runs must be a positive integer (got {args.runs})")
         sizes = tuple(args.sizes or CALIBRATION_SIZES)
-        also = agree(comm, lambda: _read_rows(args.also) if comm.Get_rank() == 0 else None)
-        also = comm.bcast(also, root=0)
+        also = on_root(comm, lambda: _read_rows(args.also))
         rows, _ = calibrate(
             comm, args.table, sizes, timed, args.repeat, args.min_time, args.dtype, args.tolerance,
             args.runs, also,

@@ -27,7 +27,7 @@ import numpy as np
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench.allreduce import parse_size
-from hpcdl.comm import Communicator, agree, world, wtime
+from hpcdl.comm import Communicator, on_root, world, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.sim.network import load_network, network_toml, parse_network
 
@@ -226,7 +226,7 @@ def calibrate(
             "bench calibrate measures ping-pong between two ranks: run it under mpiexec -n 2 or more "
             "(on a cluster, with ranks on two nodes to measure the network too)"
         )
-    agree(comm, lambda: _check_out(out) if comm.Get_rank() == 0 else None)
+    on_root(comm, lambda: _check_out(out))
     hosts = comm.allgather(socket.gethostname())
     rpn, intra_peer, inter_peer, note = placement(hosts)
     rows: list[dict[str, Any]] = []
@@ -257,7 +257,7 @@ def calibrate(
             )
     if error is not None:
         raise ConfigError(error)
-    agree(comm, lambda: _report(rows, links, out, name, rpn, hosts, note) if comm.Get_rank() == 0 else None)
+    on_root(comm, lambda: _report(rows, links, out, name, rpn, hosts, note))
     return rows
 
 

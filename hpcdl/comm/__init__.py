@@ -27,7 +27,7 @@ from hpcdl.comm.context import (
 )
 from hpcdl.comm.contract import Communicator, Request, WorldHooks
 from hpcdl.comm.contract import Status as StatusProtocol
-from hpcdl.comm.objects import agree, on_root, recv_object, scatter_objects, send_object
+from hpcdl.comm.objects import on_root, recv_object, scatter_objects, send_object
 from hpcdl.comm.watchdog import StallError
 from hpcdl.comm.watched import WatchedComm, watch
 
@@ -46,7 +46,6 @@ __all__ = [
     "WatchedComm",
     "WorldHooks",
     "abort_on_exception",
-    "agree",
     "on_root",
     "recv_object",
     "scatter_objects",

@@ -3,7 +3,6 @@
 * :func:`on_root` — rank 0 decides (reads a file, writes one), every rank learns the result
   or raises the same error: what a command does before and after a collective that only
   rank 0 can prepare, so that no rank is left waiting in it.
-* :func:`agree` — every rank acts; a user error on any rank is raised on all of them.
 * :func:`send_object` / :func:`recv_object` / :func:`scatter_objects` — pickles over the
   contract's buffer ``Send``/``Recv`` (a length, then the bytes), for data one rank sends to
   some ranks only (each rank's part of a checkpoint).
@@ -20,7 +19,7 @@ import numpy as np
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import HpcdlError
 
-__all__ = ["agree", "on_root", "recv_object", "scatter_objects", "send_object"]
+__all__ = ["on_root", "recv_object", "scatter_objects", "send_object"]
 
 T = TypeVar("T")
 
@@ -60,31 +59,6 @@ def on_root(comm: Communicator, action: Callable[[], T], *, root: int = 0) -> T:
     if not ok:
         _raise(*value)
     return value
-
-
-def agree(comm: Communicator, action: Callable[[], T]) -> T:
-    """Run ``action`` on every rank; a user error raised anywhere is raised everywhere (collective).
-
-    Rank 0's error wins (it is the rank that reads and writes files); otherwise the lowest
-    rank's. Other exceptions are not caught: they end the job as failures.
-
-    Returns:
-        What ``action`` returned on this rank.
-
-    Raises:
-        HpcdlError: the error (of the same class) raised on some rank.
-    """
-    error: HpcdlError | None = None
-    result: T | None = None
-    try:
-        result = action()
-    except HpcdlError as err:
-        error = err
-    errors = comm.allgather(None if error is None else (type(error), str(error)))
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        _raise(*first)
-    return result  # type: ignore[return-value]
 
 
 def send_object(comm: Communicator, obj: Any, dest: int, tag: int) -> None:
