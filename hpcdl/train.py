@@ -16,6 +16,7 @@ from hpcdl.comm import Communicator, watch, world
 from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.driver import launch
 from hpcdl.driver.cli import ArgumentParser, parse_args, python_command
+from hpcdl.driver.context import arithmetic
 from hpcdl.driver.factory import load_data
 from hpcdl.driver.run import RunResult, plan
 from hpcdl.driver.run import train as run
@@ -118,10 +119,8 @@ def print_plan(cfg: Config, world_size: int) -> None:
     """
     placement = plan(cfg, world_size)
     samples = len(load_data(cfg).y_train)
-    batches = placement.width * placement.micro_steps
+    batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])
-    steps_per_epoch = max(1, samples // placement.global_batch)
-    total = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
     print(placement.table())
     print(
         f"\nlearning rate {peak:g} (optimizer.lr {cfg['optimizer.lr']:g}, schedule.scale = "

@@ -13,20 +13,17 @@ from hpcdl import comm as ops
 from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import Communicator, use_world, watch, world, wtime
 from hpcdl.config import add_set_argument, load_config
-from hpcdl.driver.context import Context
-from hpcdl.driver.run import plan
+from hpcdl.driver.run import build
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential
-from hpcdl.parallel import strategy_class
+from hpcdl.parallel import Strategy
 
 __all__ = ["add_parser", "run", "bench_train"]
 
 
-def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Sequential, Callable[[], dict[str, float]], Any]:
+def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Strategy, Callable[[], dict[str, float]], Any]:
     """One step of the config's strategy, the very step ``train`` runs (no run file, no meetings)."""
-    placement = plan(cfg, comm.Get_size())
-    ctx = Context(cfg, comm, placement)
-    strategy = strategy_class(cfg["parallel.strategy"])(ctx)
+    ctx, strategy = build(cfg, comm)
     done = [0]
 
     def step() -> dict[str, float]:
@@ -36,10 +33,9 @@ def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Sequential, Callable[[
         done[0] += 1
         return {"compute_s": wall - stats.comm_s, "comm_s": stats.comm_s, "exposed_comm_s": stats.exposed_s}
 
-    member = placement.ranks[comm.Get_rank()].member
+    member = ctx.placement.ranks[comm.Get_rank()].member
     batch = ctx.batch(ctx.sampler(max(member, 0)).indices(0, 0))  # the batch PyTorch's twin trains on
-    step.close = strategy.close  # type: ignore[attr-defined]  # its communicators, when the bench ends
-    return strategy.model, step, batch
+    return strategy, step, batch
 
 
 def _torch_ddp_stepper(model: Sequential, batch: Any, comm: Communicator, cfg: Any) -> Callable[[], dict]:
@@ -129,20 +125,22 @@ def _bench_train(
 ) -> list[dict[str, Any]]:
     """:func:`bench_train` inside the world ``comm`` (watched or not)."""
     impls: dict[str, Callable[[], dict]] = {}
+    strategies: dict[str, Strategy] = {}  # hpcdl's, freed at the end
     variants: dict[str, Any] = {}
     worlds: dict[str, Communicator | None] = {}  # the world each implementation runs in
     model = batch = None
     for comp in dict.fromkeys(compressions or [cfg["exchange.compression"]]):
         variant = load_config(config, [*sets, f'exchange.compression="{comp}"'])
         name = "hpcdl" if comp == "none" else f"hpcdl-{comp}"
-        m, impls[name], b = _hpcdl_stepper(variant, comm)
+        strategies[name], impls[name], b = _hpcdl_stepper(variant, comm)
         variants[name], worlds[name] = variant, comm
         if watchdog == "both":  # the same steps in MPI's own world, without the watchdog
+            unwatched = f"{name}-nowatch"
             with use_world(None) as raw:
-                _, impls[f"{name}-nowatch"], _ = _hpcdl_stepper(variant, raw)
-            variants[f"{name}-nowatch"], worlds[f"{name}-nowatch"] = variant, None
+                strategies[unwatched], impls[unwatched], _ = _hpcdl_stepper(variant, raw)
+            variants[unwatched], worlds[unwatched] = variant, None
         if model is None:
-            model, batch = m, b
+            model, batch = strategies[name].model, b
     if vs == "torch-ddp":
         try:
             import torch  # noqa: F401
@@ -158,17 +156,16 @@ def _bench_train(
         for name, step in impls.items():
             with use_world(worlds[name]) as here:
                 results[name].append(_measure(here, step, steps))
-    for name, step in impls.items():  # free what the strategies hold, in the world each ran in
-        if hasattr(step, "close"):
-            with use_world(worlds[name]):
-                step.close()
+    for name, strategy in strategies.items():  # free what they hold, in the world each ran in
+        with use_world(worlds[name]):
+            strategy.close()
     size, batch_size = comm.Get_size(), cfg["data.batch_size"]
     rows = []
     for name, reps in results.items():
         step_s = statistics.median(r["step_s"] for r in reps)
         micro = variants[name]["exchange.accumulate"] if name != "torch-ddp" else 1
         # samples per step: the strategy's global batch (its data-parallel width, not the world)
-        per_step = plan(variants[name], size).global_batch if name != "torch-ddp" else size * batch_size
+        per_step = strategies[name].ctx.placement.global_batch if name in strategies else size * batch_size
         rows.append(
             {
                 "impl": name,

@@ -19,7 +19,7 @@ from hpcdl.optim import Optimizer, Schedule
 from hpcdl.parallel import Placement
 from hpcdl.rng import generator
 
-__all__ = ["Context", "Slowdown", "slowdown_factor"]
+__all__ = ["Context", "Slowdown", "arithmetic", "slowdown_factor"]
 
 
 class Context:
@@ -44,8 +44,8 @@ class Context:
         self.dtype = np.dtype(cfg["dtype"])
         self._data = load_data(cfg)
         self.dropout_rng = generator(cfg["seed"], self.rank, "dropout")  # differs per rank
-        self.steps_per_epoch = max(1, len(self._data.y_train) // placement.global_batch)
-        self.total_steps: int = cfg["train.steps"] or cfg["train.epochs"] * self.steps_per_epoch
+        samples = len(self._data.y_train)
+        self.batches, self.steps_per_epoch, self.total_steps = arithmetic(cfg, placement, samples)
         self._schedule: Schedule | None = None
 
     @property
@@ -64,8 +64,7 @@ class Context:
     def schedule(self) -> Schedule:
         """The learning-rate schedule, scaled by the batches one update averages (width x micro-steps)."""
         if self._schedule is None:
-            batches = self.placement.width * self.placement.micro_steps
-            self._schedule = make_schedule(self.cfg, batches, self.steps_per_epoch, self.total_steps)
+            self._schedule = make_schedule(self.cfg, self.batches, self.steps_per_epoch, self.total_steps)
         return self._schedule
 
     def optimizer(self, params: Sequence[Parameter]) -> Optimizer:
@@ -120,6 +119,14 @@ class Context:
             observe(slowdown) if slowdown is not None else nullcontext(),
         ):
             yield
+
+
+def arithmetic(cfg: Config, placement: Placement, samples: int) -> tuple[int, int, int]:
+    """The batches one update averages (width x micro-steps), the steps per epoch of ``samples``
+    training samples (whole global batches), and the run's steps (``train.steps`` or epochs)."""
+    steps_per_epoch = max(1, samples // placement.global_batch)
+    total = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
+    return placement.width * placement.micro_steps, steps_per_epoch, total
 
 
 class Slowdown:

@@ -11,6 +11,7 @@ meet after the last step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,11 +21,12 @@ from typing import Any
 from hpcdl.comm import notes, wtime
 from hpcdl.driver.context import Context, Slowdown
 from hpcdl.driver.progress import Progress
-from hpcdl.driver.runlog import RunLog, now
+from hpcdl.driver.runlog import RunLog
 from hpcdl.driver.signals import StopRequest
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
 from hpcdl.parallel import StepStats, Strategy
+from hpcdl.store.runfile import heartbeat_now
 
 __all__ = ["Counters", "Trainer"]
 
@@ -39,8 +41,7 @@ class Counters:
     elapsed_s: float = 0.0  # since the run began, over every segment
 
     def as_dict(self) -> dict[str, float]:
-        return {"train_s": self.train_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
-                "elapsed_s": self.elapsed_s}  # fmt: skip
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -151,7 +152,7 @@ class Trainer:
     def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
         """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
         if not math.isfinite(agreed["loss"]):
-            self.log.close("failed", end_time=now())
+            self.log.close("failed", end_time=heartbeat_now())
             raise HpcdlError(
                 f"loss is {agreed['loss']} at step {step}: stopped; the last good checkpoint is kept "
                 "(lower optimizer.lr or check the data)"
@@ -170,8 +171,7 @@ class Trainer:
         self.history.append(row)
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
-        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s,
-                        wall_s=done.wall_s, bytes_sent=stats.bytes_sent, lr=stats.lr)  # fmt: skip
+        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s)
 
     def _evaluation_due(self) -> bool:
         every = self.ctx.cfg["train.eval_every"]

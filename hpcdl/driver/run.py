@@ -16,14 +16,15 @@ from hpcdl.driver.checkpoints import DRIVER, capture, distribute
 from hpcdl.driver.context import Context, Slowdown, slowdown_factor
 from hpcdl.driver.loop import Counters, Trainer
 from hpcdl.driver.progress import Progress, choose_mode
-from hpcdl.driver.runlog import RunLog, checkpoint_attrs, now, open_run, peak_rss_mb
+from hpcdl.driver.runlog import RunLog, checkpoint_attrs, open_run, peak_rss_mb
 from hpcdl.driver.signals import current_stop_request
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
 from hpcdl.parallel import Placement, Strategy, strategy_class
 from hpcdl.store.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+from hpcdl.store.runfile import heartbeat_now
 
-__all__ = ["RunResult", "plan", "train"]
+__all__ = ["RunResult", "build", "plan", "train"]
 
 
 @dataclass
@@ -83,6 +84,18 @@ def plan(cfg: Config, world_size: int) -> Placement:
     return strategy_class(cfg["parallel.strategy"]).plan(cfg, world_size)
 
 
+def build(cfg: Config, comm: Communicator) -> tuple[Context, Strategy]:
+    """The run context and this rank's strategy (``parallel.strategy``), built: what a run or a
+    benchmark (``bench train``) steps.
+
+    Raises:
+        HpcdlError: the strategy is unknown or does not fit, the data or model cannot be built.
+    """
+    cls = strategy_class(cfg["parallel.strategy"])
+    ctx = Context(cfg, comm, cls.plan(cfg, comm.Get_size()))
+    return ctx, cls(ctx)
+
+
 def train(
     cfg: Config,
     comm: Communicator | None = None,
@@ -109,10 +122,8 @@ def train(
     """
     comm = comm or world()
     t_start = wtime()
-    placement = plan(cfg, comm.Get_size())
     factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
-    ctx = Context(cfg, comm, placement)
-    strategy = strategy_class(cfg["parallel.strategy"])(ctx)
+    ctx, strategy = build(cfg, comm)
     try:
         return _run(ctx, strategy, factor, progress, Path(out) if out is not None else None, resume, t_start)
     except HpcdlError as err:  # a user error, raised alike on every rank: they free the communicators
@@ -174,12 +185,13 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
     train_s = ctx.comm.allreduce(counters.train_s, op=ops.MAX)  # the slowest rank's: rank 0 may read no batch
     rate = ctx.placement.global_batch * trainer.step / train_s if train_s > 0 else math.nan
     runfile = trainer.log.runfile
-    if runfile is not None and trainer.profiler is not None:
-        runfile.write_profile(trainer.profiler.table())
+    profile = trainer.profiler.table() if trainer.profiler is not None else None
+    if runfile is not None and profile is not None:
+        runfile.write_profile(profile)
     acc, loss = trainer.accuracy
     trainer.log.close(
         "stopped" if trainer.stopped_by else "finished",
-        end_time=now(),
+        end_time=heartbeat_now(),
         wall_s=counters.elapsed_s,
         final_test_accuracy=acc,
         samples_per_s=rate,
@@ -191,7 +203,7 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
         epochs=round(trainer.step / ctx.steps_per_epoch, 3), test_accuracy=acc, test_loss=loss,
         wall_s=wtime() - t_start, train_s=counters.train_s, samples_per_s=rate, compute_s=counters.compute_s,
         comm_s=counters.comm_s, strategy=strategy, history=trainer.history,
-        profile=trainer.profiler.table() if trainer.profiler is not None else None,
+        profile=profile,
         run_file=run_path, checkpoint=ckpt_path, stopped_by=trainer.stopped_by,
     )  # fmt: skip
 

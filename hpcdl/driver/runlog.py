@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from hpcdl.store import RunFile, RunFileError
 from hpcdl.store.checkpoint import Checkpoint, list_checkpoints, orphaned_temporaries
 from hpcdl.store.runfile import heartbeat_now, read_attrs
 
-__all__ = ["Opened", "RunLog", "open_run", "checkpoint_attrs", "now", "peak_rss_mb"]
+__all__ = ["Opened", "RunLog", "open_run", "checkpoint_attrs", "peak_rss_mb"]
 
 
 class RunLog:
@@ -45,7 +45,7 @@ class RunLog:
         comm: Communicator,
         runfile: RunFile | None,
         flush_every: int,
-        placement: Placement | None = None,
+        placement: Placement,
     ) -> None:
         self.comm = comm
         self.runfile = runfile  # only rank 0 has one
@@ -53,33 +53,25 @@ class RunLog:
         self._rows: list[dict[str, Any]] = []
         self._times: list[tuple[float, ...]] = []
         # a row's lr is a data-parallel member's; its step time and bytes the slowest and busiest rank's
-        members = [r for r, p in enumerate(placement.ranks) if p.member >= 0] if placement else [0]
-        self._member = members[0] if members else 0
-        self._global_batch = placement.global_batch if placement else None
+        self._member = next(r for r, p in enumerate(placement.ranks) if p.member >= 0)
+        self._global_batch = placement.global_batch
 
     def record(
-        self,
-        row: dict[str, Any],
-        compute_s: float,
-        comm_s: float,
-        exposed_s: float,
-        other_s: float = 0.0,
-        *,
-        wall_s: float = math.nan,
-        bytes_sent: int = 0,
-        lr: float = math.nan,
+        self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float
     ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
         ``exposed_s`` is the part of ``comm_s`` the step spent waiting after backward;
         ``other_s`` the time since the previous step ended, outside any step. At the flush,
         rank 0's row takes its ``lr`` from the first data-parallel member, its
-        ``step_time`` (and ``samples_per_s``) from the slowest rank's ``wall_s`` and its
-        ``bytes_sent`` from the rank that sent most: rank 0 may read no batches at all.
+        ``step_time`` (and ``samples_per_s``) from the slowest rank and its ``bytes_sent``
+        from the rank that sent most (each rank's own are in its ``row``): rank 0 may read
+        no batches at all.
         """
         if self.runfile is not None:
             self._rows.append(row)
-        self._times.append((compute_s, comm_s, exposed_s, other_s, wall_s, float(bytes_sent), lr))
+        own = (row["step_time"], float(row["bytes_sent"]), row["lr"])
+        self._times.append((compute_s, comm_s, exposed_s, other_s, *own))
         if len(self._times) >= self.flush_every:
             self.flush()
 
@@ -93,8 +85,7 @@ class RunLog:
         times = np.stack(every, axis=1)  # steps, ranks, 7
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
-        if self._global_batch is not None:
-            self._agreed_columns(times)
+        self._agreed_columns(times)
         self.runfile.append_rows(
             self._rows,
             {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
@@ -104,7 +95,6 @@ class RunLog:
 
     def _agreed_columns(self, times: np.ndarray) -> None:
         """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them."""
-        assert self._global_batch is not None
         for row, wall, sent, lr in zip(
             self._rows, times[..., 4].max(axis=1), times[..., 5].max(axis=1), times[:, self._member, 6]
         ):
@@ -129,7 +119,7 @@ class RunLog:
         if self.runfile is not None:
             if self.runfile.failed is None:
                 try:
-                    self.runfile.set_attrs(status=status, end_time=now())
+                    self.runfile.set_attrs(status=status, end_time=heartbeat_now())
                     self.runfile.flush()
                 except HpcdlError:
                     pass
@@ -146,13 +136,11 @@ class Opened:
         checkpoint: the checkpoint to continue from, on rank 0 only (the other ranks get
             their part from :func:`hpcdl.driver.checkpoints.distribute`).
         step: the checkpoint's step, on every rank (None: a fresh start).
-        meta: the checkpoint's driver part (its counters), on every rank.
     """
 
     runfile: RunFile | None = None
     checkpoint: Checkpoint | None = None
     step: int | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def open_run(
@@ -166,22 +154,20 @@ def open_run(
     """Rank 0 finds the checkpoint and opens the run file; every rank learns whether to resume.
 
     A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is raised
-    on every rank, so that none waits. Only the checkpoint's step and the driver's counters
-    travel: each rank's part of it is sent by :func:`~hpcdl.driver.checkpoints.distribute`.
+    on every rank, so that none waits. Only the checkpoint's step travels: each rank's part
+    of it is sent by :func:`~hpcdl.driver.checkpoints.distribute`.
     """
     opened = Opened()
 
-    def decide() -> tuple[int, dict[str, Any]] | None:
+    def decide() -> int | None:
         opened.checkpoint, opened.runfile = _open_on_root(comm, cfg, placement, run_path, resume, strategy)
         ckpt = opened.checkpoint
         if ckpt is None:
             return None
         print(f"hpcdl.train: resuming from {ckpt.path} (step {ckpt.step})", file=sys.stderr, flush=True)
-        return ckpt.step, ckpt.meta
+        return ckpt.step
 
-    found = on_root(comm, decide)
-    if found is not None:
-        opened.step, opened.meta = found
+    opened.step = on_root(comm, decide)
     return opened
 
 
@@ -281,7 +267,7 @@ def _run_attrs(cfg: Config, comm: Communicator, placement: Placement) -> dict[st
         "world": "mpi",
         "network": "",
         "compute": "real",
-        "start_time": now(),
+        "start_time": heartbeat_now(),
         "argv": " ".join(sys.argv),
         "strategy": placement.strategy,
         "placement": placement.to_json(),
@@ -334,7 +320,3 @@ def _git_commit() -> str:
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
 
-
-def now() -> str:
-    """The current time as the run file writes it (ISO 8601, UTC, seconds)."""
-    return heartbeat_now()

@@ -135,11 +135,7 @@ class RunFile:
             raise self.failed
         end = int(self.h5.id.get_filesize())
         try:
-            fd = os.open(self.path, os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, end, int(nbytes) + _SLACK)
-            finally:
-                os.close(fd)
+            os.posix_fallocate(int(self.h5.id.get_vfd_handle()), end, int(nbytes) + _SLACK)  # HDF5's own fd
             self._padded = True
         except OSError as err:
             raise self._fail(file_error(self.path, err, what="run file", fix=_FIX_WRITE)) from None
@@ -362,10 +358,6 @@ class RunFile:
         self._reserve(4096 + sum(len(str(v)) for v in attrs.values()))
         for key, value in attrs.items():
             self._written("attributes", self.h5.attrs.__setitem__, key, value)
-
-    def heartbeat(self) -> None:
-        """Write the time of this write (``heartbeat``): the run is alive now."""
-        self.set_attrs(heartbeat=heartbeat_now())
 
     def record_config_change(self, step: int, changes: Mapping[str, tuple[Any, Any]], config: str) -> None:
         """Note settings a resume changed (``config_changes``) and store the new ``config`` text."""
