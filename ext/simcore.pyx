@@ -18,14 +18,14 @@ buffer when matched), so that 1,024 virtual ranks exchange >100,000 messages per
   ``Iprobe``, the world hooks ``waitall``/``waitany``/``wtime``);
   :class:`hpcdl.sim.comm.SimComm` adds the collectives. :class:`CollView` is the
   collective context of one, for hpcdl's collective schedules.
-* :class:`NetCore`: the network model's per-message arithmetic (full-duplex NICs,
-  shared-memory links, the fat tree's leaf links); :class:`hpcdl.sim.network.Network`
+* :class:`NetCore`: the network model's flows (full-duplex NICs, shared-memory links, the
+  fat tree's leaf links, shared max-min fairly); :class:`hpcdl.sim.network.Network`
   configures it. Other network models (any object with ``send``) work too, called from here.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int64_t
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -46,6 +46,7 @@ cdef object _GreenletExit = GreenletExit
 cdef enum:  # event kinds
     RESUME = 0
     ARRIVE = 1
+    NETWORK = 2  # the network's next completion (rank -1: before any rank's own event at that tick)
 
 cdef int64_t TICKS_PER_SECOND = 1000000000000  # hpcdl.sim.ticks.TICKS_PER_SECOND
 
@@ -317,8 +318,9 @@ cdef class Core:
 
     Args:
         size: number of virtual ranks.
-        network: the network model: ``send(src, dst, nbytes, t) -> (t_sent, t_arrival)``,
-            ``reset(size)``; a :class:`NetCore` is called in C.
+        network: the network model: a :class:`NetCore` (its flows run in C, their
+            completions are events of the heap), or any object with ``send(src, dst,
+            nbytes, t) -> (t_sent, t_arrival)`` and ``reset(size)``.
         compute: the compute model: ``segment(rank, seconds) -> ticks`` (not called when
             its ``charges_segments`` is False), ``layer_observer(rank, charge)``.
         poll_cost: ticks a failed ``Test``/``Iprobe`` costs (at least 1).
@@ -329,6 +331,7 @@ cdef class Core:
     cdef readonly object network, compute
     cdef object _net_send, _segment
     cdef NetCore _net
+    cdef int64_t net_t, net_token  # the network's scheduled event: its tick (-1: none) and token
     cdef bint _charges
     cdef readonly int64_t poll_cost, stall
     cdef int64_t* now
@@ -380,13 +383,16 @@ cdef class Core:
         self.compute = compute
         self.poll_cost = max(1, poll_cost)
         self.stall = stall
-        # NetCore's arithmetic is called in C unless a subclass redefines send()
+        # a NetCore's flows are run in C, unless a subclass defines send() (called as written)
         self._net = (
             network
-            if getattr(type(network), "send", None) is NetCore.send and "send" not in getattr(network, "__dict__", ())
+            if isinstance(network, NetCore)
+            and getattr(type(network), "send", None) is None
+            and "send" not in getattr(network, "__dict__", ())
             else None
         )
-        self._net_send = network.send  # bound once: called for every message
+        self._net_send = None if self._net is not None else network.send  # bound once
+        self.net_t = -1
         self._segment = compute.segment
         self._charges = bool(getattr(compute, "charges_segments", True))
         self.glets = [None] * size
@@ -514,6 +520,11 @@ cdef class Core:
                     msg = <Message>ev.msg
                     Py_DECREF(msg)  # the heap's reference; ``msg`` holds one
                     self._deliver(ev.t, msg)
+                    continue
+                if ev.kind == NETWORK:
+                    if ev.token == self.net_token:
+                        self.net_t = -1
+                        self._net_advance(ev.t)
                     continue
                 if ev.token >= 0 and ev.token != self.token[ev.rank]:
                     continue  # the wait it would end is over
@@ -733,16 +744,50 @@ cdef class Core:
 
     # -- messages --------------------------------------------------------------------------------
 
-    cdef int64_t _post_send(self, int r, Message msg, int dst) except -1:
-        """Send ``msg`` from world rank ``r`` to ``dst`` now; returns ``t_sent``."""
+    cdef int _post_send(self, int r, Message msg, int dst, Request req) except -1:
+        """Send ``msg`` from world rank ``r`` to ``dst`` now; ``req`` completes when the sender's NIC is done."""
         cdef int64_t t_sent, t_arrival
+        self.in_flight += 1
         if self._net is not None:
-            self._net.transfer(r, dst, msg.nbytes, self.now[r], &t_sent, &t_arrival)
+            if not self._net.post(r, dst, msg.nbytes, self.now[r], msg, req, &t_sent, &t_arrival):
+                self._net_reschedule()  # its times come with the network's completions
+                return 0
         else:
             t_sent, t_arrival = self._net_send(r, dst, msg.nbytes, self.now[r])
-        self.in_flight += 1
+        req._t_done = t_sent
         self._push(t_arrival, dst, ARRIVE, -1, msg)
-        return t_sent
+        return 0
+
+    cdef void _net_reschedule(self) except *:
+        """Keep one live event at the network's next completion (an earlier one goes stale)."""
+        cdef int64_t t = self._net.next_time()
+        if t != self.net_t:
+            self.net_token += 1
+            self.net_t = t
+            if t >= 0:
+                self._push(t, -1, NETWORK, self.net_token, None)
+
+    cdef void _net_advance(self, int64_t t) except *:
+        """The network's completions at ``t``: senders' requests complete, messages start to arrive."""
+        cdef Py_ssize_t i, n = self._net.advance(t)
+        cdef Ended e
+        cdef Request req
+        try:
+            for i in range(n):
+                self._net._take(i, &e)
+                msg = <Message>e.msg
+                self._push(e.t_arrival, e.dst, ARRIVE, -1, msg)
+                req = <Request>e.req
+                req._t_done = e.t_sent
+                if req.waiter >= 0:
+                    self._wake(req)
+        finally:
+            for i in range(n):
+                self._net._take(i, &e)
+                Py_DECREF(<object>e.msg)
+                Py_DECREF(<object>e.req)
+            self._net._taken()
+        self._net_reschedule()
 
     cdef void _deliver(self, int64_t t, Message msg) except *:
         """An arrival event: match ``msg`` with the first posted receive that takes it, or keep it."""
@@ -973,9 +1018,7 @@ cdef class CommBase:
         dst = self._group[dest]
         req = Request.__new__(Request)
         req.comm = self
-        req._t_done = self._engine._post_send(
-            self._world_rank, _message(cid, dst, self._rank, tag, payload), dst
-        )
+        self._engine._post_send(self._world_rank, _message(cid, dst, self._rank, tag, payload), dst, req)
         return req
 
     cdef Request _irecv(self, object buf, object source, object tag, int64_t cid):
@@ -1093,55 +1136,150 @@ cdef class CollView:
         return self._comm._irecv(buf, source, tag, self._comm._ccid)
 
 
-# -- the network model's arithmetic -----------------------------------------------------------------
+# -- the network model: flows sharing their channels (max-min fair) ---------------------------------
 
 cdef inline int64_t _ceil_div(int64_t a, int64_t b) noexcept:
     """``ceil(a / b)`` for ``a >= 0, b > 0`` (C division truncates: ``-(-a // b)`` would not do)."""
     return (a + b - 1) // b
 
 
-cdef inline int64_t _free(int64_t a, int64_t b, int64_t t) noexcept:
-    """When a transfer ready at ``t`` can start on channels free from ``a`` and ``b``: the latest."""
-    if a > t:
-        t = a
-    if b > t:
-        t = b
-    return t
-
-
 cdef extern from *:
     """
-    /* ticks (ps) to move nbytes at bps bytes/s, rounded up; 128-bit: nbytes * 10^12 overflows 64 */
-    static inline int64_t hpcdl_xfer_ticks(int64_t nbytes, int64_t bps) {
-        __int128 num = (__int128)nbytes * (__int128)1000000000000LL;
-        return (int64_t)((num + bps - 1) / bps);
+    typedef __int128 hpcdl_i128;
+    /* ceil(a / b) for a >= 0, b > 0, in 128 bits (remaining work is bytes * 10^12) */
+    static inline int64_t hpcdl_ceil128(__int128 a, int64_t b) {
+        return (int64_t)((a + b - 1) / b);
     }
     """
-    int64_t _xfer_ticks "hpcdl_xfer_ticks"(int64_t nbytes, int64_t bps) noexcept nogil
+    ctypedef long long i128 "hpcdl_i128"
+    int64_t _ceil128 "hpcdl_ceil128"(i128 a, int64_t b) noexcept nogil
+
+
+cdef enum:  # a flow's state
+    F_FREE = 0
+    F_QUEUED = 1  # behind an earlier message of the same (source, destination) pair
+    F_ACTIVE = 2  # on its channels, sharing them
+
+
+cdef struct Flow:
+    int64_t src, dst, alpha, key
+    int nres
+    int res[4]  # its channels: send side, receive side, a fat tree's uplink and downlink
+    int64_t nxt[4]  # the next and previous flow on each channel (flow * 4 + slot; -1: none)
+    int64_t prv[4]
+    i128 rem  # work left: bytes * TICKS_PER_SECOND (a channel of B bytes/s does B per tick)
+    int64_t num, den  # its rate, num / den bytes per second (num 0: not rated yet)
+    int64_t new_num, new_den  # the rate of the sharing being computed
+    int64_t t_last  # the tick ``rem`` was brought up to date
+    int64_t t_end  # when it ends at its rate (-1: not rated)
+    int64_t version  # a completion event of another version is stale
+    int64_t pair_next  # the next message of its pair, queued behind it (-1: none)
+    int64_t mark, fixed  # epochs: in the component being shared out; rate fixed in it
+    int state
+    PyObject* msg  # owned references, handed to the caller when the flow ends
+    PyObject* req
+
+
+cdef struct Completion:
+    int64_t t
+    int64_t seq
+    int64_t fid
+    int64_t version
+
+
+cdef struct Ended:
+    PyObject* msg  # owned references
+    PyObject* req
+    int64_t t_sent, t_arrival, dst
+
+
+cdef inline bint _earlier(Completion* a, Completion* b) noexcept nogil:
+    if a.t != b.t:
+        return a.t < b.t
+    return a.seq < b.seq
 
 
 cdef class NetCore:
-    """Per-message channel arithmetic of :class:`hpcdl.sim.network.Network` (see there for the model).
+    """The flow-level network of :class:`hpcdl.sim.network.Network` (see there for the model).
 
     Channels: each NIC's send and receive side (per rank, or per node), each rank's
-    shared-memory send and receive side, and in a fat tree each leaf's uplink and downlink;
-    a message occupies its channels from ``max(t, their free times)`` for ``nbytes / B``.
+    shared-memory send and receive side, and in a fat tree each leaf's uplink and
+    downlink. A message is a *flow* over its channels from when it is posted (or when the
+    previous message of its pair ends) until its bytes are through; the flows on a channel
+    share its bandwidth max-min fairly, recomputed over the connected flows whenever one
+    starts or ends. Rates are whole bytes per second and the work left is kept in exact
+    128-bit integers, so a run is reproducible bit for bit and a flow alone on its
+    channels takes ``ceil(S / B)`` ticks exactly, as before.
+
+    The engine (:class:`Core`) posts messages (:meth:`post`), asks for the next completion
+    (:meth:`next_time`) and lets the network reach it (:meth:`advance`), which hands back
+    the messages that ended. :meth:`schedule` does the same for a list of messages, without
+    an engine (the tests' and the analyses' entry).
     """
 
-    cdef int64_t* _chan  # free times: [inter send | inter recv | intra send | intra recv | up | down]
+    cdef int64_t* _cap  # capacity of each channel, bytes per second
+    cdef int64_t* _head  # first flow on each channel (flow * 4 + slot; -1: none)
+    cdef int64_t* _count  # flows on each channel
+    cdef int64_t* _rmark  # epoch: in the component being shared out
+    cdef int64_t* _rcap  # capacity not yet given out while sharing
+    cdef int64_t* _rn  # flows on the channel whose rate is not fixed yet
     cdef Py_ssize_t _nchan
     cdef int64_t _n_nics, _n_ranks, _n_leaves
     cdef int64_t _rpn, _npl
     cdef int64_t _intra_alpha, _intra_bps, _inter_alpha, _inter_bps, _uplink_bps, _leaf_alpha
     cdef bint _nic_node, _fat_tree
+    cdef Flow* _flows
+    cdef Py_ssize_t _cap_flows, _n_used
+    cdef int64_t _free_head  # a free list threaded through pair_next
+    cdef Completion* _heap
+    cdef Py_ssize_t _n_heap, _cap_heap
+    cdef int64_t _seq, _epoch
+    cdef dict _pairs  # (src * n_ranks + dst) -> the last flow of the pair still going
+    cdef Ended* _ended
+    cdef Py_ssize_t _n_ended, _cap_ended
+    cdef int64_t* _stack  # scratch for the component search: channels, then flows
+    cdef int64_t* _comp_flows
+    cdef int64_t* _comp_res
+    cdef Py_ssize_t _cap_comp
+    cdef public int64_t flows_started, recomputes
+
+    def __cinit__(self, *args, **kwargs):
+        self._free_head = -1
+        self._pairs = {}
 
     def __dealloc__(self):
-        PyMem_Free(self._chan)
+        self._drop_flows()
+        PyMem_Free(self._cap)
+        PyMem_Free(self._head)
+        PyMem_Free(self._count)
+        PyMem_Free(self._rmark)
+        PyMem_Free(self._rcap)
+        PyMem_Free(self._rn)
+        PyMem_Free(self._flows)
+        PyMem_Free(self._heap)
+        PyMem_Free(self._ended)
+        PyMem_Free(self._stack)
+        PyMem_Free(self._comp_flows)
+        PyMem_Free(self._comp_res)
+
+    cdef void _drop_flows(self) noexcept:
+        """Release every flow's references (and those of ended flows not taken)."""
+        cdef Py_ssize_t i
+        for i in range(self._n_used):
+            if self._flows[i].state != F_FREE:
+                Py_XDECREF(self._flows[i].msg)
+                Py_XDECREF(self._flows[i].req)
+                self._flows[i].msg = self._flows[i].req = NULL
+                self._flows[i].state = F_FREE
+        for i in range(self._n_ended):
+            Py_XDECREF(self._ended[i].msg)
+            Py_XDECREF(self._ended[i].req)
+        self._n_ended = 0
 
     def _configure(self, int64_t ranks_per_node, intra, inter, bint nic_node, bint fat_tree,
                    int64_t nodes_per_leaf, int64_t uplink_bps, int64_t leaf_alpha, int64_t nranks):
         """Set the parameters and fresh, idle channels for ``nranks`` ranks (``intra``/``inter``: Links or None)."""
-        cdef int64_t nodes
+        cdef int64_t nodes, i, base
         self._rpn = ranks_per_node
         self._npl = nodes_per_leaf
         self._nic_node, self._fat_tree = nic_node, fat_tree
@@ -1155,65 +1293,450 @@ cdef class NetCore:
         self._n_ranks = nranks
         self._n_nics = nodes if nic_node else nranks
         self._n_leaves = _ceil_div(nodes, nodes_per_leaf) if fat_tree else 0
-        PyMem_Free(self._chan)
         self._nchan = 2 * self._n_nics + 2 * nranks + 2 * self._n_leaves
-        self._chan = <int64_t*>PyMem_Malloc((self._nchan + 1) * sizeof(int64_t))
-        if self._chan == NULL:
+        self._drop_flows()
+        self._n_used = 0
+        self._free_head = -1
+        self._n_heap = 0
+        self._pairs = {}
+        self._seq = self._epoch = 0
+        n = self._nchan + 1
+        self._cap = <int64_t*>PyMem_Realloc(self._cap, n * sizeof(int64_t))
+        self._head = <int64_t*>PyMem_Realloc(self._head, n * sizeof(int64_t))
+        self._count = <int64_t*>PyMem_Realloc(self._count, n * sizeof(int64_t))
+        self._rmark = <int64_t*>PyMem_Realloc(self._rmark, n * sizeof(int64_t))
+        self._rcap = <int64_t*>PyMem_Realloc(self._rcap, n * sizeof(int64_t))
+        self._rn = <int64_t*>PyMem_Realloc(self._rn, n * sizeof(int64_t))
+        if not (self._cap and self._head and self._count and self._rmark and self._rcap and self._rn):
             raise MemoryError()
-        memset(self._chan, 0, (self._nchan + 1) * sizeof(int64_t))
+        for i in range(n):
+            self._head[i] = -1
+            self._count[i] = 0
+            self._rmark[i] = 0
+        for i in range(2 * self._n_nics):
+            self._cap[i] = self._inter_bps
+        base = 2 * self._n_nics
+        for i in range(2 * nranks):
+            self._cap[base + i] = self._intra_bps
+        base += 2 * nranks
+        for i in range(2 * self._n_leaves):
+            self._cap[base + i] = self._uplink_bps
+        self._cap[self._nchan] = 1
 
-    cdef void transfer(self, int64_t src, int64_t dst, int64_t nbytes, int64_t t,
-                       int64_t* t_sent, int64_t* t_arrival) except *:
-        cdef int64_t* sf
-        cdef int64_t* rf
-        cdef int64_t s, d, start, end, alpha, hold, up, down, ls, ld
-        cdef int64_t* upf
-        cdef int64_t* downf
-        cdef int64_t* chan = self._chan
-        if src == dst:
-            t_sent[0] = t_arrival[0] = t
-            return
-        if not (0 <= src < self._n_ranks and 0 <= dst < self._n_ranks):
+    # -- flows ----------------------------------------------------------------------------------
+
+    cdef int64_t _new_flow(self) except -1:
+        cdef int64_t fid
+        cdef Flow* grown
+        if self._free_head >= 0:
+            fid = self._free_head
+            self._free_head = self._flows[fid].pair_next
+            return fid
+        if self._n_used == self._cap_flows:
+            self._cap_flows = 2 * self._cap_flows + 64
+            grown = <Flow*>PyMem_Realloc(self._flows, self._cap_flows * sizeof(Flow))
+            if grown == NULL:
+                raise MemoryError()
+            self._flows = grown
+        fid = self._n_used
+        self._n_used += 1
+        self._flows[fid].version = 0
+        self._flows[fid].mark = self._flows[fid].fixed = 0
+        return fid
+
+    cdef void _free_flow(self, int64_t fid) noexcept:
+        self._flows[fid].state = F_FREE
+        self._flows[fid].pair_next = self._free_head
+        self._free_head = fid
+
+    cdef int _route(self, Flow* f) except -1:
+        """The channels and latency of a message from ``f.src`` to ``f.dst`` (not a self-message)."""
+        cdef int64_t s, d, ls, ld, base
+        if not (0 <= f.src < self._n_ranks and 0 <= f.dst < self._n_ranks):
             raise ValueError(
-                f"message {src} -> {dst} outside the ranks 0..{self._n_ranks - 1} of this network: "
+                f"message {f.src} -> {f.dst} outside the ranks 0..{self._n_ranks - 1} of this network: "
                 "call reset(nranks) first"
             )
-        if self._rpn == 0 or (self._rpn > 1 and src // self._rpn == dst // self._rpn):
-            sf = chan + 2 * self._n_nics
-            rf = sf + self._n_ranks
-            end = _free(sf[src], rf[dst], t) + _xfer_ticks(nbytes, self._intra_bps)
-            sf[src] = rf[dst] = end
-            t_sent[0], t_arrival[0] = end, end + self._intra_alpha
-            return
-        alpha = self._inter_alpha
+        if self._rpn == 0 or (self._rpn > 1 and f.src // self._rpn == f.dst // self._rpn):
+            base = 2 * self._n_nics
+            f.nres = 2
+            f.res[0] = <int>(base + f.src)
+            f.res[1] = <int>(base + self._n_ranks + f.dst)
+            f.alpha = self._intra_alpha
+            return 0
         if self._nic_node:
-            s, d = src // self._rpn, dst // self._rpn
+            s, d = f.src // self._rpn, f.dst // self._rpn
         else:
-            s, d = src, dst
-        sf = chan
-        rf = chan + self._n_nics
-        start = _free(sf[s], rf[d], t)
-        end = start + _xfer_ticks(nbytes, self._inter_bps)
+            s, d = f.src, f.dst
+        f.nres = 2
+        f.res[0] = <int>s
+        f.res[1] = <int>(self._n_nics + d)
+        f.alpha = self._inter_alpha
         if self._fat_tree:
-            ls, ld = src // self._rpn // self._npl, dst // self._rpn // self._npl
+            ls, ld = f.src // self._rpn // self._npl, f.dst // self._rpn // self._npl
             if ls != ld:
-                hold = _xfer_ticks(nbytes, self._uplink_bps)
-                upf = chan + 2 * self._n_nics + 2 * self._n_ranks  # each leaf's uplink, then downlink
-                downf = upf + self._n_leaves
-                up = _free(upf[ls], 0, start) + hold
-                down = _free(downf[ld], 0, start) + hold
-                upf[ls] = up
-                downf[ld] = down
-                if up > end:
-                    end = up
-                if down > end:
-                    end = down
-                alpha += self._leaf_alpha
-        sf[s] = rf[d] = end
-        t_sent[0], t_arrival[0] = end, end + alpha
+                base = 2 * self._n_nics + 2 * self._n_ranks  # each leaf's uplink, then downlink
+                f.nres = 4
+                f.res[2] = <int>(base + ls)
+                f.res[3] = <int>(base + self._n_leaves + ld)
+                f.alpha += self._leaf_alpha
+        return 0
 
-    def send(self, int64_t src, int64_t dst, int64_t nbytes, int64_t t):
-        """A message of ``nbytes`` from world rank ``src`` to ``dst``, ready at tick ``t``: ``(t_sent, t_arrival)``."""
-        cdef int64_t t_sent, t_arrival
-        self.transfer(src, dst, nbytes, t, &t_sent, &t_arrival)
-        return t_sent, t_arrival
+    cdef void _attach(self, int64_t fid, int64_t t) noexcept:
+        """Put flow ``fid`` on its channels at tick ``t``."""
+        cdef Flow* f = &self._flows[fid]
+        cdef int k, c
+        cdef int64_t h
+        f.state = F_ACTIVE
+        f.t_last = t
+        f.num, f.den = 0, 1
+        f.t_end = -1
+        self.flows_started += 1
+        for k in range(f.nres):
+            c = f.res[k]
+            h = self._head[c]
+            f.prv[k] = -1
+            f.nxt[k] = h
+            if h >= 0:
+                self._flows[h >> 2].prv[h & 3] = fid * 4 + k
+            self._head[c] = fid * 4 + k
+            self._count[c] += 1
+
+    cdef void _detach(self, int64_t fid) noexcept:
+        """Take flow ``fid`` off its channels."""
+        cdef Flow* f = &self._flows[fid]
+        cdef int k
+        cdef int64_t p, n
+        for k in range(f.nres):
+            p, n = f.prv[k], f.nxt[k]
+            if p >= 0:
+                self._flows[p >> 2].nxt[p & 3] = n
+            else:
+                self._head[f.res[k]] = n
+            if n >= 0:
+                self._flows[n >> 2].prv[n & 3] = p
+            self._count[f.res[k]] -= 1
+
+    cdef int post(self, int64_t src, int64_t dst, int64_t nbytes, int64_t t, object msg, object req,
+                  int64_t* t_sent, int64_t* t_arrival) except -1:
+        """A message of ``nbytes`` from world rank ``src`` to ``dst``, ready at tick ``t``.
+
+        Returns 1 when its times are known at once (``t_sent``, ``t_arrival`` set): a
+        self-message, or an empty one whose pair is idle. Otherwise 0: it ends in a later
+        :meth:`advance`, which hands ``msg`` and ``req`` back. Every completion due at or
+        before ``t`` must have been taken by :meth:`advance` first.
+        """
+        cdef Flow probe
+        cdef Flow* f
+        cdef int64_t fid, key
+        cdef object tail
+        if src == dst:
+            t_sent[0] = t_arrival[0] = t
+            return 1
+        probe.src, probe.dst = src, dst
+        self._route(&probe)
+        key = src * self._n_ranks + dst
+        tail = self._pairs.get(key)
+        if tail is None and nbytes == 0:
+            t_sent[0], t_arrival[0] = t, t + probe.alpha
+            return 1
+        if 0 <= self.next_time() <= t:
+            raise RuntimeError("NetCore.post: a completion due by the message's time was not taken first")
+        fid = self._new_flow()
+        f = &self._flows[fid]
+        f.src, f.dst, f.alpha, f.nres = src, dst, probe.alpha, probe.nres
+        f.res = probe.res
+        f.key = key
+        f.rem = <i128>nbytes * <i128>TICKS_PER_SECOND
+        f.pair_next = -1
+        f.version += 1  # never reset: a stale completion of the slot's last flow must stay stale
+        f.t_end = -1
+        f.num, f.den = 0, 1
+        Py_INCREF(msg)
+        Py_INCREF(req)
+        f.msg, f.req = <PyObject*>msg, <PyObject*>req
+        self._pairs[key] = fid
+        if tail is not None:
+            f.state = F_QUEUED
+            self._flows[<int64_t>tail].pair_next = fid
+            return 0
+        self._attach(fid, t)
+        self._share(fid, -1, 0, t)
+        return 0
+
+    # -- sharing ----------------------------------------------------------------------------------
+
+    cdef int _grow_comp(self, Py_ssize_t need) except -1:
+        cdef Py_ssize_t cap
+        if need <= self._cap_comp:
+            return 0
+        cap = max(need, 2 * self._cap_comp + 64)
+        self._stack = <int64_t*>PyMem_Realloc(self._stack, cap * sizeof(int64_t))
+        self._comp_flows = <int64_t*>PyMem_Realloc(self._comp_flows, cap * sizeof(int64_t))
+        self._comp_res = <int64_t*>PyMem_Realloc(self._comp_res, cap * sizeof(int64_t))
+        if not (self._stack and self._comp_flows and self._comp_res):
+            raise MemoryError()
+        self._cap_comp = cap
+        return 0
+
+    cdef int _share(self, int64_t seed_flow, int64_t seed_from, int64_t seed_n, int64_t t) except -1:
+        """Share out the channels of the flows connected to the seeds, max-min fairly, at tick ``t``.
+
+        Seeds: flow ``seed_flow`` (-1: none) and the channels listed in ``_stack[seed_from
+        : seed_from + seed_n]`` (those of flows that just ended). A flow whose rate changes
+        is brought up to date at ``t`` and given a new completion event.
+        """
+        cdef Py_ssize_t nf = 0, nr = 0, sp = 0, i, j, fixed = 0
+        cdef int64_t epoch, c, h, fid, share, best, num, den
+        cdef i128 lhs, rhs
+        cdef int k, q
+        cdef Flow* f
+        self.recomputes += 1
+        self._epoch += 1
+        epoch = self._epoch
+        self._grow_comp(8 * self._n_used + 2 * self._nchan + 8)
+        sp = seed_n
+        if seed_from != 0:
+            for i in range(seed_n):
+                self._stack[i] = self._stack[seed_from + i]
+        if seed_flow >= 0:
+            f = &self._flows[seed_flow]
+            f.mark = epoch
+            self._comp_flows[nf] = seed_flow
+            nf += 1
+            for k in range(f.nres):
+                self._stack[sp] = f.res[k]
+                sp += 1
+        while sp:  # the connected component: channels -> their flows -> their channels
+            sp -= 1
+            c = self._stack[sp]
+            if self._rmark[c] == epoch:
+                continue
+            self._rmark[c] = epoch
+            self._comp_res[nr] = c
+            nr += 1
+            self._rcap[c] = self._cap[c]
+            self._rn[c] = self._count[c]
+            h = self._head[c]
+            while h >= 0:
+                fid = h >> 2
+                f = &self._flows[fid]
+                if f.mark != epoch:
+                    f.mark = epoch
+                    self._comp_flows[nf] = fid
+                    nf += 1
+                    for k in range(f.nres):
+                        if self._rmark[f.res[k]] != epoch:
+                            self._stack[sp] = f.res[k]
+                            sp += 1
+                h = f.nxt[h & 3]
+        while fixed < nf:  # progressive filling: the tightest channel fixes its flows' rates
+            best = -1
+            for i in range(nr):
+                c = self._comp_res[i]
+                if self._rn[c] > 0:  # the smallest share; equal shares: the lowest channel number
+                    if best < 0:
+                        best = c
+                    else:
+                        lhs = <i128>self._rcap[c] * self._rn[best]
+                        rhs = <i128>self._rcap[best] * self._rn[c]
+                        if lhs < rhs or (lhs == rhs and c < best):
+                            best = c
+            if best < 0:
+                break
+            # the share is rcap / rn exactly; the other channels give up its ceiling (a flow is
+            # never given more than a channel has left)
+            num, den = self._rcap[best], self._rn[best]
+            if num < 1:
+                num = 1
+            share = _ceil_div(num, den)
+            h = self._head[best]
+            while h >= 0:
+                fid = h >> 2
+                f = &self._flows[fid]
+                if f.fixed != epoch:
+                    f.fixed = epoch
+                    f.new_num, f.new_den = num, den
+                    fixed += 1
+                    for k in range(f.nres):
+                        q = f.res[k]
+                        if q != best:
+                            self._rcap[q] -= share
+                            self._rn[q] -= 1
+                h = f.nxt[h & 3]
+            self._rn[best] = 0
+        for i in range(nf):
+            fid = self._comp_flows[i]
+            f = &self._flows[fid]
+            if <i128>f.new_num * f.den == <i128>f.num * f.new_den:
+                continue  # the same rate: its completion stands
+            if f.num > 0:  # the work done at the old rate, rounded down
+                f.rem -= (<i128>f.num * (t - f.t_last)) // f.den
+            f.t_last = t
+            f.num, f.den = f.new_num, f.new_den
+            f.t_end = t + _ceil128(f.rem * f.den, f.num)
+            f.version += 1
+            self._push(f.t_end, fid, f.version)
+        return 0
+
+    # -- completions ------------------------------------------------------------------------------
+
+    cdef int _push(self, int64_t t, int64_t fid, int64_t version) except -1:
+        cdef Py_ssize_t i, parent
+        cdef Completion ev
+        cdef Completion* grown
+        if self._n_heap == self._cap_heap:
+            self._cap_heap = 2 * self._cap_heap + 64
+            grown = <Completion*>PyMem_Realloc(self._heap, self._cap_heap * sizeof(Completion))
+            if grown == NULL:
+                raise MemoryError()
+            self._heap = grown
+        self._seq += 1
+        ev.t, ev.seq, ev.fid, ev.version = t, self._seq, fid, version
+        i = self._n_heap
+        self._n_heap += 1
+        while i > 0:
+            parent = (i - 1) >> 1
+            if _earlier(&ev, &self._heap[parent]):
+                self._heap[i] = self._heap[parent]
+                i = parent
+            else:
+                break
+        self._heap[i] = ev
+        return 0
+
+    cdef void _pop(self) noexcept:
+        cdef Completion last
+        cdef Py_ssize_t i = 0, child, n
+        self._n_heap -= 1
+        n = self._n_heap
+        if n > 0:
+            last = self._heap[n]
+            while True:
+                child = 2 * i + 1
+                if child >= n:
+                    break
+                if child + 1 < n and _earlier(&self._heap[child + 1], &self._heap[child]):
+                    child += 1
+                if _earlier(&self._heap[child], &last):
+                    self._heap[i] = self._heap[child]
+                    i = child
+                else:
+                    break
+            self._heap[i] = last
+
+    cdef int64_t next_time(self) noexcept:
+        """The tick of the next completion (-1: none); stale events are dropped on the way."""
+        cdef Completion* top
+        while self._n_heap:
+            top = &self._heap[0]
+            if self._flows[top.fid].state == F_ACTIVE and self._flows[top.fid].version == top.version:
+                return top.t
+            self._pop()
+        return -1
+
+    cdef int _end(self, int64_t fid, int64_t t) except -1:
+        """Flow ``fid`` ended at ``t``: hand it over, start the next of its pair."""
+        cdef Flow* f = &self._flows[fid]
+        cdef Ended* e
+        cdef Ended* grown
+        cdef int64_t nxt
+        if self._n_ended == self._cap_ended:
+            self._cap_ended = 2 * self._cap_ended + 64
+            grown = <Ended*>PyMem_Realloc(self._ended, self._cap_ended * sizeof(Ended))
+            if grown == NULL:
+                raise MemoryError()
+            self._ended = grown
+        e = &self._ended[self._n_ended]
+        self._n_ended += 1
+        e.msg, e.req = f.msg, f.req  # the references move
+        f.msg = f.req = NULL
+        e.t_sent, e.t_arrival, e.dst = t, t + f.alpha, f.dst
+        nxt = f.pair_next
+        if nxt >= 0:
+            self._attach(nxt, t)
+        else:
+            del self._pairs[f.key]
+        self._free_flow(fid)
+        return 0
+
+    cdef Py_ssize_t advance(self, int64_t t) except -1:
+        """Reach tick ``t``, the next completion: end every flow due then, and share out again.
+
+        Returns how many messages ended; :meth:`_take` hands each over. Flows started
+        behind them (the next message of a pair) that are empty end at ``t`` too.
+        """
+        cdef Py_ssize_t n0, sp, i
+        cdef int64_t fid, nxt
+        cdef int k
+        cdef Flow* f
+        if self._n_ended:
+            raise RuntimeError("NetCore.advance: the messages that ended last time were not taken")
+        while self.next_time() == t:
+            sp = 0
+            self._grow_comp(8 * self._n_used + 2 * self._nchan + 8)
+            while self.next_time() == t:  # every flow due at t, before sharing out again
+                fid = self._heap[0].fid
+                self._pop()
+                f = &self._flows[fid]
+                self._detach(fid)
+                for k in range(f.nres):
+                    self._stack[sp] = f.res[k]
+                    sp += 1
+                nxt = f.pair_next
+                self._end(fid, t)
+                if nxt >= 0:  # on its channels now: rated by the sharing below
+                    f = &self._flows[nxt]
+                    for k in range(f.nres):
+                        self._stack[sp] = f.res[k]
+                        sp += 1
+            # the seeds are the channels of the ended flows and of the ones started
+            self._share(-1, 0, sp, t)
+        return self._n_ended
+
+    cdef void _take(self, Py_ssize_t i, Ended* out) noexcept:
+        out[0] = self._ended[i]
+
+    cdef void _taken(self) noexcept:
+        self._n_ended = 0
+
+    # -- without an engine ------------------------------------------------------------------------
+
+    def schedule(self, messages):
+        """The times of a list of messages, ``(src, dst, nbytes, t_ready)`` each, on idle channels.
+
+        Messages are posted in order of ``t_ready`` (ties: in the order given); a
+        completion at a tick comes before a message posted at that tick, as in the
+        engine. Returns ``[(t_sent, t_arrival), ...]`` in the order given; afterwards the
+        channels are idle again.
+        """
+        cdef int64_t t_sent, t_arr, nt
+        cdef Py_ssize_t i, k, n, m
+        cdef Ended e
+        if self._n_heap or self._pairs:
+            raise RuntimeError("NetCore.schedule needs idle channels (call reset(nranks))")
+        msgs = [(int(t), i, int(s), int(d), int(b)) for i, (s, d, b, t) in enumerate(messages)]
+        msgs.sort()
+        out = [None] * len(msgs)
+        n = len(msgs)
+        k = 0
+        while True:
+            nt = self.next_time()
+            if k < n and (nt < 0 or msgs[k][0] < nt):
+                t, i, s, d, b = msgs[k]
+                k += 1
+                if b < 0:
+                    raise ValueError(f"message {i}: negative size {b}")
+                if self.post(s, d, b, t, i, None, &t_sent, &t_arr):
+                    out[i] = (t_sent, t_arr)
+                continue
+            if nt < 0:
+                break
+            m = self.advance(nt)
+            for i in range(m):
+                e = self._ended[i]
+                out[<object>e.msg] = (e.t_sent, e.t_arrival)
+                Py_DECREF(<object>e.msg)
+                Py_DECREF(<object>e.req)
+            self._taken()
+        return out

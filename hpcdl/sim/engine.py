@@ -13,10 +13,16 @@ The engine is a conservative, sequential discrete-event simulator:
   ``(now[r], r)`` not after the next event ``(time, rank, seq)`` of the heap; otherwise it
   queues a *resume* event for itself and yields. Events at equal times are taken in the
   order (time, rank, sequence number): the run is deterministic.
-* a message posted at ``t`` is given ``(t_sent, t_arrival)`` by the network model; its
-  *arrival* event matches it against the receiver's posted receives (MPI's order:
-  the first posted receive that matches, messages from one source in the order sent), or
-  queues it as unexpected;
+* a message posted at ``t`` becomes a flow of the network model (:mod:`hpcdl.sim.network`),
+  sharing its channels with the flows under way; the network's next completion is one
+  event of the heap, ordered before every rank's own events at its tick (rank -1), and
+  re-queued whenever a new flow moves it (the old one goes stale). At a completion the
+  sender's request completes (``t_sent``) and the message's *arrival* event is queued
+  ``alpha`` later; the arrival matches it against the receiver's posted receives (MPI's
+  order: the first posted receive that matches, messages from one source in the order
+  sent), or queues it as unexpected. (A network object with its own ``send(src, dst,
+  nbytes, t) -> (t_sent, t_arrival)`` is called instead, with both times fixed when the
+  message is posted.)
 * a rank that waits for something not yet there blocks; the arrival that completes its
   wait queues its resume. A rank that must stop does not go back to a scheduler: it takes
   the next events itself and switches straight to the next rank to run.
@@ -83,8 +89,9 @@ class Engine(Core):
 
     Args:
         size: number of virtual ranks.
-        network: the network model (:mod:`hpcdl.sim.network`): ``send(src, dst, nbytes, t)
-            -> (t_sent, t_arrival)``, ``reset(size)``.
+        network: the network model (:mod:`hpcdl.sim.network`: a ``NetCore`` whose flows the
+            engine runs), or any object with ``send(src, dst, nbytes, t) -> (t_sent,
+            t_arrival)`` and ``reset(size)``.
         compute: the compute model (:mod:`hpcdl.sim.compute`): ``segment(rank, seconds)
             -> ticks`` and ``layer_observer(rank, charge)``.
         poll_cost_s: virtual seconds a failed ``Test``/``Iprobe`` costs.

@@ -1,21 +1,42 @@
 """Network models of the simulator: full-duplex NICs, latency alpha and bandwidth B, switch or fat tree.
 
-**The model.** Every rank has a full-duplex NIC: a *send* channel and a *receive* channel,
-independent of each other. A message of ``S`` bytes from ``src`` to ``dst``, ready at tick
-``t``, holds ``src``'s send channel and ``dst``'s receive channel together (cut-through)::
+**The model: flows sharing channels.** Every rank has a full-duplex NIC: a *send* channel
+and a *receive* channel of bandwidth ``B``, independent of each other. A message of ``S``
+bytes from ``src`` to ``dst`` posted at tick ``t`` is a *flow* over ``src``'s send channel
+and ``dst``'s receive channel (and, in a fat tree, the leaf links it crosses). Flows that
+go at the same time share their channels **max-min fairly**, as SimGrid's flow model and
+TCP do in the steady state: a channel's bandwidth is split equally among its flows, and a
+flow limited elsewhere leaves its unused share to the others (progressive filling: the
+channel with the smallest share ``capacity left / flows not fixed`` fixes its flows at that
+share, and so on). Rates are recomputed, over the flows connected to the change, whenever a
+flow starts or ends, so a later message changes an earlier one's end. A flow ends when
+its bytes are through::
 
-    start = max(t, send_free[src], recv_free[dst])
-    end   = start + S / B                      # the transfer
-    send_free[src] = recv_free[dst] = end
-    t_sent    = end                            # the sender's request completes, its buffer is free
-    t_arrival = end + alpha                    # the whole message is at the receiver
+    rate(f)   = its max-min share, recomputed at every start and end of a flow
+    t_sent    = the tick its last byte is through      (the send request completes)
+    t_arrival = t_sent + alpha                         (the whole message is at the receiver)
 
-so N ranks sending S bytes to one take ``alpha + N S / B``, and the latency ``alpha`` is not
-serialised: it overlaps the next transfer. ``S / B`` is rounded up to a whole tick
-(``ceil(S * TICKS_PER_SECOND / B)`` in integer arithmetic, B in bytes per second), so every
-message of a size costs the same number of ticks and the analytic cases hold exactly:
-a ping-pong of S bytes takes ``2 (alpha + S/B)``, a ring allreduce of S bytes on n ranks
-``2 (n - 1) (alpha + S/(n B))``, an incast of N senders ``alpha + N S / B``.
+Alone on idle channels a message takes ``S / B``: ``t_arrival = t + S/B + alpha``. The
+latency is not serialised: it overlaps the next transfer.
+
+**Exact integers.** Time is integer ticks (picoseconds). A rate is an exact fraction of
+bytes per second (the bottleneck's capacity left over its flows), the work left of a flow
+is kept in exact integers (bytes × 10¹²), and a flow's end is rounded up to a whole tick.
+The other channels of a flow give up the ceiling of its share (less than a byte per
+second). So a run is reproducible bit for bit, and the analytic cases hold to the tick:
+
+* ping-pong of S bytes: ``2 (alpha + S/B)``; a ring allreduce of S bytes on n ranks:
+  ``2 (n - 1) (alpha + S/(n B))`` (no two flows share a channel in either);
+* N senders of S bytes into one rank, started together: each gets ``B / N``; every send
+  ends at ``N S / B`` and every message arrives at ``alpha + N S / B``;
+* a message of s bytes posted while another sender's large transfer into the same rank is
+  under way gets ``B / 2`` and arrives ``alpha + 2 s / B`` after it was posted (exactly: a
+  flow model has no packets); the large one ends ``s / B`` later than alone.
+
+**Order.** The messages of one (source, destination) pair go one after the other, as over
+one connection: a message starts when the previous one of its pair has ended (its latency
+still overlaps), so they arrive in the order sent. An empty message whose pair is idle is
+sent at once (``t_sent = t``, ``t_arrival = t + alpha``): it takes no bandwidth.
 
 **Nodes.** ``ranks_per_node`` consecutive world ranks share a node (rank r is on node
 ``r // ranks_per_node``; 0 puts every rank on one node). A message between two ranks of one
@@ -23,28 +44,16 @@ node goes through shared memory with the ``[intra]`` alpha and B, on a separate 
 send and receive channel per rank: intra-node traffic does not compete with the NIC. A
 message between nodes takes the ``[inter]`` alpha and B through the NICs; with
 ``nic = "node"`` the ranks of a node share one NIC (one send and one receive channel per
-node) instead of having one each.
+node, shared by their flows) instead of having one each.
 
 **Topology.** ``kind = "switch"``: one non-blocking switch, only the NICs limit. ``kind =
 "fat-tree"``: two levels, nodes grouped into leaf switches of ``nodes_per_leaf``; a message
-between two leaves also crosses its leaf's uplink and the other leaf's downlink, each a
-serialised channel of capacity ``C = nodes_per_leaf * B / oversubscription``. A link is
-held for ``S / C`` from when both it and the message are ready (``max(start, link_free)``),
-and the message ends when the slowest of its channels is done::
-
-    up   = max(start, up_free[leaf(src)])   + S / C;  up_free[leaf(src)]   = up
-    down = max(start, down_free[leaf(dst)]) + S / C;  down_free[leaf(dst)] = down
-    end  = max(start + S / B, up, down)
-
-So with ``oversubscription = 1`` the fat tree behaves as the switch, and when every node of
-one leaf sends S bytes to a node of another, the exchange takes ``alpha + max(1, o) S / B``:
-slowed by the ratio o. Messages between leaves add ``leaf_latency_us`` to alpha (the extra
-switch hops).
-
-**Order.** Messages from one source to one destination arrive in the order sent: each
-starts no earlier than the previous one ended, over the same channels and with the same
-alpha, so arrival times never decrease (equal times are kept in order by the engine's
-sequence numbers).
+between two leaves is also a flow over its leaf's uplink and the other leaf's downlink,
+each a channel of capacity ``C = nodes_per_leaf * B / oversubscription``. With
+``oversubscription = 1`` the fat tree behaves as the switch; when every node of one leaf
+sends S bytes to a node of another, the exchange takes ``alpha + max(1, o) S / B``; N
+senders of one leaf into one rank of another, ``alpha + N S / min(B, C)``. Messages between
+leaves add ``leaf_latency_us`` to alpha (the extra switch hops).
 
 **Self-messages** (``src == dst``) cost nothing: ``t_sent = t_arrival = t``. MPI copies
 them in memory without the NIC; the copy itself is part of the rank's compute.
@@ -210,11 +219,10 @@ class Network(NetCore):
             nranks,
         )
 
-    # send(src, dst, nbytes, t) -> (t_sent, t_arrival) is NetCore's (in C): a message of
-    # ``nbytes`` from world rank ``src`` to ``dst``, ready to go at tick ``t`` (calls come in
-    # nondecreasing ``t``); ``t_sent`` is when the sender's NIC is done with it (its send
-    # request completes), ``t_arrival`` when the whole message is at the receiver. A rank
-    # outside ``0 .. nranks - 1`` is a ValueError.
+    # NetCore (in C) runs the flows: the engine posts each message and takes the network's
+    # completions in time order; schedule([(src, dst, nbytes, t_ready), ...]) ->
+    # [(t_sent, t_arrival), ...] does the same for a list of messages without an engine.
+    # A rank outside 0 .. nranks - 1 is a ValueError.
 
     def describe(self) -> dict[str, Any]:
         """The model's parameters, JSON-able (for run-file attributes)."""
