@@ -568,6 +568,8 @@ cdef class Core:
     def _tear_down(self):
         """End every unfinished rank; from now on any communicator call ends its rank at once."""
         self.closing = True
+        if self._net is not None:
+            self._net.clear()  # flows in flight hold requests, which hold the engine
         for g in self.glets:
             while g is not None and not g.dead:
                 try:
@@ -1294,12 +1296,6 @@ cdef class NetCore:
         self._n_nics = nodes if nic_node else nranks
         self._n_leaves = _ceil_div(nodes, nodes_per_leaf) if fat_tree else 0
         self._nchan = 2 * self._n_nics + 2 * nranks + 2 * self._n_leaves
-        self._drop_flows()
-        self._n_used = 0
-        self._free_head = -1
-        self._n_heap = 0
-        self._pairs = {}
-        self._seq = self._epoch = 0
         n = self._nchan + 1
         self._cap = <int64_t*>PyMem_Realloc(self._cap, n * sizeof(int64_t))
         self._head = <int64_t*>PyMem_Realloc(self._head, n * sizeof(int64_t))
@@ -1309,10 +1305,7 @@ cdef class NetCore:
         self._rn = <int64_t*>PyMem_Realloc(self._rn, n * sizeof(int64_t))
         if not (self._cap and self._head and self._count and self._rmark and self._rcap and self._rn):
             raise MemoryError()
-        for i in range(n):
-            self._head[i] = -1
-            self._count[i] = 0
-            self._rmark[i] = 0
+        self.clear()
         for i in range(2 * self._n_nics):
             self._cap[i] = self._inter_bps
         base = 2 * self._n_nics
@@ -1322,6 +1315,25 @@ cdef class NetCore:
         for i in range(2 * self._n_leaves):
             self._cap[base + i] = self._uplink_bps
         self._cap[self._nchan] = 1
+
+    def clear(self):
+        """Idle channels: every flow and completion dropped (their messages and requests released).
+
+        The engine calls it when a run is torn down: a flow holds its send request, whose
+        communicator holds the engine, a cycle the garbage collector cannot see through C.
+        """
+        cdef Py_ssize_t i
+        self._drop_flows()
+        self._n_used = 0
+        self._free_head = -1
+        self._n_heap = 0
+        self._pairs = {}
+        self._seq = self._epoch = 0
+        if self._head != NULL:
+            for i in range(self._nchan + 1):
+                self._head[i] = -1
+                self._count[i] = 0
+                self._rmark[i] = 0
 
     # -- flows ----------------------------------------------------------------------------------
 

@@ -529,3 +529,34 @@ def test_engine_internals_refuse_what_would_corrupt_memory() -> None:
         eng.clock(-1)
     with pytest.raises(TypeError, match="own requests"):
         eng.wait(0, [None], 1, "waitall")
+
+
+def test_a_failed_run_with_flows_in_flight_frees_its_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flow holds its send request, which holds the engine: the teardown must drop the flows."""
+    import gc
+    import weakref
+
+    from hpcdl.sim import engine as engine_module
+    from hpcdl.sim.compute import make_compute
+    from hpcdl.sim.network import load_network
+
+    made: list[weakref.ref] = []
+    init = engine_module.Engine.__init__
+
+    def recording(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", recording)
+
+    def body():
+        comm = hc.world()
+        if comm.Get_rank() == 0:
+            comm.Isend(np.zeros(10**7, dtype=np.uint8), dest=1)  # 10 MB: still going when rank 0 fails
+            raise RuntimeError("boom")
+        comm.Recv(np.zeros(10, dtype=np.uint8), source=0, tag=5)
+
+    with pytest.raises(RankFailure, match="boom"):
+        simulate(2, body, network=load_network("ib-hdr", 2), compute=make_compute("none"))
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
