@@ -134,8 +134,9 @@ cdef inline Message _message(int64_t cid, int dst, int source, int tag, bytes pa
 cdef class Request:
     """A simulated nonblocking send or receive (mpi4py's request methods).
 
-    ``t_done`` is its completion tick (None: not yet): a send's is known when posted (the
-    network model's), a receive's when matched.
+    ``t_done`` is its completion tick (None: not yet): a send's when the network's flow
+    ends (known when posted only with a network object of its own ``send``), a
+    receive's when matched.
     """
 
     cdef readonly CommBase comm
@@ -349,6 +350,7 @@ cdef class Core:
     cdef list _contexts
     cdef public int64_t in_flight, n_done, n_waiting, messages, events, t_progress
     cdef bint has_direct  # a resume taken straight from a delivery
+    cdef bint _batch  # waking several ranks at once: no direct resume
     cdef int64_t direct_t
     cdef int direct_r
     cdef public bint closing  # tearing down: communicator calls end the calling rank
@@ -646,7 +648,8 @@ cdef class Core:
         if charge:
             self._account(r, True)
         if need == 1:
-            # done when the earliest known completion is not in the future (a send's may be)
+            # done when the earliest known completion is not in the future (a send's may be, with
+            # a network of fixed times; with flows a send's completion is an event: not known yet)
             for q in reqs:
                 if q._t_done >= 0 and (known < 0 or q._t_done < known):
                     known = q._t_done
@@ -696,7 +699,7 @@ cdef class Core:
         for q in reqs:
             if q._t_done < 0:
                 q.waiter = r
-        if until >= 0:  # a completion already known (a send's) ends the wait at the latest
+        if until >= 0:  # a completion already known (a send's, fixed times) ends the wait at the latest
             self._push(until, r, RESUME, self.token[r], None)
         self._stop(r)
         if self.blocked[r] is not None:  # resumed at ``until``, not by a completion
@@ -711,7 +714,8 @@ cdef class Core:
     cdef void _poll_failed(self, int r, object what, int64_t known) except *:
         """A failed ``Test``/``Iprobe``: advance the clock; in a pure polling loop jump to the next event.
 
-        Not past ``known`` (a completion already known: a send's; -1: none). Raises
+        Not past ``known`` (a completion already known: a send's under a network of fixed
+        times; -1: none; a flow's end is an event of the heap, which bounds the jump). Raises
         :class:`~hpcdl.sim.errors.Stall` when the ranks only poll and nothing is in flight
         for ``stall`` ticks.
         """
@@ -749,13 +753,14 @@ cdef class Core:
     cdef int _post_send(self, int r, Message msg, int dst, Request req) except -1:
         """Send ``msg`` from world rank ``r`` to ``dst`` now; ``req`` completes when the sender's NIC is done."""
         cdef int64_t t_sent, t_arrival
-        self.in_flight += 1
         if self._net is not None:
             if not self._net.post(r, dst, msg.nbytes, self.now[r], msg, req, &t_sent, &t_arrival):
+                self.in_flight += 1
                 self._net_reschedule()  # its times come with the network's completions
                 return 0
         else:
             t_sent, t_arrival = self._net_send(r, dst, msg.nbytes, self.now[r])
+        self.in_flight += 1
         req._t_done = t_sent
         self._push(t_arrival, dst, ARRIVE, -1, msg)
         return 0
@@ -777,13 +782,16 @@ cdef class Core:
         try:
             for i in range(n):
                 self._net._take(i, &e)
-                msg = <Message>e.msg
-                self._push(e.t_arrival, e.dst, ARRIVE, -1, msg)
+                self._push(e.t_arrival, e.dst, ARRIVE, -1, <Message>e.msg)
+            self._batch = True  # several wakes at once: each through the heap, in (time, rank) order
+            for i in range(n):
+                self._net._take(i, &e)
                 req = <Request>e.req
                 req._t_done = e.t_sent
                 if req.waiter >= 0:
                     self._wake(req)
         finally:
+            self._batch = False
             for i in range(n):
                 self._net._take(i, &e)
                 Py_DECREF(<object>e.msg)
@@ -831,7 +839,7 @@ cdef class Core:
             t = req._t_done
             if t < self.now[r]:
                 t = self.now[r]
-            if not self.has_direct and (
+            if not self.has_direct and not self._batch and (
                 not self.n_heap or t < self.heap[0].t or (t == self.heap[0].t and r < self.heap[0].rank)
             ):
                 self.has_direct, self.direct_t, self.direct_r = True, t, r  # next anyway: skip the heap
@@ -1175,6 +1183,7 @@ cdef struct Flow:
     int64_t t_last  # the tick ``rem`` was brought up to date
     int64_t t_end  # when it ends at its rate (-1: not rated)
     int64_t version  # a completion event of another version is stale
+    int64_t ev_version  # the version of its last completion event pushed (-1: none)
     int64_t pair_next  # the next message of its pair, queued behind it (-1: none)
     int64_t mark, fixed  # epochs: in the component being shared out; rate fixed in it
     int state
@@ -1242,7 +1251,10 @@ cdef class NetCore:
     cdef int64_t* _stack  # scratch for the component search: channels, then flows
     cdef int64_t* _comp_flows
     cdef int64_t* _comp_res
-    cdef Py_ssize_t _cap_comp
+    cdef int64_t* _seeds  # channels whose flows are to be shared out again
+    cdef int64_t* _due  # flows ending at the tick being reached
+    cdef Py_ssize_t _cap_comp, _n_res
+    cdef Py_ssize_t _n_active  # flows on their channels (the heap is compacted against it)
     cdef public int64_t flows_started, recomputes
 
     def __cinit__(self, *args, **kwargs):
@@ -1263,6 +1275,8 @@ cdef class NetCore:
         PyMem_Free(self._stack)
         PyMem_Free(self._comp_flows)
         PyMem_Free(self._comp_res)
+        PyMem_Free(self._seeds)
+        PyMem_Free(self._due)
 
     cdef void _drop_flows(self) noexcept:
         """Release every flow's references (and those of ended flows not taken)."""
@@ -1327,6 +1341,7 @@ cdef class NetCore:
         self._n_used = 0
         self._free_head = -1
         self._n_heap = 0
+        self._n_active = 0
         self._pairs = {}
         self._seq = self._epoch = 0
         if self._head != NULL:
@@ -1404,6 +1419,7 @@ cdef class NetCore:
         f.num, f.den = 0, 1
         f.t_end = -1
         self.flows_started += 1
+        self._n_active += 1
         for k in range(f.nres):
             c = f.res[k]
             h = self._head[c]
@@ -1419,6 +1435,7 @@ cdef class NetCore:
         cdef Flow* f = &self._flows[fid]
         cdef int k
         cdef int64_t p, n
+        self._n_active -= 1
         for k in range(f.nres):
             p, n = f.prv[k], f.nxt[k]
             if p >= 0:
@@ -1441,6 +1458,7 @@ cdef class NetCore:
         cdef Flow probe
         cdef Flow* f
         cdef int64_t fid, key
+        cdef int k
         cdef object tail
         if src == dst:
             t_sent[0] = t_arrival[0] = t
@@ -1462,6 +1480,7 @@ cdef class NetCore:
         f.rem = <i128>nbytes * <i128>TICKS_PER_SECOND
         f.pair_next = -1
         f.version += 1  # never reset: a stale completion of the slot's last flow must stay stale
+        f.ev_version = -1
         f.t_end = -1
         f.num, f.den = 0, 1
         Py_INCREF(msg)
@@ -1473,7 +1492,10 @@ cdef class NetCore:
             self._flows[<int64_t>tail].pair_next = fid
             return 0
         self._attach(fid, t)
-        self._share(fid, -1, 0, t)
+        self._grow_comp(8 * self._n_used + 2 * self._nchan + 8)
+        for k in range(f.nres):
+            self._seeds[k] = f.res[k]
+        self._share(f.nres, t)
         return 0
 
     # -- sharing ----------------------------------------------------------------------------------
@@ -1486,40 +1508,24 @@ cdef class NetCore:
         self._stack = <int64_t*>PyMem_Realloc(self._stack, cap * sizeof(int64_t))
         self._comp_flows = <int64_t*>PyMem_Realloc(self._comp_flows, cap * sizeof(int64_t))
         self._comp_res = <int64_t*>PyMem_Realloc(self._comp_res, cap * sizeof(int64_t))
-        if not (self._stack and self._comp_flows and self._comp_res):
+        self._seeds = <int64_t*>PyMem_Realloc(self._seeds, cap * sizeof(int64_t))
+        self._due = <int64_t*>PyMem_Realloc(self._due, cap * sizeof(int64_t))
+        if not (self._stack and self._comp_flows and self._comp_res and self._seeds and self._due):
             raise MemoryError()
         self._cap_comp = cap
         return 0
 
-    cdef int _share(self, int64_t seed_flow, int64_t seed_from, int64_t seed_n, int64_t t) except -1:
-        """Share out the channels of the flows connected to the seeds, max-min fairly, at tick ``t``.
+    cdef Py_ssize_t _group(self, int64_t c0, int64_t epoch) except -1:
+        """The flows connected to channel ``c0`` (marked with ``epoch``) into ``_comp_flows``, their channels into ``_comp_res``.
 
-        Seeds: flow ``seed_flow`` (-1: none) and the channels listed in ``_stack[seed_from
-        : seed_from + seed_n]`` (those of flows that just ended). A flow whose rate changes
-        is brought up to date at ``t`` and given a new completion event.
+        Returns the number of flows; ``_n_res`` the number of channels.
         """
-        cdef Py_ssize_t nf = 0, nr = 0, sp = 0, i, j, fixed = 0
-        cdef int64_t epoch, c, h, fid, share, best, num, den
-        cdef i128 lhs, rhs
-        cdef int k, q
+        cdef Py_ssize_t nf = 0, nr = 0, sp = 1
+        cdef int64_t c, h, fid
+        cdef int k
         cdef Flow* f
-        self.recomputes += 1
-        self._epoch += 1
-        epoch = self._epoch
-        self._grow_comp(8 * self._n_used + 2 * self._nchan + 8)
-        sp = seed_n
-        if seed_from != 0:
-            for i in range(seed_n):
-                self._stack[i] = self._stack[seed_from + i]
-        if seed_flow >= 0:
-            f = &self._flows[seed_flow]
-            f.mark = epoch
-            self._comp_flows[nf] = seed_flow
-            nf += 1
-            for k in range(f.nres):
-                self._stack[sp] = f.res[k]
-                sp += 1
-        while sp:  # the connected component: channels -> their flows -> their channels
+        self._stack[0] = c0
+        while sp:
             sp -= 1
             c = self._stack[sp]
             if self._rmark[c] == epoch:
@@ -1527,8 +1533,6 @@ cdef class NetCore:
             self._rmark[c] = epoch
             self._comp_res[nr] = c
             nr += 1
-            self._rcap[c] = self._cap[c]
-            self._rn[c] = self._count[c]
             h = self._head[c]
             while h >= 0:
                 fid = h >> 2
@@ -1542,53 +1546,89 @@ cdef class NetCore:
                             self._stack[sp] = f.res[k]
                             sp += 1
                 h = f.nxt[h & 3]
-        while fixed < nf:  # progressive filling: the tightest channel fixes its flows' rates
-            best = -1
+        self._n_res = nr
+        return nf
+
+    cdef int _share(self, Py_ssize_t seed_n, int64_t t) except -1:
+        """Share out again, max-min fairly at tick ``t``, the flows connected to the channels ``_seeds[:seed_n]``.
+
+        Each connected group is shared out on its own (progressive filling). A flow whose
+        rate changes is brought up to date at ``t``; each group's earliest end gets a
+        completion event (one per group, not one per flow: the group is searched again at
+        that completion, for every flow ending then).
+        """
+        cdef Py_ssize_t nf, nr, i, fixed, s
+        cdef int64_t epoch, c, h, fid, share, best, num, den, first
+        cdef i128 lhs, rhs
+        cdef int k, q
+        cdef Flow* f
+        self._epoch += 1
+        epoch = self._epoch
+        for s in range(seed_n):
+            if self._rmark[self._seeds[s]] == epoch:
+                continue  # in a group already shared out
+            self.recomputes += 1
+            nf = self._group(self._seeds[s], epoch)
+            nr = self._n_res
+            if nf == 0:
+                continue
             for i in range(nr):
                 c = self._comp_res[i]
-                if self._rn[c] > 0:  # the smallest share; equal shares: the lowest channel number
-                    if best < 0:
-                        best = c
-                    else:
-                        lhs = <i128>self._rcap[c] * self._rn[best]
-                        rhs = <i128>self._rcap[best] * self._rn[c]
-                        if lhs < rhs or (lhs == rhs and c < best):
+                self._rcap[c] = self._cap[c]
+                self._rn[c] = self._count[c]
+            fixed = 0
+            while fixed < nf:  # progressive filling: the tightest channel fixes its flows' rates
+                best = -1
+                for i in range(nr):
+                    c = self._comp_res[i]
+                    if self._rn[c] > 0:  # the smallest share; equal shares: the lowest channel number
+                        if best < 0:
                             best = c
-            if best < 0:
-                break
-            # the share is rcap / rn exactly; the other channels give up its ceiling (a flow is
-            # never given more than a channel has left)
-            num, den = self._rcap[best], self._rn[best]
-            if num < 1:
-                num = 1
-            share = _ceil_div(num, den)
-            h = self._head[best]
-            while h >= 0:
-                fid = h >> 2
+                        else:
+                            lhs = <i128>self._rcap[c] * self._rn[best]
+                            rhs = <i128>self._rcap[best] * self._rn[c]
+                            if lhs < rhs or (lhs == rhs and c < best):
+                                best = c
+                if best < 0:
+                    break
+                # the share is rcap / rn exactly; the other channels give up its ceiling (a flow is
+                # never given more than a channel has left)
+                num, den = self._rcap[best], self._rn[best]
+                if num < 1:
+                    num = 1
+                share = _ceil_div(num, den)
+                h = self._head[best]
+                while h >= 0:
+                    fid = h >> 2
+                    f = &self._flows[fid]
+                    if f.fixed != epoch:
+                        f.fixed = epoch
+                        f.new_num, f.new_den = num, den
+                        fixed += 1
+                        for k in range(f.nres):
+                            q = f.res[k]
+                            if q != best:
+                                self._rcap[q] -= share
+                                self._rn[q] -= 1
+                    h = f.nxt[h & 3]
+                self._rn[best] = 0
+            first = -1
+            for i in range(nf):
+                fid = self._comp_flows[i]
                 f = &self._flows[fid]
-                if f.fixed != epoch:
-                    f.fixed = epoch
-                    f.new_num, f.new_den = num, den
-                    fixed += 1
-                    for k in range(f.nres):
-                        q = f.res[k]
-                        if q != best:
-                            self._rcap[q] -= share
-                            self._rn[q] -= 1
-                h = f.nxt[h & 3]
-            self._rn[best] = 0
-        for i in range(nf):
-            fid = self._comp_flows[i]
-            f = &self._flows[fid]
-            if <i128>f.new_num * f.den == <i128>f.num * f.new_den:
-                continue  # the same rate: its completion stands
-            if f.num > 0:  # the work done at the old rate, rounded down
-                f.rem -= (<i128>f.num * (t - f.t_last)) // f.den
-            f.t_last = t
-            f.num, f.den = f.new_num, f.new_den
-            f.t_end = t + _ceil128(f.rem * f.den, f.num)
-            f.version += 1
-            self._push(f.t_end, fid, f.version)
+                if <i128>f.new_num * f.den != <i128>f.num * f.new_den:  # a new rate: a new end
+                    if f.num > 0:  # the work done at the old rate, rounded down
+                        f.rem -= (<i128>f.num * (t - f.t_last)) // f.den
+                    f.t_last = t
+                    f.num, f.den = f.new_num, f.new_den
+                    f.t_end = t + _ceil128(f.rem * f.den, f.num)
+                    f.version += 1
+                if first < 0 or f.t_end < self._flows[first].t_end:
+                    first = fid
+            f = &self._flows[first]
+            if f.ev_version != f.version:
+                self._push(f.t_end, first, f.version)
+                f.ev_version = f.version
         return 0
 
     # -- completions ------------------------------------------------------------------------------
@@ -1597,6 +1637,8 @@ cdef class NetCore:
         cdef Py_ssize_t i, parent
         cdef Completion ev
         cdef Completion* grown
+        if self._n_heap > 4 * self._n_active + 1024:
+            self._compact()
         if self._n_heap == self._cap_heap:
             self._cap_heap = 2 * self._cap_heap + 64
             grown = <Completion*>PyMem_Realloc(self._heap, self._cap_heap * sizeof(Completion))
@@ -1605,7 +1647,26 @@ cdef class NetCore:
             self._heap = grown
         self._seq += 1
         ev.t, ev.seq, ev.fid, ev.version = t, self._seq, fid, version
-        i = self._n_heap
+        self._sift_up(ev)
+        return 0
+
+    cdef void _compact(self) noexcept:
+        """Drop the stale completions and rebuild the heap (they pile up when rates rise)."""
+        cdef Py_ssize_t i, n = 0
+        cdef Completion ev
+        cdef Completion* heap = self._heap
+        for i in range(self._n_heap):
+            ev = heap[i]
+            if self._flows[ev.fid].state == F_ACTIVE and self._flows[ev.fid].version == ev.version:
+                heap[n] = ev
+                n += 1
+        self._n_heap = 0
+        for i in range(n):  # sift each up again: the order (t, seq) is unchanged
+            ev = heap[i]
+            self._sift_up(ev)
+
+    cdef void _sift_up(self, Completion ev) noexcept:
+        cdef Py_ssize_t i = self._n_heap, parent
         self._n_heap += 1
         while i > 0:
             parent = (i - 1) >> 1
@@ -1615,7 +1676,6 @@ cdef class NetCore:
             else:
                 break
         self._heap[i] = ev
-        return 0
 
     cdef void _pop(self) noexcept:
         cdef Completion last
@@ -1675,35 +1735,47 @@ cdef class NetCore:
     cdef Py_ssize_t advance(self, int64_t t) except -1:
         """Reach tick ``t``, the next completion: end every flow due then, and share out again.
 
-        Returns how many messages ended; :meth:`_take` hands each over. Flows started
-        behind them (the next message of a pair) that are empty end at ``t`` too.
+        A completion event stands for its group: the group is searched for every flow
+        ending at ``t``. Returns how many messages ended; :meth:`_take` hands each over.
+        Empty messages started behind them (the next of a pair) end at ``t`` too.
         """
-        cdef Py_ssize_t n0, sp, i
-        cdef int64_t fid, nxt
+        cdef Py_ssize_t ndue, nseeds, i, nf
+        cdef int64_t fid, nxt, epoch
         cdef int k
         cdef Flow* f
         if self._n_ended:
             raise RuntimeError("NetCore.advance: the messages that ended last time were not taken")
         while self.next_time() == t:
-            sp = 0
             self._grow_comp(8 * self._n_used + 2 * self._nchan + 8)
-            while self.next_time() == t:  # every flow due at t, before sharing out again
+            self._epoch += 1
+            epoch = self._epoch
+            ndue = 0
+            while self.next_time() == t:  # the groups with a completion at t: their flows due then
                 fid = self._heap[0].fid
                 self._pop()
+                if self._flows[fid].mark == epoch:
+                    continue  # its group was searched
+                nf = self._group(self._flows[fid].res[0], epoch)
+                for i in range(nf):
+                    if self._flows[self._comp_flows[i]].t_end == t:
+                        self._due[ndue] = self._comp_flows[i]
+                        ndue += 1
+            nseeds = 0
+            for i in range(ndue):
+                fid = self._due[i]
                 f = &self._flows[fid]
                 self._detach(fid)
                 for k in range(f.nres):
-                    self._stack[sp] = f.res[k]
-                    sp += 1
+                    self._seeds[nseeds] = f.res[k]
+                    nseeds += 1
                 nxt = f.pair_next
                 self._end(fid, t)
                 if nxt >= 0:  # on its channels now: rated by the sharing below
                     f = &self._flows[nxt]
                     for k in range(f.nres):
-                        self._stack[sp] = f.res[k]
-                        sp += 1
-            # the seeds are the channels of the ended flows and of the ones started
-            self._share(-1, 0, sp, t)
+                        self._seeds[nseeds] = f.res[k]
+                        nseeds += 1
+            self._share(nseeds, t)
         return self._n_ended
 
     cdef void _take(self, Py_ssize_t i, Ended* out) noexcept:
@@ -1728,6 +1800,12 @@ cdef class NetCore:
         if self._n_heap or self._pairs:
             raise RuntimeError("NetCore.schedule needs idle channels (call reset(nranks))")
         msgs = [(int(t), i, int(s), int(d), int(b)) for i, (s, d, b, t) in enumerate(messages)]
+        for t, i, s, d, b in msgs:
+            if b < 0 or not (0 <= s < self._n_ranks and 0 <= d < self._n_ranks):
+                raise ValueError(
+                    f"message {i}: {s} -> {d} of {b} bytes: sizes must be >= 0 and ranks in "
+                    f"0..{self._n_ranks - 1} (call reset(nranks) first)"
+                )
         msgs.sort()
         out = [None] * len(msgs)
         n = len(msgs)
@@ -1737,8 +1815,6 @@ cdef class NetCore:
             if k < n and (nt < 0 or msgs[k][0] < nt):
                 t, i, s, d, b = msgs[k]
                 k += 1
-                if b < 0:
-                    raise ValueError(f"message {i}: negative size {b}")
                 if self.post(s, d, b, t, i, None, &t_sent, &t_arr):
                     out[i] = (t_sent, t_arr)
                 continue

@@ -29,7 +29,8 @@ The engine is a conservative, sequential discrete-event simulator:
 * a failed ``Test``/``Iprobe`` costs ``poll_cost``; in a pure polling loop (nothing
   charged since the rank's last failed poll) nothing can change before the next event,
   so the clock then jumps to that event's time (one iteration per event, not one per
-  ``poll_cost``), but not past a completion already known (a send's).
+  ``poll_cost``), but not past a completion already known (a send's, with a network
+  object of fixed times; a flow's end is itself an event).
 
 The run ends when every rank has returned, when one raises (the others are torn down and
 the error reported with its rank), or in a **deadlock**: every unfinished rank blocked, or

@@ -175,7 +175,7 @@ def test_schedule_leaves_the_channels_idle() -> None:
 def test_rank_outside_the_run_is_an_error() -> None:
     n = net()
     n.reset(2)
-    with pytest.raises(ValueError, match=r"0 -> 5 outside the ranks 0\.\.1"):
+    with pytest.raises(ValueError, match=r"0 -> 5 of 8 bytes: .* ranks in 0\.\.1"):
         one(n, 0, 5, 8)
 
 
@@ -560,3 +560,35 @@ def test_flows_match_the_reference_for_any_rank_count(kind: str, nic: str, rpn: 
 def test_bad_topology_numbers_are_refused() -> None:
     with pytest.raises(ValueError, match="nodes_per_leaf >= 1"):
         Network("x", inter=Link(1.0, 1.0), kind="fat-tree", nodes_per_leaf=0)
+
+
+def test_a_refused_schedule_leaves_the_channels_idle() -> None:
+    n = net()
+    n.reset(4)
+    with pytest.raises(ValueError, match="message 1: 2 -> 3 of -1 bytes"):
+        n.schedule([(0, 1, 10**6, 0), (2, 3, -1, 5)])
+    with pytest.raises(ValueError, match="message 0: 0 -> 9"):
+        n.schedule([(0, 9, 10, 0)])
+    assert one(n, 0, 1, 10)[1] == US + exact(10, 10.0)
+
+
+def test_an_incast_keeps_one_completion_per_group_not_per_flow() -> None:
+    """4,096 flows into one rank (all sizes different): re-shared at each start and end, yet fast and small.
+
+    Each change re-rates every flow of the group; only the group's earliest end is an event.
+    """
+    import tracemalloc
+
+    senders = 4096
+    n = net()
+    n.reset(senders + 1)
+    tracemalloc.start()
+    times = n.schedule([(s, 0, 1000 + 37 * s, 0) for s in range(1, senders + 1)])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 20 * 2**20  # the stale completions of a heap of one event per flow: 270 MB
+    # processor sharing: the smaller ones end first, every one at the bytes sent until then
+    ends = [t for t, _ in times]
+    assert ends == sorted(ends)
+    total = sum(1000 + 37 * s for s in range(1, senders + 1))
+    assert total * 100 <= ends[-1] <= total * 100 + senders  # all bytes at B (each end rounded up a tick)
