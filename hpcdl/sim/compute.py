@@ -140,8 +140,8 @@ class Contention:
         return self.factors[min(k, len(self.factors)) - 1] if self.factors else 1.0
 
     def describe(self) -> dict[str, Any]:
-        """The factors and which ones this run uses (by ranks on a node), JSON-able."""
-        used = {self.ranks_on_node(r): self.factor(r) for r in range(self.nranks)}
+        """The factors and which ones this run uses (by ranks on a node; none without factors), JSON-able."""
+        used = {self.ranks_on_node(r): self.factor(r) for r in range(self.nranks)} if self.factors else {}
         return {
             "factors": list(self.factors),
             "ranks_per_node": self.ranks_per_node,
@@ -239,7 +239,8 @@ class MeasuredCompute(ComputeModel):
     def __init__(self, *, contention: Contention | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.contention = contention if contention is not None else Contention()
-        # by rank; a rank outside the contention's run is an IndexError, never silently 1
+        # by rank, read only when some factor is not 1 (then a rank outside the contention's
+        # run is an IndexError, never silently 1)
         self._contention = tuple(self.contention.factor(r) for r in range(self.contention.nranks))
         self._contended = any(f != 1.0 for f in self._contention)
 

@@ -155,7 +155,8 @@ def test_contention_node_sizes_and_description():
         "ranks_per_node": 4,
         "factor_by_ranks_on_node": {"2": 1.2, "4": 1.4},
     }
-    assert make_compute("measured").describe()["contention"]["factors"] == []  # default: none
+    none = make_compute("measured").describe()["contention"]  # default: none
+    assert none["factors"] == [] and none["factor_by_ranks_on_node"] == {}
     with pytest.raises(ValueError, match=r"rank 10 is outside \[0, 10\)"):
         c.factor(10)
 
