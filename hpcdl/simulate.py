@@ -58,8 +58,9 @@ def build_parser() -> ArgumentParser:
         "--compute",
         default="measured",
         metavar="MODE",
-        help="what a compute segment costs: measured (its wall time / speed), none (nothing: "
-        "communication only), or table:FILE (per-layer costs from a run file, TOML or CSV)",
+        help="what a compute segment costs: measured (its wall time / speed, times the network file's "
+        "contention for ranks sharing a node), none (nothing: communication only), or table:FILE "
+        "(per-layer costs from a run file, TOML or CSV)",
     )
     parser.add_argument(
         "--speed", type=float, default=1.0, help="compute speed factor; 2 stands for a device twice as fast"
@@ -137,7 +138,7 @@ def _command(module: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the simulation described by ``argv``; returns the exit status."""
-    from hpcdl.sim.compute import make_compute
+    from hpcdl.sim.compute import Contention, make_compute
     from hpcdl.sim.engine import RankFailure, SimAbort, SimDeadlock, simulate
     from hpcdl.sim.network import load_network
 
@@ -157,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     network = load_network(args.network, args.ranks)
     try:
         compute = make_compute(
-            args.compute, speed=args.speed, seed=args.seed, jitter=args.jitter, stragglers=stragglers
+            args.compute,
+            speed=args.speed,
+            seed=args.seed,
+            jitter=args.jitter,
+            stragglers=stragglers,
+            contention=Contention.of_network(network, args.ranks),  # the network file's [compute]
         )
     except OSError as err:  # a cost table that cannot be read (permissions, ...)
         raise file_error(

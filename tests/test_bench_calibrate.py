@@ -1,4 +1,4 @@
-"""``bench calibrate``: the fit and the placement as pure functions; under mpiexec, a file that loads."""
+"""``bench calibrate``: the fit, the placement and the contention as pure functions; a file that loads."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import hpcdl.comm as hc
 from hpcdl.bench import SUBCOMMANDS, build_parser, main
 from hpcdl.bench.calibrate import fit, placement
+from hpcdl.bench.contention import KERNELS, factors, levels
 from hpcdl.errors import ConfigError, FileError
 from hpcdl.sim.network import load_network
 
@@ -59,6 +60,41 @@ def test_placement() -> None:
     assert (rpn, intra, inter) == (2, 2, 1) and note is not None and "consecutive blocks of 2" in note
 
 
+def test_contention_levels_and_factors() -> None:
+    assert levels(1) == [1] and levels(2) == [1, 2] and levels(3) == [1, 2, 3]
+    assert levels(6) == [1, 2, 4, 6] and levels(8) == [1, 2, 4, 8]
+    assert factors({1: 1.0, 2: 1.1234}, 2) == [1.0, 1.123]
+    # linear between the measured counts
+    assert factors({1: 1.0, 2: 1.1, 4: 1.3, 6: 1.5}, 6) == [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
+    # never below 1, and entry 0 is 1 whatever rank 0 alone measured
+    assert factors({1: 1.0, 2: 0.97, 3: 1.02}, 3) == [1.0, 1.0, 1.02]
+
+
+@pytest.mark.skipif(hc.world().Get_size() != 1, reason="runs without mpiexec")
+def test_calibrate_under_the_simulator_writes_its_network_and_a_contention(tmp_path: Path) -> None:
+    """Without compute time (``--compute none``) the fit recovers the simulated link exactly-ish and
+    the kernels slow nothing down: ``[compute] contention = [1.0, 1.0]``."""
+    from hpcdl.simulate import main as simulate
+
+    out = tmp_path / "sim.toml"
+    rows = tmp_path / "rows.json"
+    argv = ["-n", "2", "--network", "eth10g", "--compute", "none", "-m", "hpcdl.bench", "calibrate"]
+    argv += ["--out", str(out), "--sizes", "8", "64K", "1M", "--repeat", "2", "--contention-repeat", "1"]
+    assert simulate([*argv, "--json", str(rows)]) == 0
+    net = load_network(out, 2)
+    assert net.ranks_per_node == 0 and net.contention == (1.0, 1.0)
+    kernel_rows = [r for r in json.loads(rows.read_text()) if "kernel" in r]
+    assert [(r["kernel"], r["ranks_at_once"]) for r in kernel_rows] == [
+        (k, n) for k in KERNELS for n in (1, 2)
+    ]
+    assert [r["samples"] for r in kernel_rows] == [1, 2] * len(KERNELS)
+    text = out.read_text()
+    assert "# contention: step" in text and "compute.contention: the step kernel's slow-down" in text
+    # not measured: no [compute]
+    assert simulate([*argv[:-2], "--contention-repeat", "0"]) == 0
+    assert load_network(out, 2).contention == () and "[compute]" not in out.read_text()
+
+
 @pytest.mark.skipif(hc.world().Get_size() != 1, reason="runs without mpiexec")
 def test_calibrate_needs_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "net.toml"
@@ -67,6 +103,8 @@ def test_calibrate_needs_two_ranks(tmp_path: Path) -> None:
     assert not out.exists()
     with pytest.raises(ConfigError, match="--repeat must be a positive integer"):
         main(["calibrate", "--out", str(out), "--repeat", "0"])
+    with pytest.raises(ConfigError, match=r"--contention-repeat must be >= 0 \(got -1\)"):
+        main(["calibrate", "--out", str(out), "--contention-repeat", "-1"])
     with pytest.raises(ConfigError, match="the following arguments are required: --out"):
         main(["calibrate"])
 
@@ -89,10 +127,16 @@ def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixtur
         "2",
         "--min-time",
         "0.0005",
+        "--contention-repeat",
+        "1",
     ]
     rows = _run(argv)
     assert rows == comm.bcast(rows, root=0)  # every rank returns rank 0's rows
-    rpn, intra_peer, inter_peer, _ = placement(comm.allgather(socket.gethostname()))
+    hosts = comm.allgather(socket.gethostname())
+    host = hosts.count(hosts[0])  # ranks on rank 0's host
+    kernel_rows = [r for r in rows if "kernel" in r]
+    rows = [r for r in rows if "link" in r]
+    rpn, intra_peer, inter_peer, _ = placement(hosts)
     links = [link for link, peer in (("intra", intra_peer), ("inter", inter_peer)) if peer is not None]
     assert [(r["link"], r["size_bytes"]) for r in rows] == [
         (k, s) for k in links for s in (8, 65536, 1 << 20)
@@ -113,6 +157,19 @@ def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixtur
     if rank == 0:
         printed = capsys.readouterr().out
         assert "alpha =" in printed and f"network written to {out}" in printed
+    # the contention of rank 0's host: every kernel alone and at once, a factor per rank count
+    if host > 1:
+        assert [(r["kernel"], r["ranks_at_once"]) for r in kernel_rows] == [
+            (k, n) for k in KERNELS for n in levels(host)
+        ]
+        for r in kernel_rows:
+            assert r["samples"] == r["ranks_at_once"] and r["median_s"] > 0 and 0 < r["cpu_share"] <= 1
+        assert len(net.contention) == host and net.contention[0] == 1.0 and min(net.contention) >= 1.0
+        step = {r["ranks_at_once"]: r["slowdown"] for r in kernel_rows if r["kernel"] == "step"}
+        assert net.contention[-1] == max(1.0, round(step[host], 3))
+        assert "# contention: step" in out.read_text()
+    else:
+        assert kernel_rows == [] and net.contention == ()
 
     # an --out that cannot be written stops every rank before the measurement
     with pytest.raises(FileError, match="does not exist"):

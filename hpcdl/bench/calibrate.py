@@ -11,6 +11,11 @@ Rank 0 prints the fit and the residual per size, and writes a TOML file that
 ``python -m hpcdl.simulate --network FILE`` loads (:func:`hpcdl.sim.network.load_network`):
 ``ranks_per_node`` from the host names (0 when every rank is on one host), ``[intra]`` and
 ``[inter]`` as measured, the date, hosts and MPI library in ``source``.
+
+When rank 0's host has several ranks, it also measures the compute contention of a node
+(:mod:`hpcdl.bench.contention`: kernels timed on rank 0 alone and on the host's ranks at
+once) and writes ``[compute] contention``, the slow-down of hpcdl's training step by the
+number of ranks on a node, with every kernel's figures as comments.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl.atomic import check_writable, write_text_atomic
+from hpcdl.bench import contention
 from hpcdl.bench.allreduce import parse_size
 from hpcdl.comm import Communicator, on_root, world, wtime
 from hpcdl.errors import ConfigError
@@ -201,6 +207,7 @@ def calibrate(
     repeat: int = 15,
     min_time: float = 0.005,
     name: str | None = None,
+    contention_repeat: int = 9,
 ) -> list[dict[str, Any]]:
     """Measure alpha and B of this system's links and write them as a network file (collective).
 
@@ -211,9 +218,12 @@ def calibrate(
         repeat: samples per size (the median is used).
         min_time: seconds per sample, at least.
         name: the model's name (default: the file's stem).
+        contention_repeat: samples per kernel and rank count of the compute contention
+            (0: not measured, no ``[compute]`` written; nor with one rank on rank 0's host).
 
     Returns:
-        One row per (link, size) with the fit (the same on every rank).
+        One row per (link, size) with the fit, then one per (kernel, ranks at once) of the
+        contention (:func:`hpcdl.bench.contention.measure`); the same on every rank.
 
     Raises:
         ConfigError: one rank, a bad size list or ``out``, or a failed fit (on every rank).
@@ -257,8 +267,12 @@ def calibrate(
             )
     if error is not None:
         raise ConfigError(error)
-    on_root(comm, lambda: _report(rows, links, out, name, rpn, hosts, note))
-    return rows
+    host = [r for r, h in enumerate(hosts) if h == hosts[0]]
+    kernel_rows = (
+        contention.measure(comm, host, contention_repeat) if contention_repeat and len(host) > 1 else []
+    )
+    on_root(comm, lambda: _report(rows, links, out, name, rpn, hosts, note, kernel_rows))
+    return rows + kernel_rows
 
 
 def _report(
@@ -269,8 +283,9 @@ def _report(
     rpn: int,
     hosts: list[str],
     note: str | None,
+    kernel_rows: list[dict[str, Any]],
 ) -> None:
-    """Print the fit and write ``out`` atomically (rank 0).
+    """Print the fit (and the contention) and write ``out`` atomically (rank 0).
 
     Raises:
         ConfigError: the file written would not load (a bug).
@@ -321,6 +336,8 @@ def _report(
         "fit per size: size, one-way us, model us, residual us, residual",
         *lines,
     ]
+    if kernel_rows:
+        data["compute"] = {"contention": _report_contention(kernel_rows, comments)}
     if rpn == 0:
         comments.append("ranks_per_node = 0: every rank was on one host, so all ranks are on one node")
     if note:
@@ -330,6 +347,47 @@ def _report(
     write_text_atomic(out, network_toml(data, comments), what=_WHAT)
     load_network(out)
     print(f"network written to {out} (ranks_per_node = {rpn})")
+
+
+def _report_contention(kernel_rows: list[dict[str, Any]], comments: list[str]) -> list[float]:
+    """Print the kernels' slow-downs, add them to ``comments``; return ``compute.contention``."""
+    host = max(r["ranks_at_once"] for r in kernel_rows)
+    n = kernel_rows[0]["samples"]
+    print(
+        f"bench calibrate: compute contention on rank 0's host ({host} ranks): each kernel on rank 0 alone "
+        f"and on k ranks at once, median of {n} samples per rank"
+    )
+    print(f"{'kernel':<8}{'ranks':>6}{'median ms':>11}{'min..max ms':>17}{'slow-down':>11}{'CPU share':>11}")
+    comments.append(
+        f"contention: kernel, ranks at once, median ms, min..max ms, slow-down, CPU share "
+        f"({n} samples per rank)"
+    )
+    for r in kernel_rows:
+        span = f"{1e3 * r['min_s']:.2f}..{1e3 * r['max_s']:.2f}"
+        line = (
+            f"{r['kernel']:<8}{r['ranks_at_once']:>6}{1e3 * r['median_s']:>11.3f}{span:>17}"
+            f"{r['slowdown']:>11.3f}{r['cpu_share']:>11.3f}"
+        )
+        print(line)
+        comments.append(f"contention: {line}")
+    busy = min(r["cpu_share"] for r in kernel_rows)
+    if busy < 0.95:
+        note = (
+            f"the ranks did not have their cores to themselves (CPU time {busy:.2f} of the wall time): "
+            "the slow-downs are not contention alone; calibrate on an otherwise idle node"
+        )
+        print(f"note: {note}")
+        comments.append(f"note: {note}")
+    kernel = contention.FACTOR_KERNEL
+    out = contention.factors(
+        {r["ranks_at_once"]: r["slowdown"] for r in kernel_rows if r["kernel"] == kernel}, host
+    )
+    comments.append(
+        f"compute.contention: the {kernel} kernel's slow-down (hpcdl's mlp32 training step, batch 128) "
+        "by ranks on a node, linear between the counts measured, at least 1"
+    )
+    print(f"contention ({kernel} kernel, by ranks on a node): {out}")
+    return out
 
 
 def add_parser(sub: Any) -> None:
@@ -354,10 +412,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeat", type=int, default=15, help="samples per size; the median is used")
     p.add_argument("--min-time", type=float, default=0.005, help="seconds per sample, at least")
     p.add_argument("--name", default=None, help="the model's name in the file (default: the file's stem)")
+    p.add_argument(
+        "--contention-repeat",
+        type=int,
+        default=9,
+        metavar="N",
+        help="samples per kernel and rank count of the compute contention of rank 0's host "
+        "(0: not measured, no [compute] written)",
+    )
 
 
 def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench calibrate`` with parsed ``args``; returns the rows."""
     if args.repeat < 1 or not args.min_time > 0:
         raise ConfigError("--repeat must be a positive integer and --min-time a positive number of seconds")
-    return calibrate(world(), args.out, args.sizes, args.repeat, args.min_time, args.name)
+    if args.contention_repeat < 0:
+        raise ConfigError(f"--contention-repeat must be >= 0 (got {args.contention_repeat}); 0: not measured")
+    return calibrate(
+        world(), args.out, args.sizes, args.repeat, args.min_time, args.name, args.contention_repeat
+    )

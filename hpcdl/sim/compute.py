@@ -8,14 +8,19 @@ charges each layer's tabled cost through the per-layer hook of :mod:`hpcdl.nn.ho
 
 Modes (:func:`make_compute`):
 
-* ``measured``: ``ticks(measured_s / speed * straggler[rank] * jitter)``. The reductions
-  inside collectives run in the segments, so they count as compute here.
+* ``measured``: ``ticks(measured_s / speed * straggler[rank] * jitter * contention[rank])``.
+  The reductions inside collectives run in the segments, so they count as compute here.
+  ``contention[rank]`` is the network file's slow-down for the number of ranks on the
+  rank's node (:class:`Contention`; 1 when the file gives none): the virtual ranks run
+  one at a time, each alone on a core, while real ranks of one node compute at once and
+  share its memory bandwidth and caches.
 * ``none``: compute takes no virtual time (pure communication studies).
 * ``table:FILE``: per-layer forward/backward costs (``/ speed * straggler[rank] * jitter``),
   charged as each outermost layer starts; everything outside layers (loss, optimizer
   step, packing, the reductions inside collectives) costs 0. ``FILE`` is a run file
   (``.h5``) with a ``profile/`` group (``profile.layers = true``), or a TOML or CSV table
-  (:func:`load_cost_table` documents the formats).
+  (:func:`load_cost_table` documents the formats). Contention does not apply: a table's
+  costs are charged as they are.
 
 Jitter is a lognormal factor with mean 1 and relative standard deviation ``jitter``
 (``sigma^2 = ln(1 + jitter^2)``, ``mu = -sigma^2 / 2``), one draw per segment (measured)
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ComputeModel",
+    "Contention",
     "CostTableError",
     "LayerCost",
     "MeasuredCompute",
@@ -77,6 +83,70 @@ class LayerCost:
     backward_s: float
     batch: int | None = None
     kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Memory-bandwidth contention: a node's ranks compute slower when they compute at once.
+
+    A rank on a node of ``k`` ranks has each measured segment multiplied by
+    ``factors[k - 1]`` (the last entry when ``k`` is past the list), as if all the node's
+    ranks always computed at the same time. Nodes are the network's: ``ranks_per_node``
+    consecutive ranks, the last node holding those left over (``nranks = 10``,
+    ``ranks_per_node = 4``: nodes of 4, 4 and 2 ranks); ``ranks_per_node = 0`` puts all
+    ``nranks`` on one node. No factors: no contention (every factor 1).
+
+    Attributes:
+        factors: slow-down by ranks on a node, each ``>= 1`` (a network file's
+            ``compute.contention``).
+        ranks_per_node: consecutive ranks per node, as the network's (0: one node).
+        nranks: ranks in the run.
+
+    Raises:
+        ConfigError: a factor below 1, or a negative ``ranks_per_node`` or ``nranks < 1``.
+    """
+
+    factors: tuple[float, ...] = ()
+    ranks_per_node: int = 0
+    nranks: int = 1
+
+    def __post_init__(self) -> None:
+        factors = tuple(_as_float(f) for f in self.factors)
+        if any(not (math.isfinite(f) and f >= 1.0) for f in factors):
+            raise ConfigError(f"contention factors must be numbers >= 1 ({list(self.factors)!r})")
+        if self.ranks_per_node < 0 or self.nranks < 1:
+            raise ConfigError(
+                f"contention needs ranks_per_node >= 0 and nranks >= 1 ({self.ranks_per_node}, {self.nranks})"
+            )
+        object.__setattr__(self, "factors", factors)
+
+    @classmethod
+    def of_network(cls, network: Any, nranks: int) -> Contention:
+        """The contention of a network model (its ``contention`` and ``ranks_per_node``) on ``nranks``."""
+        return cls(tuple(getattr(network, "contention", ())), getattr(network, "ranks_per_node", 0), nranks)
+
+    def ranks_on_node(self, rank: int) -> int:
+        """How many ranks share ``rank``'s node (``rank`` included)."""
+        if not 0 <= rank < self.nranks:
+            raise ValueError(f"rank {rank} is outside [0, {self.nranks})")
+        if self.ranks_per_node == 0:
+            return self.nranks
+        first = rank - rank % self.ranks_per_node
+        return min(self.ranks_per_node, self.nranks - first)
+
+    def factor(self, rank: int) -> float:
+        """The factor on ``rank``'s measured compute: ``factors[min(k, len(factors)) - 1]`` for k ranks."""
+        k = self.ranks_on_node(rank)
+        return self.factors[min(k, len(self.factors)) - 1] if self.factors else 1.0
+
+    def describe(self) -> dict[str, Any]:
+        """The factors and which ones this run uses (by ranks on a node; none without factors), JSON-able."""
+        used = {self.ranks_on_node(r): self.factor(r) for r in range(self.nranks)} if self.factors else {}
+        return {
+            "factors": list(self.factors),
+            "ranks_per_node": self.ranks_per_node,
+            "factor_by_ranks_on_node": {str(k): f for k, f in sorted(used.items())},
+        }
 
 
 # -- the models -------------------------------------------------------------------------------
@@ -157,14 +227,33 @@ class ComputeModel:
 
 
 class MeasuredCompute(ComputeModel):
-    """Charges each segment its measured wall time ``/ speed * straggler * jitter``."""
+    """Charges each segment its measured wall time ``/ speed * straggler * jitter * contention``.
+
+    Args:
+        contention: the slow-down of ranks sharing a node (default: none).
+        **kwargs: as :class:`ComputeModel`.
+    """
 
     name = "measured"
+
+    def __init__(self, *, contention: Contention | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.contention = contention if contention is not None else Contention()
+        # by rank, read only when some factor is not 1 (then a rank outside the contention's
+        # run is an IndexError, never silently 1)
+        self._contention = tuple(self.contention.factor(r) for r in range(self.contention.nranks))
+        self._contended = any(f != 1.0 for f in self._contention)
 
     def segment(self, rank: int, measured_s: float) -> int:
         if measured_s <= 0.0:
             return 0
-        return round(measured_s * self.scale(rank) * TICKS_PER_SECOND)
+        factor = self.scale(rank)
+        if self._contended:
+            factor *= self._contention[rank]
+        return round(measured_s * factor * TICKS_PER_SECOND)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "contention": self.contention.describe()}
 
 
 class NoCompute(ComputeModel):
@@ -272,6 +361,7 @@ def make_compute(
     seed: int = 0,
     jitter: float = 0.0,
     stragglers: Mapping[int, float] | None = None,
+    contention: Contention | None = None,
 ) -> ComputeModel:
     """The compute model named by ``spec``: ``"measured"``, ``"none"`` or ``"table:FILE"``.
 
@@ -281,6 +371,8 @@ def make_compute(
         seed: seed of the per-rank jitter streams.
         jitter: relative standard deviation of the lognormal jitter factor (0: none).
         stragglers: slow-down factor by rank (``{3: 2.0}``: rank 3 twice as slow).
+        contention: the slow-down of ranks sharing a node (:meth:`Contention.of_network`);
+            only ``measured`` applies it (``none`` and tables stay exact).
 
     Returns:
         A :class:`ComputeModel`.
@@ -292,7 +384,7 @@ def make_compute(
     kwargs: dict[str, Any] = {"speed": speed, "seed": seed, "jitter": jitter, "stragglers": stragglers}
     spec = str(spec).strip()
     if spec == "measured":
-        return MeasuredCompute(**kwargs)
+        return MeasuredCompute(contention=contention, **kwargs)
     if spec == "none":
         return NoCompute(**kwargs)
     if spec.startswith("table:") or spec == "table":

@@ -178,7 +178,7 @@ def simulate(
         size: number of virtual ranks.
         target: what each rank runs (it finds its communicator with ``hpcdl.comm.world()``).
         network: a network model (default: :func:`hpcdl.sim.network.load_network` ``("shm-local")``).
-        compute: a compute model (default: ``measured``).
+        compute: a compute model (default: ``measured``, with the network's contention).
         poll_cost_s: virtual cost of a failed ``Test``/``Iprobe``.
         stall_s: virtual seconds of fruitless polling that count as a deadlock.
         launcher: the command line that starts this simulation, up to the command's own
@@ -201,9 +201,9 @@ def simulate(
 
         network = load_network("shm-local", size)
     if compute is None:
-        from hpcdl.sim.compute import make_compute
+        from hpcdl.sim.compute import Contention, make_compute
 
-        compute = make_compute("measured")
+        compute = make_compute("measured", contention=Contention.of_network(network, size))
     engine = Engine(size, network, compute, poll_cost_s=poll_cost_s, stall_s=stall_s)
     engine.launcher = launcher
     contexts = []

@@ -75,6 +75,9 @@ them in memory without the NIC; the copy itself is part of the rank's compute.
     nodes_per_leaf = 16        # fat-tree: nodes under one leaf switch, >= 1
     oversubscription = 2.0     # fat-tree: leaf downlink/uplink bandwidth ratio, > 0 (default 1)
     leaf_latency_us = 0.2      # fat-tree: added to alpha between leaves, >= 0 (default 0)
+    [compute]                  # optional; default: no contention
+    contention = [1.0, 1.12]   # measured compute x entry k-1 on a node of k ranks; the last entry
+                               # for more ranks than listed; numbers >= 1 (hpcdl.sim.compute.Contention)
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ PRESETS: tuple[str, ...] = ("shm-local", "eth10g", "eth40g", "ib-edr", "ib-hdr")
 _KINDS = ("switch", "fat-tree")
 _NICS = ("rank", "node")
 #: section -> key -> (type, minimum, strict, meaning); strict: the value must exceed the minimum
+#: (a list: a non-empty list of numbers, each checked against the minimum)
 _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
     "": {
         "name": (str, None, False, "the model's name"),
@@ -119,6 +123,9 @@ _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
         "nodes_per_leaf": (int, 1, False, "nodes per leaf switch"),
         "oversubscription": (float, 0.0, True, "leaf downlink/uplink bandwidth ratio"),
         "leaf_latency_us": (float, 0.0, False, "latency added between leaves in microseconds"),
+    },
+    "compute": {
+        "contention": (list, 1.0, False, "measured-compute slow-down by ranks on a node"),
     },
 }
 _CHOICES = {"inter.nic": _NICS, "topology.kind": _KINDS}
@@ -156,6 +163,9 @@ class Network(NetCore):
         nodes_per_leaf: fat tree: nodes per leaf switch.
         oversubscription: fat tree: downlink/uplink bandwidth ratio of a leaf.
         leaf_latency_us: fat tree: microseconds added to alpha between leaves.
+        contention: measured compute's slow-down by ranks on a node (entry k-1 for k
+            ranks, the last for more); empty: none. The compute model applies it
+            (:class:`hpcdl.sim.compute.Contention`); the network only carries it.
         source: where the figures come from.
         path: the file it was read from, if any.
     """
@@ -172,6 +182,7 @@ class Network(NetCore):
         nodes_per_leaf: int = 1,
         oversubscription: float = 1.0,
         leaf_latency_us: float = 0.0,
+        contention: Sequence[float] = (),
         source: str = "",
         path: str | None = None,
     ) -> None:
@@ -184,6 +195,8 @@ class Network(NetCore):
                 "ranks_per_node must be >= 0 and nodes_per_leaf >= 1 "
                 f"(got {ranks_per_node}, {nodes_per_leaf})"
             )
+        if any(not f >= 1.0 for f in contention):
+            raise ValueError(f"contention factors must be >= 1 (got {list(contention)})")
         self.name = name
         self.source = source
         self.path = path
@@ -195,6 +208,7 @@ class Network(NetCore):
         self.nodes_per_leaf = nodes_per_leaf
         self.oversubscription = float(oversubscription)
         self.leaf_latency_us = float(leaf_latency_us)
+        self.contention = tuple(float(f) for f in contention)
         self.fat_tree = kind == "fat-tree"
         self._nic_node = nic == "node"
         #: capacity of a leaf's uplink and downlink, bytes per second
@@ -245,6 +259,8 @@ class Network(NetCore):
                 "leaf_latency_us": self.leaf_latency_us,
             }
         out["topology"] = topo
+        if self.contention:
+            out["compute"] = {"contention": list(self.contention)}
         return out
 
     def __repr__(self) -> str:
@@ -260,9 +276,8 @@ def _check(data: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
             if key not in _SCHEMA or key == "":
                 near = difflib.get_close_matches(key, [s for s in _SCHEMA if s], n=1)
                 hint = f" (did you mean [{near[0]}]?)" if near else ""
-                raise ConfigError(
-                    f"{where}: unknown section [{key}]{hint}; sections: [intra], [inter], [topology]"
-                )
+                sections = ", ".join(f"[{s}]" for s in _SCHEMA if s)
+                raise ConfigError(f"{where}: unknown section [{key}]{hint}; sections: {sections}")
             items = [(f"{key}.{k}", key, k, v) for k, v in value.items()]
         elif key in _SCHEMA:
             raise ConfigError(
@@ -273,10 +288,14 @@ def _check(data: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
         for dotted, sec, k, v in items:
             spec = _SCHEMA[sec].get(k)
             if spec is None or isinstance(v, dict):
-                valid = [f"{sec}.{n}" if sec else n for n in _SCHEMA[sec]]
+                # a top-level key may belong in a section (contention = [...] above [compute])
+                valid = [f"{s}.{n}" if s else n for s in (_SCHEMA if not sec else [sec]) for n in _SCHEMA[s]]
                 near = difflib.get_close_matches(dotted, valid, n=1, cutoff=0.0)
                 raise ConfigError(f"{where}: unknown key {dotted!r}; nearest valid key: {near[0]!r}; {fix}")
             typ, minimum, strict, meaning = spec
+            if typ is list:
+                out[sec][k] = _check_list(v, dotted, meaning, minimum, where)
+                continue
             if typ is float and isinstance(v, int) and not isinstance(v, bool):
                 v = float(v)
             if not isinstance(v, typ) or isinstance(v, bool):
@@ -296,6 +315,24 @@ def _check(data: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _check_list(v: Any, dotted: str, meaning: str, minimum: float | None, where: str) -> list[float]:
+    """A key whose value is a non-empty list of numbers, each ``>= minimum``, as floats."""
+    if (
+        not isinstance(v, list)
+        or not v
+        or any(not isinstance(x, (int, float)) or isinstance(x, bool) for x in v)
+    ):
+        raise ConfigError(
+            f"{where}: key {dotted!r} ({meaning}) must be a non-empty list of numbers such as "
+            f"[1.0, 1.1], got {type(v).__name__} {v!r}"
+        )
+    if minimum is not None and any(not x >= minimum for x in v):
+        raise ConfigError(
+            f"{where}: key {dotted!r} ({meaning}) must have every entry >= {minimum:g} (got {v!r})"
+        )
+    return [float(x) for x in v]
+
+
 def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | None = None) -> Network:
     """A :class:`Network` from the table of a TOML file (the keys of the module docstring).
 
@@ -311,6 +348,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
     """
     v = _check(data, where)
     top, intra, inter, topo = v[""], v["intra"], v["inter"], v["topology"]
+    contention = v["compute"].get("contention", ())
     rpn = top.get("ranks_per_node", 1)
     links: dict[str, Link | None] = {}
     for sec, values, needed, why in (
@@ -344,6 +382,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
         nodes_per_leaf=topo.get("nodes_per_leaf", 1),
         oversubscription=topo.get("oversubscription", 1.0),
         leaf_latency_us=topo.get("leaf_latency_us", 0.0),
+        contention=contention,
         source=top.get("source", ""),
         path=path,
     )
@@ -393,7 +432,7 @@ def load_network(spec: str | os.PathLike[str], nranks: int | None = None) -> Net
 
 
 def network_toml(data: dict[str, Any], comments: Sequence[str] = ()) -> str:
-    """TOML text of a network table (top-level keys, then ``[intra]``, ``[inter]``, ``[topology]``).
+    """TOML text of a network table (top-level keys, then its sections: ``[intra]``, ``[inter]``, ...).
 
     Args:
         data: the table, as :func:`parse_network` takes it.
@@ -405,6 +444,8 @@ def network_toml(data: dict[str, Any], comments: Sequence[str] = ()) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
         if isinstance(v, float):
             return repr(v)
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
         return str(v)
 
     lines = [f"# {c}" if c else "#" for c in comments]

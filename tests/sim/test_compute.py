@@ -1,9 +1,10 @@
-"""``hpcdl.sim.compute``: measured, none and cost-table compute models, their jitter and errors."""
+"""``hpcdl.sim.compute``: measured, none and cost-table models, their jitter, contention and errors."""
 
 from __future__ import annotations
 
 import json
 import math
+import tomllib
 from pathlib import Path
 
 import h5py
@@ -15,13 +16,16 @@ from hpcdl.errors import ConfigError
 from hpcdl.nn import Linear, ReLU, Sequential, observe
 from hpcdl.rng import generator
 from hpcdl.sim.compute import (
+    Contention,
     CostTableError,
     LayerCost,
+    MeasuredCompute,
     TableCompute,
     load_cost_table,
     make_compute,
     parse_stragglers,
 )
+from hpcdl.sim.network import load_network, parse_network
 from hpcdl.sim.ticks import TICKS_PER_SECOND, seconds, ticks
 from hpcdl.train import run
 
@@ -117,6 +121,118 @@ def test_describe_is_json():
     assert d["mode"] == "measured" and d["speed"] == 2.0 and d["seed"] == 5
     assert d["jitter"] == 0.05 and d["stragglers"] == {"3": 2.0} and "lognormal" in d["jitter_distribution"]
     assert json.loads(json.dumps(make_compute("none").describe())) == {"mode": "none"}
+
+
+# -- contention -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("factors", "rpn", "nranks", "by_rank"),
+    [
+        ((1.0, 1.5), 0, 2, [1.5, 1.5]),  # one node of 2
+        ((1.0, 1.5), 0, 1, [1.0]),  # one rank alone
+        ((1.0, 1.5), 0, 5, [1.5] * 5),  # 5 on the node, past the list: the last entry
+        ((1.0, 1.2, 1.3, 1.4), 4, 10, [1.4] * 8 + [1.2] * 2),  # nodes of 4, 4 and a partial 2
+        ((1.1, 1.2, 1.3), 2, 5, [1.2] * 4 + [1.1]),  # the last node holds one rank
+        ((1.0, 1.5), 1, 3, [1.0, 1.0, 1.0]),  # a rank per node
+        ((), 0, 4, [1.0] * 4),  # no factors: none
+    ],
+)
+def test_contention_factor_by_ranks_on_the_node(factors, rpn, nranks, by_rank):
+    c = Contention(factors, rpn, nranks)
+    assert [c.factor(r) for r in range(nranks)] == by_rank
+    m = make_compute("measured", contention=c)
+    assert [m.segment(r, 1.0) for r in range(nranks)] == [round(f * TICKS_PER_SECOND) for f in by_rank]
+
+
+def test_contention_node_sizes_and_description():
+    c = Contention((1.0, 1.2, 1.3, 1.4), 4, 10)
+    assert [c.ranks_on_node(r) for r in range(10)] == [4] * 8 + [2] * 2
+    assert Contention((1.5,), 0, 7).ranks_on_node(6) == 7
+    d = json.loads(json.dumps(make_compute("measured", contention=c).describe()))
+    assert d["contention"] == {
+        "factors": [1.0, 1.2, 1.3, 1.4],
+        "ranks_per_node": 4,
+        "factor_by_ranks_on_node": {"2": 1.2, "4": 1.4},
+    }
+    none = make_compute("measured").describe()["contention"]  # default: none
+    assert none["factors"] == [] and none["factor_by_ranks_on_node"] == {}
+    with pytest.raises(ValueError, match=r"rank 10 is outside \[0, 10\)"):
+        c.factor(10)
+
+
+def test_contention_multiplies_the_measured_charge_exactly():
+    c = Contention((1.0, 1.5), 0, 2)
+    m = make_compute("measured", contention=c, speed=2.0, stragglers={1: 3.0})
+    assert m.segment(0, 1e-3) == 750_000_000  # 1 ms / 2 x 1.5
+    assert m.segment(1, 1e-3) == 2_250_000_000  # x3 straggler too
+    assert m.segment(0, 0.0) == 0
+    # jitter draws are the same with and without contention: the factor multiplies them
+    plain = make_compute("measured", seed=3, jitter=0.1)
+    slow = make_compute("measured", seed=3, jitter=0.1, contention=Contention((1.0, 2.0), 0, 2))
+    for _ in range(10):
+        assert abs(slow.segment(1, 1e-3) - 2 * plain.segment(1, 1e-3)) <= 1
+
+
+def test_contention_does_not_touch_none_or_tables(tmp_path):
+    c = Contention((1.0, 3.0), 0, 2)
+    assert make_compute("none", contention=c).segment(0, 1.0) == 0
+    table = write(tmp_path / "t.csv", "layer,forward_s,backward_s\n0,1,2\n1,3,4\n2,5,6\n")
+    for contention in (None, c):
+        m = make_compute(f"table:{table}", contention=contention)
+        charges = Charges()
+        with observe(m.layer_observer(1, charges)):
+            step(mlp())
+        assert charges.total == ticks(21.0) and m.segment(1, 1.0) == 0
+        assert "contention" not in m.describe()
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (((0.9,), 0, 2), r"contention factors must be numbers >= 1 \(\[0.9\]\)"),
+        (((1.0, float("nan")), 0, 2), r"contention factors must be numbers >= 1"),
+        (((1.0,), -1, 2), r"ranks_per_node >= 0 and nranks >= 1 \(-1, 2\)"),
+        (((1.0,), 0, 0), r"ranks_per_node >= 0 and nranks >= 1 \(0, 0\)"),
+    ],
+)
+def test_bad_contention(args, match):
+    with pytest.raises(ConfigError, match=match):
+        Contention(*args)
+
+
+class FixedSegments(MeasuredCompute):
+    """Measured compute whose every segment took exactly 1 ms of wall time (no timing in the test)."""
+
+    def segment(self, rank: int, measured_s: float) -> int:
+        return super().segment(rank, 1e-3)
+
+
+def test_contention_reaches_the_virtual_clock_in_the_engine():
+    """Through :func:`hpcdl.sim.engine.simulate`: one segment per rank, x the factor of its node."""
+    import hpcdl.comm as hc
+    from hpcdl.sim.engine import simulate
+
+    def target() -> float:
+        return hc.wtime()  # the one segment: from the start to here
+
+    text = (
+        "ranks_per_node = 2\n[intra]\nlatency_us = 1\nbandwidth_GBps = 1\n"
+        "[inter]\nlatency_us = 1\nbandwidth_GBps = 1\n[compute]\ncontention = [1.0, 1.5]\n"
+    )
+    network = parse_network(tomllib.loads(text), "test", where="test network")
+    compute = FixedSegments(contention=Contention.of_network(network, 3))
+    result = simulate(3, target, network=network, compute=compute)
+    assert result.results == [1.5e-3, 1.5e-3, 1e-3]  # ranks 0, 1 share a node; rank 2 is alone
+
+    # the default compute model takes the network's contention (it says so in the run's attributes)
+    def described() -> dict:
+        return json.loads(hc.world().sim_attrs()["compute"])["contention"]
+
+    result = simulate(3, described, network=network)
+    assert result.results[0]["factor_by_ranks_on_node"] == {"1": 1.0, "2": 1.5}
+    result = simulate(2, described, network=load_network("eth10g"))
+    assert result.results[0]["factors"] == []
 
 
 # -- cost tables ------------------------------------------------------------------------------

@@ -341,6 +341,21 @@ def test_file_name_and_name_key(tmp_path: Path) -> None:
     assert load_network(str(path)).name == "renamed"
 
 
+def test_compute_contention_key() -> None:
+    n = net(compute={"contention": [1, 1.25, 1.5]})
+    assert n.contention == (1.0, 1.25, 1.5) and all(type(f) is float for f in n.contention)
+    d = n.describe()
+    assert d["compute"] == {"contention": [1.0, 1.25, 1.5]}
+    again = parse_network(tomllib.loads(network_toml(d)), "x", where="round trip")
+    assert again.contention == n.contention and again.describe() == d
+    assert "contention = [1.0, 1.25, 1.5]" in network_toml(d)
+    # default: none, and the description says nothing of it
+    plain = net()
+    assert plain.contention == () and "compute" not in plain.describe()
+    with pytest.raises(ValueError, match="contention factors must be >= 1"):
+        Network("x", inter=Link(1.0, 1.0), contention=[0.5])
+
+
 def test_link_rounds_like_the_docs() -> None:
     link = Link(0.3, 12.2)
     assert link.alpha == 300_000 and link.bps == 12_200_000_000
@@ -410,6 +425,21 @@ BAD = [
         "key 'topology.oversubscription' .* must be positive",
     ),
     ("[inter\nlatency_us = 1\n", "is not valid TOML"),
+    (
+        "[compute]\ncontention = 1.2\n",
+        r"key 'compute.contention' .* must be a non-empty list of numbers .*got float",
+    ),
+    ("[compute]\ncontention = []\n", r"key 'compute.contention' .* must be a non-empty list of numbers"),
+    ('[compute]\ncontention = [1.0, "x"]\n', r"must be a non-empty list of numbers .*got list \[1.0, 'x'\]"),
+    ("[compute]\ncontention = [true]\n", r"key 'compute.contention' .* must be a non-empty list of numbers"),
+    (
+        "[compute]\ncontention = [1.0, 0.9]\n",
+        r"key 'compute.contention' .* must have every entry >= 1 \(got \[1.0, 0.9\]\)",
+    ),
+    ("contention = [1.0, 1.1]\n", "unknown key 'contention'; nearest valid key: 'compute.contention'"),
+    ("[compute]\nfactor = 1.1\n", "unknown key 'compute.factor'; nearest valid key: 'compute.contention'"),
+    ("compute = 1.1\n", r"'compute' must be a table: write \[compute\]"),
+    ("[comptue]\n", r"unknown section \[comptue\] \(did you mean \[compute\]\?\)"),
 ]
 
 

@@ -26,6 +26,25 @@ def test_simulated_training_writes_a_run_file_of_the_simulated_world(tmp_path: P
         assert (f["metrics/step_time"][...] > 0).all()  # messages take virtual time even with no compute
 
 
+def test_the_network_files_contention_is_applied_to_measured_compute_and_recorded(tmp_path: Path) -> None:
+    net = tmp_path / "node.toml"
+    net.write_text(
+        "ranks_per_node = 2\n[intra]\nlatency_us = 1\nbandwidth_GBps = 5\n"
+        "[inter]\nlatency_us = 2\nbandwidth_GBps = 5\n[compute]\ncontention = [1.0, 1.25]\n"
+    )
+    out = tmp_path / "m.h5"
+    assert main(["-n", "3", "--network", str(net), *TRAIN, "--set", "train.steps=1", "--out", str(out)]) == 0
+    with h5py.File(out) as f:
+        compute = json.loads(f.attrs["compute"])
+        assert compute["mode"] == "measured"
+        assert compute["contention"]["factor_by_ranks_on_node"] == {"1": 1.0, "2": 1.25}
+        assert json.loads(f.attrs["network"])["compute"] == {"contention": [1.0, 1.25]}
+    out = tmp_path / "n.h5"
+    assert main(["-n", "3", "--network", str(net), "--compute", "none", *TRAIN, "--out", str(out)]) == 0
+    with h5py.File(out) as f:
+        assert json.loads(f.attrs["compute"]) == {"mode": "none"}
+
+
 def test_no_compute_gives_the_same_metrics_bit_for_bit(tmp_path: Path) -> None:
     runs = []
     for k in range(2):
