@@ -117,12 +117,16 @@ def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: P
 # -- spending time on purpose --------------------------------------------------------------------
 
 
-def test_sleep_is_a_real_sleep_in_one_process() -> None:
+def test_sleep_is_a_real_sleep_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside the simulator hpcdl.comm.sleep is time.sleep (no world hook); nothing for 0 s."""
+    import hpcdl.comm.context as context
     from hpcdl.comm import sleep
 
-    t0 = time.monotonic()
+    slept: list[float] = []
+    monkeypatch.setattr(context.time, "sleep", slept.append)
     sleep(0.05)
-    assert time.monotonic() - t0 >= 0.05  # at least: a sleep may take longer, never less
+    sleep(0.0)
+    assert slept == [0.05]
 
 
 def _sleeping_program() -> int:
@@ -170,15 +174,34 @@ def test_slowdown_factors_are_checked() -> None:
         slowdown_factor(load_config("digits-mlp", ['debug.slowdown=["0:0.5"]']), 0, 1)
 
 
-def test_a_slowed_rank_computes_longer_in_the_run_file(tmp_path: Path) -> None:
-    """debug.slowdown through the driver: rank 1 at 4 x (measured compute, so a wide margin)."""
+def test_a_slowed_rank_computes_longer_in_the_run_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """debug.slowdown through the driver: only rank 1 gets a Slowdown(4), and its sleeps are in its compute."""
+    import hpcdl.driver.run as run_module
+    from hpcdl.comm import world, wtime
+
+    made: dict[int, float] = {}
+    slept: dict[int, float] = {}
+
+    class Spy(run_module.Slowdown):
+        def __init__(self, factor: float) -> None:
+            super().__init__(factor)
+            self.rank = world().Get_rank()
+            made[self.rank] = factor
+
+        def after(self, phase: str, layer: object, y: object) -> None:
+            t0 = wtime()
+            super().after(phase, layer, y)
+            slept[self.rank] = slept.get(self.rank, 0.0) + (wtime() - t0)
+
+    monkeypatch.setattr(run_module, "Slowdown", Spy)
     out = tmp_path / "slow.h5"
     argv = ["-n", "2", "-m", "hpcdl.train", "--config", "digits-cnn", "--set", "train.steps=10",
             "--set", 'debug.slowdown=["1:4"]', "--progress", "none", "--out", str(out)]  # fmt: skip
     assert simulate(argv) == 0
+    assert made == {1: 4.0}
     with h5py.File(out, "r") as f:
         compute = f["ranks/compute_time"][...].sum(axis=0)
-    assert compute[1] > 2 * compute[0], compute
+    assert slept[1] > 0 and compute[1] >= slept[1], (compute, slept)
 
 
 # -- format-1 checkpoints (before pieces) still resume -------------------------------------------
