@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import h5py
@@ -119,8 +118,7 @@ def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: P
 
 def test_sleep_is_a_real_sleep_in_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outside the simulator hpcdl.comm.sleep is time.sleep (no world hook); nothing for 0 s."""
-    import hpcdl.comm.context as context
-    from hpcdl.comm import sleep
+    from hpcdl.comm import context, sleep
 
     slept: list[float] = []
     monkeypatch.setattr(context.time, "sleep", slept.append)
