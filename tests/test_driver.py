@@ -172,8 +172,10 @@ def test_slowdown_factors_are_checked() -> None:
         slowdown_factor(load_config("digits-mlp", ['debug.slowdown=["0:0.5"]']), 0, 1)
 
 
-def test_a_slowed_rank_computes_longer_in_the_run_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """debug.slowdown through the driver: only rank 1 gets a Slowdown(4), and its sleeps are in its compute."""
+def test_a_slowed_rank_computes_longer_in_the_run_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """debug.slowdown through the driver: only rank 1 gets a Slowdown(4); its sleeps are in its compute."""
     import hpcdl.driver.run as run_module
     from hpcdl.comm import world, wtime
 
