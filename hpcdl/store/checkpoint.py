@@ -23,7 +23,6 @@ its final name (``os.replace`` is atomic); the digest catches a file damaged lat
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ import h5py
 import numpy as np
 
 from hpcdl.errors import HpcdlError, file_error
+from hpcdl.store.runfile import heartbeat_now
 
 __all__ = [
     "CKPT_VERSION",
@@ -108,12 +108,17 @@ def list_checkpoints(run_file: str | os.PathLike[str]) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def _digest(ckpt: Checkpoint) -> str:
-    h = hashlib.sha256()
-    for path, a in _arrays(ckpt):
+def _hash_arrays(h: Any, arrays: Any) -> None:
+    """Feed ``(path, array)`` pairs to the hash ``h``: each path, dtype and shape, then its bytes."""
+    for path, a in arrays:
         a = np.ascontiguousarray(a)
         h.update(f"{path}:{a.dtype.str}:{a.shape}".encode())
         h.update(a.tobytes())
+
+
+def _digest(ckpt: Checkpoint) -> str:
+    h = hashlib.sha256()
+    _hash_arrays(h, _arrays(ckpt))
     for r, (_, meta) in enumerate(ckpt.ranks):
         h.update(f"rank_meta/{r}:".encode() + _json(meta).encode())
     for piece in sorted(ckpt.pieces):
@@ -175,7 +180,7 @@ def _write(ckpt: Checkpoint, tmp: Path) -> None:
                 "ranks": ckpt.world,
                 "config": ckpt.config,
                 "placement": ckpt.placement,
-                "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "created": heartbeat_now(),
                 "meta": _json(ckpt.meta),
                 "digest": _digest(ckpt),
             }
@@ -303,11 +308,7 @@ def _digest_v1(h5: h5py.File) -> str:
     for r in range(int(h5.attrs["ranks"])):
         groups[f"buffers/{r}"] = _read_group(h5[f"buffers/{r}"]) if f"buffers/{r}" in h5 else {}
     h = hashlib.sha256()
-    for gname in sorted(groups):
-        for key in sorted(groups[gname]):
-            a = np.ascontiguousarray(groups[gname][key])
-            h.update(f"{gname}/{key}:{a.dtype.str}:{a.shape}".encode())
-            h.update(a.tobytes())
+    _hash_arrays(h, ((f"{g}/{key}", groups[g][key]) for g in sorted(groups) for key in sorted(groups[g])))
     return h.hexdigest()
 
 
