@@ -74,15 +74,20 @@ def _base(*sets: str) -> list[str]:
     return ["model.width=32", "train.steps=30", "checkpoint.every=10", "checkpoint.keep=5", *sets]
 
 
+def _refused(out: Path, match: str, *sets: str, resume: str | None = "auto") -> None:
+    """digits-mlp with ``_base(*sets)`` on ``out`` is refused with ``match``; no file beside it changes."""
+    before = _files(out.parent)
+    with pytest.raises(HpcdlError, match=match):
+        run(load_config("digits-mlp", _base(*sets)), out=out, resume=resume)
+    assert _files(out.parent) == before
+
+
 def test_checkpoints_that_do_not_fit_are_refused_without_a_run_file(tmp_path: Path) -> None:
     out = tmp_path / "r.h5"
     run(load_config("digits-mlp", _base()), out=out)
     out.unlink()  # only the checkpoints are left
-    before = _files(tmp_path)
     refused = r"can continue this run: .*data.batch_size = 32; this run has 16 \(and 2 more checkpoints"
-    with pytest.raises(HpcdlError, match=refused):
-        run(load_config("digits-mlp", _base("data.batch_size=16")), out=out, resume="auto")
-    assert _files(tmp_path) == before
+    _refused(out, refused, "data.batch_size=16")
 
 
 def test_damaged_checkpoints_are_refused(tmp_path: Path) -> None:
@@ -90,10 +95,7 @@ def test_damaged_checkpoints_are_refused(tmp_path: Path) -> None:
     run(load_config("digits-mlp", _base()), out=out)
     for path in list_checkpoints(out):
         path.write_bytes(path.read_bytes()[:2000])
-    before = _files(tmp_path)
-    with pytest.raises(HpcdlError, match="can continue this run: checkpoint .* is damaged or truncated"):
-        run(load_config("digits-mlp", _base()), out=out, resume="auto")
-    assert _files(tmp_path) == before
+    _refused(out, "can continue this run: checkpoint .* is damaged or truncated")
 
 
 def test_a_run_without_a_checkpoint_is_compared_by_its_config(tmp_path: Path) -> None:
@@ -101,10 +103,7 @@ def test_a_run_without_a_checkpoint_is_compared_by_its_config(tmp_path: Path) ->
     run(load_config("digits-mlp", _base()), out=out)
     for path in list_checkpoints(out):
         path.unlink()  # as if killed before its first checkpoint
-    before = _files(tmp_path)
-    with pytest.raises(HpcdlError, match=r"r.h5 was written with model.width = 32; this run has 64"):
-        run(load_config("digits-mlp", _base("model.width=64")), out=out, resume="auto")
-    assert _files(tmp_path) == before
+    _refused(out, r"r.h5 was written with model.width = 32; this run has 64", "model.width=64")
 
 
 def test_settings_outside_the_trajectory_may_change_and_are_recorded(
@@ -124,10 +123,7 @@ def test_a_fresh_start_never_takes_over_another_runs_checkpoints(tmp_path: Path)
     out = tmp_path / "r.h5"
     run(load_config("digits-mlp", _base()), out=out)
     out.unlink()
-    before = _files(tmp_path)
-    with pytest.raises(HpcdlError, match=r"r.ckpt-00000030.h5 of an earlier run lies beside .*r.h5"):
-        run(load_config("digits-mlp", _base("seed=5")), out=out)
-    assert _files(tmp_path) == before
+    _refused(out, r"r.ckpt-00000030.h5 of an earlier run lies beside .*r.h5", "seed=5", resume=None)
 
 
 def test_auto_removes_its_runs_orphaned_temporary_checkpoints(
@@ -202,10 +198,7 @@ def test_a_finished_run_without_checkpoints_is_not_restarted(tmp_path: Path) -> 
     run(load_config("digits-mlp", _base()), out=out)
     for path in list_checkpoints(out):
         path.unlink()
-    before = _files(tmp_path)
-    with pytest.raises(HpcdlError, match=r"r.h5 is a finished run with no checkpoint to continue from"):
-        run(load_config("digits-mlp", _base("train.steps=5")), out=out, resume="auto")
-    assert _files(tmp_path) == before
+    _refused(out, r"r.h5 is a finished run with no checkpoint to continue from", "train.steps=5")
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path: Path) -> None:
