@@ -1255,7 +1255,6 @@ cdef class NetCore:
     cdef int64_t* _due  # flows ending at the tick being reached
     cdef Py_ssize_t _cap_comp, _n_res
     cdef Py_ssize_t _n_active  # flows on their channels (the heap is compacted against it)
-    cdef public int64_t flows_started, recomputes
 
     def __cinit__(self, *args, **kwargs):
         self._free_head = -1
@@ -1418,7 +1417,6 @@ cdef class NetCore:
         f.t_last = t
         f.num, f.den = 0, 1
         f.t_end = -1
-        self.flows_started += 1
         self._n_active += 1
         for k in range(f.nres):
             c = f.res[k]
@@ -1567,7 +1565,6 @@ cdef class NetCore:
         for s in range(seed_n):
             if self._rmark[self._seeds[s]] == epoch:
                 continue  # in a group already shared out
-            self.recomputes += 1
             nf = self._group(self._seeds[s], epoch)
             nr = self._n_res
             if nf == 0:
