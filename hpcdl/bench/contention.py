@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.comm import Communicator, sleep, subcomm, wtime
+from hpcdl.comm import Communicator, on_root, sleep, subcomm, wtime
 
 __all__ = ["FACTOR_KERNEL", "KERNELS", "factors", "idle_barrier", "kernels", "levels", "measure"]
 
@@ -153,14 +153,15 @@ def measure(comm: Communicator, host: Sequence[int], repeat: int) -> list[dict[s
     for sub in subs.values():
         sub.Free()
     gathered = comm.gather(samples, root=0)
-    rows: list[dict[str, Any]] = []
-    if rank == 0:
+
+    def rows() -> list[dict[str, Any]]:
+        out = []
         for name in KERNELS:
             alone = statistics.median(t for t, _ in gathered[0][name, 1])
             for k in ks:
                 both = [s for part in gathered for s in part[name, k]]
                 ts = [t for t, _ in both]
-                rows.append(
+                out.append(
                     {
                         "kernel": name,
                         "ranks_at_once": k,
@@ -172,4 +173,6 @@ def measure(comm: Communicator, host: Sequence[int], repeat: int) -> list[dict[s
                         "cpu_share": statistics.median(min(1.0, c / t) if t > 0 else 1.0 for t, c in both),
                     }
                 )
-    return comm.bcast(rows if rank == 0 else None, root=0)
+        return out
+
+    return on_root(comm, rows)
