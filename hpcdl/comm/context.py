@@ -111,6 +111,17 @@ def sleep(seconds: float) -> None:
         time.sleep(seconds)
 
 
+def slow_down(factor: float) -> bool:
+    """Ask the world to make this rank's compute ``factor`` times as slow (``debug.slowdown``).
+
+    A simulated world does it in its compute model (as its stragglers: a cost table's layer
+    costs are scaled too) and returns True; under MPI nothing happens and the caller slows
+    the rank itself (a sleep after each layer), returning False.
+    """
+    hook = _world_hook("slow_down")
+    return bool(hook(factor)) if hook is not None else False
+
+
 def Status() -> StatusLike:  # noqa: N802  (named like the mpi4py class it creates)
     """A fresh status object for ``Recv``/``Iprobe``/``Sendrecv``/``Wait``.
 

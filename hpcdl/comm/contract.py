@@ -199,6 +199,9 @@ class WorldHooks(Protocol):
       (False: some request is not the world's own; the caller polls them all);
     * ``sleep(seconds)``: spend time on purpose, used by :func:`hpcdl.comm.sleep` (a
       simulated world moves the rank's virtual clock);
+    * ``slow_down(factor) -> bool``: make the rank's compute ``factor`` times as slow, used
+      by :func:`hpcdl.comm.slow_down` for ``debug.slowdown`` (a simulated world scales
+      its compute model's costs for the rank);
     * ``notes() -> dict`` and ``long_wait(reason)``: the stall watchdog's notes of what the
       rank is doing and its mark for waits that are long by design, used by
       :func:`hpcdl.comm.notes`/:func:`hpcdl.comm.long_wait` (MPI's world under

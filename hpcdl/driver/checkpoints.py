@@ -27,6 +27,7 @@ FIT_KEYS = (
     "seed", "dtype", "model.name", "model.depth", "model.width", "model.width_mult", "model.channels",
     "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
     "data.train_size", "data.test_size", "exchange.accumulate", "parallel.strategy",
+    "parallel.servers", "parallel.mode", "parallel.staleness", "parallel.compensation", "parallel.dc_lambda",
 )  # fmt: skip
 
 #: the key of the driver's counters in each rank's meta (the strategy's part holds the rest)

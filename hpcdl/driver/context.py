@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -12,7 +12,7 @@ from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, sleep, wtime
 from hpcdl.config import Config
 from hpcdl.data import Dataset, DistributedSampler, gather_batch
-from hpcdl.driver.factory import build, evaluate, load_data, make_optimizer, make_schedule
+from hpcdl.driver.factory import build, evaluate, evaluation_parts, load_data, make_optimizer, make_schedule
 from hpcdl.errors import ConfigError, DataError
 from hpcdl.nn import LayerProfiler, Parameter, Sequential, observe
 from hpcdl.optim import Optimizer, Schedule
@@ -47,6 +47,11 @@ class Context:
         samples = len(self._data.y_train)
         self.batches, self.steps_per_epoch, self.total_steps = arithmetic(cfg, placement, samples)
         self._schedule: Schedule | None = None
+        self._t0 = wtime()
+
+    def elapsed(self) -> float:
+        """Seconds since the run began, on this rank's clock (the driver counts every segment)."""
+        return wtime() - self._t0
 
     @property
     def rank(self) -> int:
@@ -62,7 +67,7 @@ class Context:
         return build(self.cfg, self._data, self.rank, self.dtype, self.xp, self.dropout_rng)
 
     def schedule(self) -> Schedule:
-        """The learning-rate schedule, scaled by the batches one update averages (width x micro-steps)."""
+        """The learning-rate schedule, scaled by the batches one update averages (``scale_batches``)."""
         if self._schedule is None:
             self._schedule = make_schedule(self.cfg, self.batches, self.steps_per_epoch, self.total_steps)
         return self._schedule
@@ -100,6 +105,15 @@ class Context:
         """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
         return evaluate(model, self._data, comm, self.xp, self.dtype)
 
+    def evaluation_parts(self, model: Sequential) -> Generator[None, None, tuple[float, float]]:
+        """Test accuracy and loss of ``model`` on this rank alone, one batch per ``next()``.
+
+        For a rank that keeps answering messages between the parts (a parameter server);
+        the generator's value is ``(accuracy, loss)``.
+        """
+        correct, loss_sum, count = yield from evaluation_parts(model, self._data, self.xp, self.dtype)
+        return float(correct / max(1, count)), float(loss_sum / max(1, count))
+
     def random_state(self) -> dict[str, Any]:
         """This rank's random streams (dropout) for its checkpoint part."""
         return {"dropout": self.dropout_rng.bit_generator.state}
@@ -122,20 +136,22 @@ class Context:
 
 
 def arithmetic(cfg: Config, placement: Placement, samples: int) -> tuple[int, int, int]:
-    """The batches one update averages (width x micro-steps), the steps per epoch of ``samples``
-    training samples (whole global batches), and the run's steps (``train.steps`` or epochs)."""
-    steps_per_epoch = max(1, samples // placement.global_batch)
+    """The batches one update averages (width x micro-steps; 1 for an asynchronous push), the
+    steps per epoch of ``samples`` training samples (whole steps: global batches, or pushes),
+    and the run's steps (``train.steps`` or epochs)."""
+    steps_per_epoch = max(1, samples // placement.step_samples)
     total = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
-    return placement.width * placement.micro_steps, steps_per_epoch, total
+    return placement.scale_batches, steps_per_epoch, total
 
 
 class Slowdown:
     """A per-layer observer: after each layer, spend ``factor - 1`` times its compute time.
 
     ``debug.slowdown = ["RANK:FACTOR"]`` makes that world rank a straggler under mpiexec,
-    as the simulator's ``--straggler`` does: :func:`hpcdl.comm.sleep` is a real sleep
-    there and a move of the virtual clock in the simulator. Only outermost layers are
-    timed (a residual block's inner layers are inside its time).
+    as the simulator's ``--straggler`` does (:func:`hpcdl.comm.sleep` is a real sleep).
+    In the simulator the driver asks the world instead (:func:`hpcdl.comm.slow_down`),
+    which scales the rank's modelled compute, cost tables included. Only outermost layers
+    are timed (a residual block's inner layers are inside its time).
     """
 
     def __init__(self, factor: float) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,9 @@ from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
 from hpcdl.rng import generator
 
-__all__ = ["make_optimizer", "make_schedule", "load_data", "build", "evaluate", "EVAL_BATCH"]
+__all__ = [
+    "make_optimizer", "make_schedule", "load_data", "build", "evaluate", "evaluation_parts", "EVAL_BATCH",
+]  # fmt: skip
 
 EVAL_BATCH = 512
 
@@ -161,17 +163,42 @@ def evaluate(
     counts are summed with one small allreduce.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
+    parts = evaluation_parts(model, data, xp, dtype, rank, size)
+    while True:
+        try:
+            next(parts)
+        except StopIteration as done:
+            counts = done.value
+            break
+    correct, loss_sum, count = comm.allreduce(counts, op=ops.SUM)
+    return float(correct / max(1, count)), float(loss_sum / max(1, count))
+
+
+def evaluation_parts(
+    model: Sequential, data: Dataset, xp: Any, dtype: Any, rank: int = 0, size: int = 1
+) -> Generator[None, None, np.ndarray]:
+    """Evaluate test images ``rank, rank + size, …`` one batch per ``next()``.
+
+    A rank that must keep answering messages while it evaluates (a parameter server)
+    runs one part at a time between them. The model is in eval mode from the first part
+    to the last.
+
+    Returns (as the generator's value): ``[correct, loss sum, images]`` of this rank's share.
+    """
     idx = np.arange(rank, len(data.y_test), size)
     loss_fn = SoftmaxCrossEntropy()
     correct, loss_sum = 0, 0.0
-    model.eval()
     for start in range(0, len(idx), EVAL_BATCH):
         part = idx[start : start + EVAL_BATCH]
         x = xp.asarray(data.x_test[part], dtype=dtype)
         y = xp.asarray(data.y_test[part])
-        logits = model.forward(x)
+        model.eval()
+        try:
+            logits = model.forward(x)
+        finally:
+            model.train()
         loss_sum += loss_fn.forward(logits, y) * len(part)
         correct += int(to_numpy(logits.argmax(axis=1) == y).sum())
-    model.train()
-    correct, loss_sum, count = comm.allreduce(np.array([correct, loss_sum, len(idx)]), op=ops.SUM)
-    return float(correct / max(1, count)), float(loss_sum / max(1, count))
+        if start + EVAL_BATCH < len(idx):
+            yield
+    return np.array([correct, loss_sum, len(idx)])

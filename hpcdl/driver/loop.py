@@ -7,6 +7,12 @@ each epoch's end), progress, stops (a signal, ``train.stop_at``) and checkpoints
 (``checkpoint.every``). Work due at a step between two meetings fires at the next meeting
 (``train.stop_at = 6`` with meetings every 4 steps stops after step 8); the ranks also
 meet after the last step.
+
+A strategy that runs free (``Strategy.runs_free``: parameter servers) is not stepped:
+:meth:`Trainer.run` lets it run until the next step at which the driver has work that
+needs every rank — a checkpoint, ``train.stop_at``, the end — and it returns the steps
+it did (pushes applied); then the ranks meet as above. Such a strategy evaluates on its
+own schedule, without a meeting.
 """
 
 from __future__ import annotations
@@ -96,9 +102,14 @@ class Trainer:
         """Steps and meetings until the last step, a stop or an error."""
         total = self.ctx.total_steps
         self._met, self._t_segment = self.step, wtime()
+        self.ctx.elapsed = self.elapsed  # type: ignore[method-assign]  (the run's time, every segment)
+        free = self.strategy.runs_free
         while self.step < total and not self.stopped_by:
-            self._one_step()
-            if self.strategy.meets_after(self.step) or self.step == total:
+            if free:
+                self._phase()
+            else:
+                self._one_step()
+            if free or self.strategy.meets_after(self.step) or self.step >= total:
                 self._meeting()
 
     def elapsed(self) -> float:
@@ -125,19 +136,64 @@ class Trainer:
         self.counters.comm_s += stats.comm_s
         self._pending.append(_Step(stats, wall, other, self.elapsed()))
 
+    def _next_meeting(self) -> int:
+        """The next step at which the driver needs every rank: a checkpoint, ``train.stop_at``, the end."""
+        cfg, step = self.ctx.cfg, self.step
+        due = [self.ctx.total_steps]
+        if cfg["checkpoint.every"]:
+            due.append((step // cfg["checkpoint.every"] + 1) * cfg["checkpoint.every"])
+        if cfg["train.stop_at"] > step:
+            due.append(cfg["train.stop_at"])
+        return min(due)
+
+    def _phase(self) -> None:
+        """Let a free-running strategy run to the next meeting; its steps join the pending ones.
+
+        A step's wall time is the time since the previous one ended on this rank: when the
+        strategy timed its steps (``StepStats.ended``) as it did them, else the call's time
+        spread evenly; the last step takes the call's end.
+        """
+        t0 = wtime()
+        other = t0 - self._t_end - self._meeting_comm if self._t_end is not None else 0.0
+        self._meeting_comm = 0.0
+        self._note["step"], self._note["phase"] = self.step + 1, "running free"
+        with self.ctx.observing(self.profiler, self.slowdown):
+            done = self.strategy.run_until(self.step, self._next_meeting(), self.stop)
+        self._t_end = wtime()
+        prev, n = t0, len(done)
+        for i, stats in enumerate(done):
+            if i == n - 1:
+                end = self._t_end
+            elif math.isfinite(stats.ended):
+                end = stats.ended
+            else:
+                end = t0 + (self._t_end - t0) * (i + 1) / n
+            wall, prev = end - prev, end
+            self.counters.train_s += wall
+            self.counters.compute_s += wall - stats.comm_s
+            self.counters.comm_s += stats.comm_s
+            elapsed = self.counters.elapsed_s + end - self._t_segment
+            self._pending.append(_Step(stats, wall, other if i == 0 else 0.0, elapsed))
+        self.step += n
+
     def _meeting(self) -> None:
         """What fires at a meeting: agree, rows, evaluation, progress, a stop, a checkpoint."""
         steps, self._pending = self._pending, []
         first = self.step - len(steps) + 1
         self._note["phase"] = "metrics and stop vote"
         agreed = self.strategy.agree([s.stats for s in steps], self.stop.requested)
-        if agreed.bytes_sent is not None:  # the meeting sent data: the last step's running total
+        if steps and agreed.bytes_sent is not None:  # the meeting sent data: the last step's running total
             steps[-1].stats.bytes_sent = agreed.bytes_sent
-        steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
+        if steps:  # (a free-running strategy stopped before its first step did none)
+            steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
         self.counters.comm_s += agreed.comm_s
+        for name, columns in agreed.tables.items():
+            self.log.add_table(name, columns)
         for i, (done, row) in enumerate(zip(steps, agreed.rows)):
             self._record(first + i, done, row, last=i == len(steps) - 1)
-        self.bar.update(self.step, since=self._met, loss=self.history[-1]["loss"], samples_per_s=self._rate())
+        if self.history:
+            loss = self.history[-1]["loss"]
+            self.bar.update(self.step, since=self._met, loss=loss, samples_per_s=self._rate())
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
 
@@ -147,7 +203,7 @@ class Trainer:
             seconds = self.counters.train_s  # in steps, as the summary
         else:  # a rank that reads no batches: the run's time
             seconds = self.elapsed()
-        return self.ctx.placement.global_batch * self.step / seconds if seconds > 0 else math.nan
+        return self.ctx.placement.step_samples * self.step / seconds if seconds > 0 else math.nan
 
     def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
         """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
@@ -157,21 +213,28 @@ class Trainer:
                 f"loss is {agreed['loss']} at step {step}: stopped; the last good checkpoint is kept "
                 "(lower optimizer.lr or check the data)"
             )
-        spe, stats = self.ctx.steps_per_epoch, done.stats
-        rate = self.ctx.placement.global_batch / done.wall_s if done.wall_s > 0 else math.nan  # no time: none
-        row = {"step": step, "epoch": (step - 1) // spe, **agreed, "lr": stats.lr, "step_time": done.wall_s,
-               "samples_per_s": rate, "bytes_sent": stats.bytes_sent, "time": done.elapsed_s}  # fmt: skip
-        if last and self._evaluation_due():
+        spe, stats, per_step = self.ctx.steps_per_epoch, done.stats, self.ctx.placement.step_samples
+        rate = per_step / done.wall_s if done.wall_s > 0 else math.nan  # no time: none
+        row = {"step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **agreed, "lr": stats.lr,
+               "step_time": done.wall_s, "samples_per_s": rate, "bytes_sent": stats.bytes_sent,
+               "time": done.elapsed_s}  # fmt: skip
+        if math.isfinite(agreed.get("test_accuracy", math.nan)):  # the strategy evaluated on its own
+            self.accuracy = (agreed["test_accuracy"], agreed["test_loss"])
+            self._say_accuracy(step, row["epoch"])
+        elif last and not self.strategy.runs_free and self._evaluation_due():
             self._note["phase"] = "evaluation"
             self.accuracy = self.strategy.evaluate()
             acc, loss = self.accuracy
             row.update(test_accuracy=acc, test_loss=loss)
-            epoch = row["epoch"]
-            self.bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {loss:.4f}")
+            self._say_accuracy(step, row["epoch"])
         self.history.append(row)
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
-        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s)
+        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s, stats.series)
+
+    def _say_accuracy(self, step: int, epoch: int) -> None:
+        acc, loss = self.accuracy
+        self.bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {loss:.4f}")
 
     def _evaluation_due(self) -> bool:
         every = self.ctx.cfg["train.eval_every"]

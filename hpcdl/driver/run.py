@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
-from hpcdl.comm import Communicator, StallError, long_wait, notes, on_root, world, wtime
+from hpcdl.comm import Communicator, StallError, long_wait, notes, on_root, slow_down, world, wtime
 from hpcdl.config import Config
 from hpcdl.driver.checkpoints import DRIVER, capture, distribute
 from hpcdl.driver.context import Context, Slowdown, slowdown_factor
@@ -150,12 +150,15 @@ def _run(
     trainer = Trainer(
         ctx,
         strategy,
-        log=RunLog(comm, opened.runfile, cfg["log.flush_every"], placement),
+        log=RunLog(
+            comm, opened.runfile, cfg["log.flush_every"], placement, strategy.rank_series, strategy.row_rank
+        ),  # fmt: skip
         bar=bar,
         stop=current_stop_request(),
         save=lambda step: _checkpoint(trainer, run_path, step),
         profiler=LayerProfiler() if cfg["profile.layers"] else None,
-        slowdown=Slowdown(factor) if factor != 1.0 else None,
+        # a simulated world scales the rank's modelled compute itself (and resets it at 1.0)
+        slowdown=Slowdown(factor) if not slow_down(factor) and factor != 1.0 else None,
     )
     if opened.step is not None:  # each rank receives its own part only
         state = distribute(comm, opened.checkpoint, placement)
@@ -183,7 +186,7 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
     trainer.end_segment()
     counters = trainer.counters
     train_s = ctx.comm.allreduce(counters.train_s, op=ops.MAX)  # the slowest rank's: rank 0 may read no batch
-    rate = ctx.placement.global_batch * trainer.step / train_s if train_s > 0 else math.nan
+    rate = ctx.placement.step_samples * trainer.step / train_s if train_s > 0 else math.nan
     runfile = trainer.log.runfile
     profile = trainer.profiler.table() if trainer.profiler is not None else None
     if runfile is not None and profile is not None:

@@ -46,18 +46,29 @@ class RunLog:
         runfile: RunFile | None,
         flush_every: int,
         placement: Placement,
+        series: tuple[str, ...] = (),
+        row_rank: int | None = None,
     ) -> None:
         self.comm = comm
         self.runfile = runfile  # only rank 0 has one
         self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
         self._times: list[tuple[float, ...]] = []
+        self._tables: dict[str, list[dict[str, Any]]] = {}
         # a row's lr is a data-parallel member's; its step time and bytes the slowest and busiest rank's
         self._member = next(r for r, p in enumerate(placement.ranks) if p.member >= 0)
-        self._global_batch = placement.global_batch
+        self._global_batch = placement.step_samples
+        self._series = series  # the strategy's own per-rank series
+        self._row_rank = row_rank  # the rank whose step time a row takes (None: the slowest)
 
     def record(
-        self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float
+        self,
+        row: dict[str, Any],
+        compute_s: float,
+        comm_s: float,
+        exposed_s: float,
+        other_s: float,
+        series: dict[str, float] | None = None,
     ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
@@ -66,38 +77,52 @@ class RunLog:
         rank 0's row takes its ``lr`` from the first data-parallel member, its
         ``step_time`` (and ``samples_per_s``) from the slowest rank and its ``bytes_sent``
         from the rank that sent most (each rank's own are in its ``row``): rank 0 may read
-        no batches at all.
+        no batches at all. ``series`` holds this rank's values of the strategy's own
+        per-rank series (NaN for those it does not give).
         """
         if self.runfile is not None:
             self._rows.append(row)
         own = (row["step_time"], float(row["bytes_sent"]), row["lr"])
-        self._times.append((compute_s, comm_s, exposed_s, other_s, *own))
+        extra = tuple((series or {}).get(name, math.nan) for name in self._series)
+        self._times.append((compute_s, comm_s, exposed_s, other_s, *own, *extra))
         if len(self._times) >= self.flush_every:
             self.flush()
 
+    def add_table(self, name: str, columns: dict[str, Any]) -> None:
+        """Rows of the row group ``name`` (rank 0; written with the next flush)."""
+        if self.runfile is not None and len(next(iter(columns.values()), ())):
+            self._tables.setdefault(name, []).append(columns)
+
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
-        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7)
+        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7 + len(self._series))
         every = self.comm.gather(mine, root=0)
         self._times = []
         if self.runfile is None:
             return
-        times = np.stack(every, axis=1)  # steps, ranks, 7
+        times = np.stack(every, axis=1)  # steps, ranks, 7 + series
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
         self._agreed_columns(times)
-        self.runfile.append_rows(
-            self._rows,
-            {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
-             "other_time": other},
-        )  # fmt: skip
-        self._rows = []
+        series = {"compute_time": compute, "comm_time": comm_t, "wait_time": wait,
+                  "exposed_comm_time": exposed, "other_time": other}  # fmt: skip
+        series.update({name: times[..., 7 + i] for i, name in enumerate(self._series)})
+        tables = {
+            name: {column: np.concatenate([part[column] for part in parts]) for column in parts[0]}
+            for name, parts in self._tables.items()
+        }
+        self.runfile.append_rows(self._rows, series, tables)
+        self._rows, self._tables = [], {}
 
     def _agreed_columns(self, times: np.ndarray) -> None:
-        """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them."""
-        for row, wall, sent, lr in zip(
-            self._rows, times[..., 4].max(axis=1), times[..., 5].max(axis=1), times[:, self._member, 6]
-        ):
+        """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them.
+
+        The step time is the slowest rank's, or the row rank's when the strategy names one
+        (a parameter server's steps are its applies).
+        """
+        walls = times[..., 4].max(axis=1) if self._row_rank is None else times[:, self._row_rank, 4]
+        most_sent, lrs = times[..., 5].max(axis=1), times[:, self._member, 6]
+        for row, wall, sent, lr in zip(self._rows, walls, most_sent, lrs):
             row["lr"], row["step_time"], row["bytes_sent"] = float(lr), float(wall), int(sent)
             row["samples_per_s"] = self._global_batch / wall if wall > 0 else math.nan
 
@@ -319,4 +344,3 @@ def _git_commit() -> str:
     except OSError:
         return ""
     return out.stdout.strip() if out.returncode == 0 else ""
-

@@ -42,7 +42,10 @@ __all__ = [
 ]
 
 #: strategy name (``parallel.strategy``) -> ``module:Class``, imported on first use
-STRATEGIES: dict[str, str] = {"sync": "hpcdl.parallel.sync:SyncDataParallel"}
+STRATEGIES: dict[str, str] = {
+    "sync": "hpcdl.parallel.sync:SyncDataParallel",
+    "ps": "hpcdl.parallel.ps:ParameterServer",
+}
 
 
 def strategy_class(name: str) -> type[Strategy]:
@@ -90,6 +93,12 @@ class Placement:
         batch_size: samples per data-parallel member and micro-step (``data.batch_size``).
         micro_steps: micro-steps per optimizer step (``exchange.accumulate`` for sync).
         notes: lines a strategy adds to the ``--plan`` printout (a partition, a schedule).
+        step_batches: batches of ``batch_size`` one step (one row of the run file) processes;
+            0: ``width x micro_steps`` (a global batch). A parameter server's step is one
+            push: 1.
+        update_batches: batches one optimizer update averages, which ``schedule.scale``
+            scales the learning rate by; 0: ``width x micro_steps``. A parameter server's
+            asynchronous push: 1; its synchronous round: the W workers' batches.
     """
 
     strategy: str
@@ -97,6 +106,8 @@ class Placement:
     batch_size: int
     micro_steps: int = 1
     notes: tuple[str, ...] = field(default=())
+    step_batches: int = 0
+    update_batches: int = 0
 
     @property
     def world(self) -> int:
@@ -113,6 +124,16 @@ class Placement:
         """Samples per optimizer step: width x micro-steps x batch."""
         return self.width * self.micro_steps * self.batch_size
 
+    @property
+    def step_samples(self) -> int:
+        """Training samples one step processes (the unit of ``train.steps`` and of epochs)."""
+        return (self.step_batches or self.width * self.micro_steps) * self.batch_size
+
+    @property
+    def scale_batches(self) -> int:
+        """Batches one optimizer update averages (what ``schedule.scale`` scales by)."""
+        return self.update_batches or self.width * self.micro_steps
+
     def holders(self, piece: str) -> list[int]:
         """The ranks holding ``piece``, in rank order (the first writes it to checkpoints)."""
         return [r for r, p in enumerate(self.ranks) if p.holds == piece]
@@ -127,8 +148,11 @@ class Placement:
 
     def same_as(self, other: Placement) -> bool:
         """The same roles, pieces, members and batch arithmetic (``notes`` are only words)."""
-        mine = (self.strategy, self.ranks, self.batch_size, self.micro_steps)
-        return mine == (other.strategy, other.ranks, other.batch_size, other.micro_steps)
+        return self._key() == other._key()
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.strategy, self.ranks, self.batch_size, self.micro_steps, self.step_samples,
+                self.scale_batches)  # fmt: skip
 
     def to_json(self) -> str:
         """The placement as JSON text (stored in checkpoints)."""
@@ -144,6 +168,8 @@ class Placement:
             batch_size=int(d["batch_size"]),
             micro_steps=int(d.get("micro_steps", 1)),
             notes=tuple(d.get("notes", ())),
+            step_batches=int(d.get("step_batches", 0)),
+            update_batches=int(d.get("update_batches", 0)),
         )
 
     def summary(self) -> str:
@@ -156,10 +182,19 @@ class Placement:
 
     def table(self) -> str:
         """The placement as a table (``--plan``): runs of like ranks on one line each."""
+        if self.step_batches:  # steps that are not global batches (a push)
+            arithmetic = (
+                f"data-parallel width {self.width}, one step = {self.step_batches} batch"
+                f"{'es' * (self.step_batches > 1)} of {self.batch_size} ({self.step_samples} samples), "
+                f"one update averages {self.scale_batches} batch{'es' * (self.scale_batches > 1)}"
+            )
+        else:
+            arithmetic = (
+                f"data-parallel width {self.width}, global batch {self.global_batch} = {self.width} x "
+                f"{self.micro_steps} micro-step{'s' * (self.micro_steps > 1)} x {self.batch_size}"
+            )
         lines = [
-            f"strategy {self.strategy} on {self.world} rank{'s' * (self.world > 1)}: data-parallel width "
-            f"{self.width}, global batch {self.global_batch} = {self.width} x {self.micro_steps} "
-            f"micro-step{'s' * (self.micro_steps > 1)} x {self.batch_size}",
+            f"strategy {self.strategy} on {self.world} rank{'s' * (self.world > 1)}: {arithmetic}",
             "",
             f"{'ranks':<14}{'role':<14}{'holds':<24}data-parallel member",
         ]
@@ -212,6 +247,11 @@ class StepStats:
         comm_s: seconds in communication.
         exposed_s: the part of ``comm_s`` that nothing overlapped (after backward).
         bytes_sent: bytes this rank has sent since the run began (a running total).
+        ended: when the step ended on this rank's clock (:func:`hpcdl.comm.wtime`), for a
+            strategy that runs many steps in one call and timed them (a server's applies);
+            NaN: the driver spreads the call's time evenly over its steps.
+        series: this rank's values of the strategy's extra per-rank series
+            (:attr:`Strategy.rank_series`) for the step.
     """
 
     loss: float = float("nan")
@@ -221,6 +261,8 @@ class StepStats:
     comm_s: float = 0.0
     exposed_s: float = 0.0
     bytes_sent: int = 0
+    ended: float = float("nan")
+    series: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -235,12 +277,16 @@ class Agreement:
             averaged, say): counted as the last step's communication.
         bytes_sent: this rank's running total of bytes sent after the meeting, when the
             meeting sent some (None: the last step's total stands).
+        tables: row groups of the run file beside ``metrics/`` (``staleness``: one row per
+            applied push and shard), as columns, on rank 0; rows past a checkpoint's step
+            are cut on resume by their ``update`` column.
     """
 
     rows: list[dict[str, float]]
     stop_votes: int
     comm_s: float = 0.0
     bytes_sent: int | None = None
+    tables: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -308,6 +354,15 @@ class RunContext(Protocol):
         """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
         ...
 
+    def evaluation_parts(self, model: Any) -> Any:
+        """Test accuracy and loss of ``model`` on this rank alone, one batch per ``next()`` (a
+        generator whose value is ``(accuracy, loss)``): for a rank that serves between parts."""
+        ...
+
+    def elapsed(self) -> float:
+        """Seconds since the run began, on this rank's clock (a row's ``time``)."""
+        ...
+
     def random_state(self) -> dict[str, Any]:
         """This rank's random streams (dropout), for its checkpoint part."""
         ...
@@ -332,6 +387,14 @@ class Strategy:
 
     #: the name ``parallel.strategy`` selects it by
     name: ClassVar[str] = ""
+    #: True: the ranks run their own loops between meetings (servers and workers): the
+    #: driver calls :meth:`run_until`, not :meth:`step`, and the strategy evaluates on its
+    #: own schedule (rows it returns with ``test_accuracy`` are not evaluated again)
+    runs_free: ClassVar[bool] = False
+    #: extra per-rank series (``ranks/`` of the run file) that the steps' ``series`` give
+    rank_series: ClassVar[tuple[str, ...]] = ()
+    #: the rank whose times make a row's ``step_time`` and ``time``; None: the slowest rank's
+    row_rank: ClassVar[int | None] = None
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
@@ -348,6 +411,32 @@ class Strategy:
     def step(self, step: int) -> StepStats:
         """Step ``step`` (0-based: the steps done before it) on this rank."""
         raise NotImplementedError
+
+    def run_until(self, step: int, target: int, stop: Any) -> list[StepStats]:
+        """Run free from ``step`` steps done until ``target`` or a stop, then quiesce (``runs_free``).
+
+        Args:
+            step: steps done when the call begins (the same on every rank).
+            target: the step of the next meeting; a strategy whose steps come in rounds may
+                end past it, at the end of the round that reaches it.
+            stop: this rank's stop flag (``requested``): asked, the strategy ends early.
+
+        Returns:
+            One entry per step done, as many on every rank; the ranks then meet
+            (:meth:`agree`).
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
+        """Lines ``--plan`` adds below the placement (a parameter server's shards).
+
+        Args:
+            cfg: the config.
+            placement: the strategy's placement.
+            model: builds the config's model when called (the data set is loaded).
+        """
+        return []
 
     def meets_after(self, step: int) -> bool:
         """True when the ranks meet after ``step`` (1-based): the driver's work fires there."""

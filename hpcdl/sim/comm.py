@@ -282,6 +282,11 @@ class SimWorld(SimComm):
         """:func:`hpcdl.comm.sleep`: the rank's virtual clock moves on by ``seconds``."""
         self._engine.charge(self._world_rank, ticks(seconds))
 
+    def slow_down(self, factor: float) -> bool:
+        """:func:`hpcdl.comm.slow_down`: this rank's modelled compute costs ``factor`` times as much."""
+        self._engine.compute.slow_down(self._world_rank, factor)
+        return True
+
     def launcher(self) -> str:
         """The command line that started this simulation, up to the command's own arguments
         (``python -m hpcdl.simulate -n 4 ... -m hpcdl.train``); "" when not started by one."""

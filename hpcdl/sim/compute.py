@@ -179,6 +179,8 @@ class ComputeModel:
         self.seed = _check_seed(seed)
         self.jitter = _check_jitter(jitter)
         self.stragglers = _check_stragglers(stragglers)
+        #: ranks a program slows down itself (``debug.slowdown``, :meth:`slow_down`), times their straggler
+        self.slowdowns: dict[int, float] = {}
         self._sigma = math.sqrt(math.log1p(self.jitter**2))
         self._mu = -0.5 * self._sigma**2
         self._rngs: dict[int, np.random.Generator] = {}  # per rank, created on first use
@@ -214,13 +216,22 @@ class ComputeModel:
 
     def scale(self, rank: int) -> float:
         """The factor for one charge on ``rank``: ``straggler / speed`` times a jitter draw."""
-        factor = self.stragglers.get(rank, 1.0) / self.speed
+        factor = self.stragglers.get(rank, 1.0) * self.slowdowns.get(rank, 1.0) / self.speed
         if self.jitter > 0.0:
             rng = self._rngs.get(rank)
             if rng is None:
                 rng = self._rngs[rank] = generator(self.seed, rank, "sim-jitter")
             factor *= float(rng.lognormal(self._mu, self._sigma))
         return factor
+
+    def slow_down(self, rank: int, factor: float) -> None:
+        """Make ``rank``'s compute ``factor`` times as costly (on top of its straggler factor).
+
+        What :func:`hpcdl.comm.slow_down` asks of a simulated world for ``debug.slowdown``:
+        a table's layer costs and measured segments alike, so that a modelled straggler
+        and a slowed rank behave the same.
+        """
+        self.slowdowns[rank] = float(factor)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, speed={self.speed}, jitter={self.jitter})"

@@ -18,14 +18,22 @@ Layout (format version 1)::
                                    run killed without a word (SIGKILL, a dead node) can be
                                    told from a live one; config_changes (JSON list:
                                    settings changed by resumes, with the step)
-    /metrics/<series>       1-D, one row per step: step, epoch, time (s since the start),
+    /metrics/<series>       1-D, one row per step: step, epoch, samples (training samples
+                            processed up to the step), time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
                             evaluated), lr, step_time, samples_per_s, bytes_sent
     /ranks/<series>         2-D (steps, ranks): compute_time, comm_time, wait_time,
                             exposed_comm_time (the part of comm_time after backward ended),
                             other_time (the rank's time between the end of the previous
                             step and this one: metrics agreement, evaluation, logging,
-                            checkpoints; compute + comm + other is the wall time per step)
+                            checkpoints; compute + comm + other is the wall time per step);
+                            and a strategy's own series (ps: pushes_per_s of each worker,
+                            busy_fraction of each server; NaN on the other ranks)
+    /staleness/<column>     1-D, one row per push applied and shard (parameter servers):
+                            update (the server's version after applying it), worker,
+                            server, tau (the server's version when applying it less the
+                            version the worker computed it from), time (s since the start,
+                            the server's clock)
     /trace/<field>          1-D, one row per event: rank, kind, start, end, microbatch
     /profile/<column>       1-D, one row per layer (when profile.layers is on): layer, kind,
                             forward_s, backward_s, calls, output_bytes, output_shape
@@ -64,6 +72,7 @@ __all__ = [
     "FORMAT_VERSION",
     "METRICS",
     "RANK_SERIES",
+    "TABLES",
     "TRACE_FIELDS",
     "heartbeat_now",
     "read_attrs",
@@ -75,6 +84,7 @@ FORMAT_VERSION = 1
 METRICS: dict[str, Any] = {
     "step": np.int64,
     "epoch": np.int64,
+    "samples": np.int64,
     "time": np.float64,
     "loss": np.float64,
     "train_accuracy": np.float64,
@@ -87,6 +97,14 @@ METRICS: dict[str, Any] = {
 }
 #: the ranks/ series, each (steps, ranks)
 RANK_SERIES = ("compute_time", "comm_time", "wait_time", "exposed_comm_time", "other_time")
+#: row groups beside metrics/ (created by their first rows): name -> (column dtypes, the
+#: column a resume cuts by: rows whose value is past the checkpoint's step go)
+TABLES: dict[str, tuple[dict[str, Any], str]] = {
+    "staleness": (
+        {"update": np.int64, "worker": np.int32, "server": np.int32, "tau": np.int64, "time": np.float64},
+        "update",
+    ),
+}
 #: the trace/ fields
 TRACE_FIELDS: dict[str, Any] = {
     "rank": np.int32,
@@ -206,7 +224,7 @@ class RunFile:
                 h5.attrs[key] = value
             metrics = h5.create_group("metrics")
             for name, dtype in METRICS.items():
-                metrics.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,))
+                _metric_series(metrics, name, dtype, 0)
             group = h5.create_group("ranks")
             for name in RANK_SERIES:
                 _rank_series(group, name, 0, ranks)
@@ -264,12 +282,20 @@ class RunFile:
         keep = int(np.searchsorted(steps, step, side="right"))  # steps are increasing
         cut = len(steps) - keep
         last_time = float(h5["metrics/time"][keep - 1]) if keep else 0.0
-        for name in METRICS:
+        for name, dtype in METRICS.items():
+            if name not in h5["metrics"]:  # a series newer than the file: its default for the rows
+                _metric_series(h5["metrics"], name, dtype, len(steps))
             h5["metrics"][name].resize((keep,))
         for name in RANK_SERIES:
             if name not in h5["ranks"]:  # a series newer than the file: NaN for the rows it has
                 _rank_series(h5["ranks"], name, len(steps), ranks, fill=np.nan)
-            h5["ranks"][name].resize((keep, ranks))
+        for dataset in h5["ranks"].values():  # a strategy's own series too
+            dataset.resize((keep, ranks))
+        for table, (_, by) in TABLES.items():
+            if table in h5:
+                kept = int(np.count_nonzero(h5[table][by][...] <= step))  # rows of the kept pushes
+                for dataset in h5[table].values():
+                    dataset.resize((kept,))
         starts = h5["trace/start"][...]
         n_events = int(np.count_nonzero(starts <= last_time)) if keep else 0
         for name in TRACE_FIELDS:
@@ -318,20 +344,52 @@ class RunFile:
         for name, values in columns.items():
             self._written(what, _append, group[name], values)
 
-    def append_rows(self, rows: Sequence[Mapping[str, float]], series: Mapping[str, np.ndarray]) -> None:
-        """A flush of the training log: metrics rows, per-rank blocks, heartbeat, then to disk.
+    def append_rows(
+        self,
+        rows: Sequence[Mapping[str, float]],
+        series: Mapping[str, np.ndarray],
+        tables: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    ) -> None:
+        """A flush of the training log: metrics rows, per-rank blocks, row groups
+        (:data:`TABLES`), heartbeat, then to disk.
 
-        The space of the whole batch is reserved before HDF5 is called at all, so a full
-        disk leaves the file exactly as its previous flush did (no metrics rows without
-        their per-rank rows).
+        ``series`` holds every :data:`RANK_SERIES` block and may hold a strategy's own
+        (created on first use, NaN for the rows before). The space of the whole batch is
+        reserved before HDF5 is called at all, so a full disk leaves the file exactly as
+        its previous flush did (no metrics rows without their per-rank rows).
         """
         metrics = self._metric_columns(rows)
-        ranks = {name: np.asarray(series[name], dtype=np.float64) for name in RANK_SERIES}
-        self._reserve(_space(self.h5["metrics"], metrics) + _space(self.h5["ranks"], ranks) + 4096)
+        ranks = {name: np.asarray(values, dtype=np.float64) for name, values in series.items()}
+        groups = {name: _table_columns(name, columns) for name, columns in (tables or {}).items()}
+        new = set(ranks) - set(self.h5["ranks"]) or any(name not in self.h5 for name in groups)
+        if new:  # the new datasets' headers are written into reserved space too
+            self._reserve(0)
+            self._written("layout", self._add_datasets, ranks, groups)
+        space = _space(self.h5["metrics"], metrics) + _space(self.h5["ranks"], ranks) + 4096
+        space += sum(_space(self.h5[name], columns) for name, columns in groups.items())
+        self._reserve(space)
         self._put(self.h5["metrics"], metrics, "metrics")
         self._put(self.h5["ranks"], ranks, "ranks")
+        for name, columns in groups.items():
+            self._put(self.h5[name], columns, name)
         self._written("attributes", self.h5.attrs.__setitem__, "heartbeat", heartbeat_now())
         self._written("flush", self.h5.flush)
+
+    def _add_datasets(
+        self, ranks: Mapping[str, np.ndarray], groups: Mapping[str, Mapping[str, np.ndarray]]
+    ) -> None:
+        """Create the per-rank series and row groups this flush is the first to write."""
+        group = self.h5["ranks"]
+        rows, nranks = group[RANK_SERIES[0]].shape
+        for name in ranks:
+            if name not in group:
+                _rank_series(group, name, rows, nranks, fill=np.nan)
+        for name, columns in groups.items():
+            table = self.h5.require_group(name)
+            for column, values in columns.items():
+                if column not in table:
+                    table.create_dataset(column, shape=(0,), maxshape=(None,), dtype=values.dtype,
+                                         chunks=(_CHUNK,))  # fmt: skip
 
     def write_profile(self, rows: Sequence[Mapping[str, Any]]) -> None:
         """Replace ``profile/`` by the per-layer profiler's table (one row per layer)."""
@@ -404,6 +462,23 @@ class RunFile:
 def _alive() -> dict[str, Any]:
     """Who writes the file now: rank 0's host and pid, and the time."""
     return {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": heartbeat_now()}
+
+
+def _metric_series(group: h5py.Group, name: str, dtype: Any, rows: int) -> None:
+    fill = np.nan if np.dtype(dtype).kind == "f" else 0
+    group.create_dataset(name, shape=(rows,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,), fillvalue=fill)
+
+
+def _table_columns(name: str, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The columns of row group ``name`` (:data:`TABLES`), in their dtypes.
+
+    Raises:
+        ValueError: an unknown group, or columns that are not the group's.
+    """
+    dtypes, _ = TABLES[name]
+    if set(columns) != set(dtypes):
+        raise ValueError(f"{name}/ has columns {sorted(dtypes)}, not {sorted(columns)}")
+    return {column: np.asarray(columns[column], dtype=dtype) for column, dtype in dtypes.items()}
 
 
 def _rank_series(group: h5py.Group, name: str, rows: int, ranks: int, fill: float = 0.0) -> None:
