@@ -149,6 +149,25 @@ SCHEMA: dict[str, Key] = {
         "sync",
         f"how training is spread over the ranks: a strategy of hpcdl.parallel ({', '.join(STRATEGIES)})",
     ),
+    "parallel.servers": Key(
+        int, 1, "ps: parameter servers (ranks 0 .. S-1), each holding a shard of the parameters", minimum=1
+    ),
+    "parallel.mode": Key(
+        str,
+        "async",
+        "ps: async (apply pushes on arrival), ssp (bounded staleness) or sync (sum the W pushes of a round)",
+        choices=("async", "ssp", "sync"),
+    ),
+    "parallel.staleness": Key(
+        int, 1, "ps ssp: the bound s (a worker at clock c waits until every clock is >= c - s)", minimum=0
+    ),
+    "parallel.compensation": Key(
+        str,
+        "none",
+        "ps: none, lr (the push's lr divided by max(tau, 1)) or dc (DC-ASGD's delay compensation)",
+        choices=("none", "lr", "dc"),
+    ),
+    "parallel.dc_lambda": Key(float, 0.04, "ps dc: lambda of g + lambda g*g*(w_now - w_used)", minimum=0.0),
     "exchange.name": Key(
         str,
         "bucketed",

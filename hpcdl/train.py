@@ -11,17 +11,23 @@ import datetime
 import os
 import shlex
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+
+from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, watch, world
 from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.driver import launch
 from hpcdl.driver.cli import ArgumentParser, parse_args, python_command
 from hpcdl.driver.context import arithmetic
-from hpcdl.driver.factory import load_data
+from hpcdl.driver.factory import build, load_data
 from hpcdl.driver.run import RunResult, plan
 from hpcdl.driver.run import train as run
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
+from hpcdl.parallel import strategy_class
+from hpcdl.rng import generator
 
 __all__ = ["main", "run", "RunResult", "build_parser", "continue_command", "print_plan"]
 
@@ -118,10 +124,18 @@ def print_plan(cfg: Config, world_size: int) -> None:
     Nothing is trained and no rank is started; the data set is loaded to count its samples.
     """
     placement = plan(cfg, world_size)
-    samples = len(load_data(cfg).y_train)
+    data = load_data(cfg)
+    samples = len(data.y_train)
     batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])
     print(placement.table())
+    def model() -> Any:
+        xp = array_module(cfg["device"])
+        return build(cfg, data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
+
+    lines = strategy_class(cfg["parallel.strategy"]).describe(cfg, placement, model)
+    if lines:
+        print("\n".join(["", *lines]))
     print(
         f"\nlearning rate {peak:g} (optimizer.lr {cfg['optimizer.lr']:g}, schedule.scale = "
         f"{cfg['schedule.scale']!r} for {batches} batch{'es' * (batches > 1)} per update); "

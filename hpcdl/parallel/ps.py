@@ -1,0 +1,743 @@
+"""``parallel.strategy = "ps"``: parameter servers, asynchronous, bounded-staleness or synchronous.
+
+Ranks ``0 .. S-1`` are servers (``parallel.servers = S``); the other ``W = N - S`` ranks
+are workers. The model's parameters, packed into one flat buffer in the model's order,
+are cut into S contiguous shards balanced by bytes (:func:`~hpcdl.parallel.ps_plan.shard_plan`;
+a shard may cut a tensor). Server k holds shard k of the master parameters and that
+shard's optimizer state (the optimizers are elementwise, so a shard steps exactly as the
+same elements of the whole model would). A worker pulls every shard, computes forward
+and backward on its batch, pushes its gradient (packed by the Cython kernels) to every
+server, and waits for the servers' replies, which are its next pull. A server applies
+each push on arrival and counts its version (pushes applied).
+
+**Units.** One step is one push of ``data.batch_size`` samples: ``train.steps``,
+``checkpoint.every``, ``train.stop_at``, ``train.eval_every`` and the learning-rate
+schedule count pushes applied (server 0's version); an epoch is as many pushes as
+batches fit in the training set. Worker w samples as rank w of W.
+
+**Modes** (``parallel.mode``):
+
+* ``async``: a server applies a push on arrival and answers it at once.
+* ``ssp`` (``parallel.staleness = s``): a worker's clock is its pushes applied; a server
+  answers the push that brings worker w to clock c only when every worker's clock is
+  ``>= c - s`` (:func:`~hpcdl.parallel.ps_plan.ssp_may_pull`). Every server sees every
+  push and enforces the same gate; ``s = 0`` is bulk-synchronous through the servers.
+* ``sync``: a server waits for the W pushes of a round, sums them in worker order, scales
+  by ``1/W`` and applies once: sync data parallel's trajectory on the same batches. The
+  round's W pushes are W steps; their ``tau`` is 0.
+
+**Staleness** ``tau`` of a push, per shard: the server's version when applying it less
+the version of the shard the worker computed it from. **Compensation**
+(``parallel.compensation``): ``lr`` divides the push's learning rate by ``max(tau, 1)``
+(Zhang et al., IJCAI 2016); ``dc`` applies ``g + lambda g*g*(w_now - w_used)`` (DC-ASGD,
+Zheng et al., ICML 2017; the server keeps the shard each worker was sent).
+
+**BatchNorm.** Workers keep their own running statistics (DESIGN.md). With each push a
+worker also sends server 0 its BatchNorm buffers: the master copy's statistics are those
+of the worker whose push server 0 applied last; evaluations and checkpoints use them.
+
+**Meetings.** The ranks meet only at checkpoints, stops and the end, which the driver
+asks for as a target step (:meth:`ParameterServer.run_until`). Server 0 grants pushes
+until the target; a worker whose pull comes after it is told to stop, so the job
+quiesces: no pull is answered past the target and every push in flight is applied. A
+phase starts with every rank telling server 0 it is ready and server 0 telling the other
+servers to start, so that in the simulator a phase's timeline is the same whatever the
+ranks did before (a resumed run repeats an uninterrupted one). Server 0 evaluates the
+master parameters each ``train.eval_every`` pushes (0: each epoch) without holding the
+workers back: at the push that reaches the boundary every server snapshots its shard
+(the others send theirs to server 0), and server 0 evaluates the snapshot one test batch
+at a time between the messages it serves.
+
+**The run file.** One row per push applied (server 0's): the pushing worker's loss and
+batch accuracy; ``staleness/`` holds a row per push and shard (update, worker, server,
+tau, time); ``ranks/pushes_per_s`` (workers) and ``ranks/busy_fraction`` (servers) are
+each rank's figure over the phase the row belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import to_numpy
+from hpcdl.comm import long_wait, notes, waitall, waitany, wtime
+from hpcdl.comm.pack import Packer
+from hpcdl.errors import ConfigError
+from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
+from hpcdl.parallel.ps_plan import ShardPlan, shard_plan, ssp_may_pull
+from hpcdl.parallel.strategy import (
+    Agreement,
+    Placement,
+    RankPlace,
+    RankState,
+    RunContext,
+    StepStats,
+    Strategy,
+)
+from hpcdl.parallel.sync import forward_backward
+
+__all__ = ["ParameterServer", "compensated_lr", "dc_gradient"]
+
+# message tags (on the strategy's own duplicate of the world)
+_PUSH, _REPLY, _READY, _START, _SNAPSHOT, _SHARD = 1, 2, 3, 4, 5, 6
+#: float64 values at the head of every push and reply
+_HEAD = 8
+_HEAD_BYTES = 8 * _HEAD
+# push header: kind, the worker's clock before the push, the version it pulled, its stop
+# flag, samples, correct, loss
+_KIND, _CLOCK, _VPULL, _STOP, _SAMPLES, _CORRECT, _LOSS = range(7)
+_IS_PUSH, _IS_DONE = 1.0, 2.0
+# reply header: go (1: compute the next push, 0: the phase is over), the shard's version
+_GO, _VERSION = 0, 1
+
+
+def _message(payload_bytes: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A message buffer (bytes), its float64 header view and its payload view in ``dtype``."""
+    buf = np.zeros(_HEAD_BYTES + payload_bytes, dtype=np.uint8)
+    return buf, buf[:_HEAD_BYTES].view(np.float64), buf[_HEAD_BYTES:].view(dtype)
+
+
+def compensated_lr(lr: float, tau: int, compensation: str) -> float:
+    """The learning rate a push of staleness ``tau`` is applied with: ``lr / max(tau, 1)`` for ``lr``."""
+    return lr / max(tau, 1) if compensation == "lr" else lr
+
+
+def dc_gradient(
+    grad: np.ndarray, now: np.ndarray, used: np.ndarray, lam: float, out: np.ndarray
+) -> np.ndarray:
+    """DC-ASGD's compensated gradient ``g + lambda g*g*(w_now - w_used)``, computed into ``out``."""
+    np.subtract(now, used, out=out)
+    out *= grad
+    out *= grad
+    out *= out.dtype.type(lam)
+    out += grad
+    return out
+
+
+def _crossed(before: int, now: int, period: int) -> bool:
+    """True when a multiple of ``period`` lies in ``(before, now]``."""
+    return period > 0 and now // period > before // period
+
+
+class ParameterServer(Strategy):
+    """Parameter servers and workers (module docstring): one role per rank.
+
+    Args:
+        ctx: the driver's run context.
+    """
+
+    name = "ps"
+    runs_free = True
+    rank_series = ("pushes_per_s", "busy_fraction")
+    row_rank = 0
+
+    @classmethod
+    def plan(cls, cfg: Any, world: int) -> Placement:
+        """Ranks ``0 .. S-1`` servers holding shard k; the others workers, worker w reading member w.
+
+        Raises:
+            ConfigError: fewer than one server, no rank left for a worker, or gradient
+                accumulation (a push is one batch).
+        """
+        servers = cfg["parallel.servers"]
+        if servers < 1:
+            raise ConfigError(f"parallel.servers = {servers}: a parameter server job needs at least 1 server")
+        if servers >= world:
+            raise ConfigError(
+                f"parallel.servers = {servers} on {world} rank{'s' * (world > 1)} leaves no worker: run on "
+                f"at least {servers + 1} ranks (mpiexec -n {servers + 1}) or lower parallel.servers"
+            )
+        if cfg["exchange.accumulate"] != 1:
+            raise ConfigError(
+                f"exchange.accumulate = {cfg['exchange.accumulate']} with parallel.strategy = 'ps': a push "
+                "is one batch; raise data.batch_size instead"
+            )
+        workers = world - servers
+        mode = cfg["parallel.mode"]
+        ranks = [RankPlace("server", f"shard {k}") for k in range(servers)]
+        ranks += [RankPlace("worker", "", w) for w in range(workers)]
+        how = {
+            "async": "async: pushes applied on arrival",
+            "ssp": f"ssp: staleness bound s = {cfg['parallel.staleness']}",
+            "sync": f"sync: the {workers} pushes of a round summed and applied once",
+        }[mode]
+        notes_ = (f"parameter servers, {how}; compensation {cfg['parallel.compensation']}",)
+        return Placement(
+            cls.name, tuple(ranks), cfg["data.batch_size"], 1, notes_,
+            step_batches=1, update_batches=workers if mode == "sync" else 1,
+        )  # fmt: skip
+
+    @classmethod
+    def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
+        """The shards of the model's packed parameters, one line per server."""
+        params = model().parameters()
+        elements = sum(int(p.data.size) for p in params)
+        plan = shard_plan(elements, cfg["parallel.servers"], np.dtype(cfg["dtype"]).itemsize)
+        return [f"shards of the {elements:,} packed parameters:", *str(plan).splitlines()]
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        cfg, placement = ctx.cfg, ctx.placement
+        self.comm = ctx.comm.Dup()  # the strategy's own tags
+        self.servers = cfg["parallel.servers"]
+        self.workers = placement.world - self.servers
+        self.mode, self.bound = cfg["parallel.mode"], cfg["parallel.staleness"]
+        self.compensation, self.dc_lambda = cfg["parallel.compensation"], cfg["parallel.dc_lambda"]
+        self.model: Sequential = ctx.build_model()  # every rank: the layout; server 0 evaluates with it
+        self.params = self.model.parameters()
+        self.buffers = [b for _, b in self.model.named_buffers()]
+        self.packer = Packer([p.data for p in self.params])
+        self.dtype = self.packer.dtype
+        self.shards: ShardPlan = shard_plan(self.packer.total, self.servers, self.dtype.itemsize)
+        self.bn_packer = Packer(self.buffers) if self.buffers else None
+        self.bn_bytes = self.bn_packer.nbytes if self.bn_packer is not None else 0
+        self.rank = self.comm.Get_rank()
+        self.is_server = self.rank < self.servers
+        self.bytes_sent = 0
+        self._note = notes()
+        self._evaluated: tuple[float, float] | None = None
+        if self.is_server:
+            self._init_server()
+        else:
+            self._init_worker()
+
+    # -- sizes -------------------------------------------------------------------------------
+    def _range(self, k: int) -> tuple[int, int]:
+        return self.shards.ranges[k]
+
+    def _push_bytes(self, k: int) -> int:
+        """Payload of a push to server k: its shard of the gradient (and BatchNorm buffers to server 0)."""
+        return self.shards.nbytes(k) + (self.bn_bytes if k == 0 else 0)
+
+    # ========================================================================================
+    # servers
+    # ========================================================================================
+    def _init_server(self) -> None:
+        k, cfg = self.rank, self.ctx.cfg
+        a, b = self._range(k)
+        flat = self.packer.pack([p.data for p in self.params])
+        self.shard = Parameter(flat[a:b].copy(), name=f"shard {k}")
+        self._share_initial_shards(flat)
+        self.optimizer = self.ctx.optimizer([self.shard])
+        self.lr = self.ctx.schedule()
+        self.version = 0
+        self.clocks = np.zeros(self.workers, dtype=np.int64)  # pushes applied, per worker
+        self.pushes = [_message(self._push_bytes(k), self.dtype) for _ in range(self.workers)]
+        self.replies = [_message(self.shards.nbytes(k), self.dtype) for _ in range(self.workers)]
+        self.reply_reqs: list[Any] = [None] * self.workers
+        self.scratch = np.empty(b - a, dtype=self.dtype)
+        self.used = np.zeros((self.workers, b - a), self.dtype) if self.compensation == "dc" else None
+        self.period = cfg["train.eval_every"] or self.ctx.steps_per_epoch
+        if k == 0:
+            self.master_bn = [np.array(to_numpy(buf), copy=True) for buf in self.buffers]
+
+    def _share_initial_shards(self, flat: np.ndarray) -> None:
+        """Server 0's initial weights, whatever the other servers built (as sync broadcasts rank 0's)."""
+        if self.servers == 1:
+            return
+        k = self.rank
+        if k == 0:
+            for j in range(1, self.servers):
+                a, b = self._range(j)
+                self.comm.Send(flat[a:b], dest=j, tag=_SHARD)
+        else:
+            self.comm.Recv(self.shard.data, source=0, tag=_SHARD)
+
+    def _serve(self, step: int, target: int, stop: Any) -> list[StepStats]:
+        """One phase of server k: apply pushes and answer pulls until every worker is done."""
+        k, workers = self.rank, self.workers
+        t_begin = wtime()
+        waited = 0.0
+        start_version = self.version
+        self._phase_start(k)
+        ph = _Phase(workers, granted=step, target=target)
+        self._rows: list[dict[str, float]] = []
+        self._table: list[tuple[int, int, int, int, float]] = []
+        self._snapshots: list[dict[str, Any]] = []  # evaluations pending (server 0) or sends (others)
+        self._eval_parts: Generator[None, None, tuple[float, float]] | None = None
+        recvs: list[Any] = [None] * workers
+        if k != 0:  # each worker sends a push or, when server 0 stopped it, a done
+            recvs = [self._expect(w) for w in range(workers)]
+        self._answer_pulls(ph, range(workers), recvs, stop)
+        round_: list[int] = []
+        while ph.active or self._eval_pending():
+            pending = [
+                (snap, j)
+                for snap in self._snapshots
+                for j, r in enumerate(snap.get("recvs", ()))
+                if r is not None
+            ]
+            reqs = recvs + [snap["recvs"][j] for snap, j in pending]
+            t0 = wtime()
+            with long_wait("a parameter server waits for pushes", self._wait_limit()):
+                i = waitany(reqs) if any(r is not None for r in reqs) else None
+            waited += wtime() - t0
+            if i is None or i >= workers:  # a shard of a snapshot came (or only evaluating is left)
+                if i is not None:
+                    snap, j = pending[i - workers]
+                    snap["recvs"][j] = None
+                self._eval_step()
+                continue
+            w = i
+            recvs[w] = None
+            head = self.pushes[w][1]
+            if head[_KIND] == _IS_DONE:  # (servers k > 0) worker w stopped by server 0
+                ph.active -= 1
+                if w in ph.deferred:
+                    ph.deferred.remove(w)
+                    self._reply(w, go=False)
+                continue
+            if head[_STOP]:
+                ph.stopping = True
+            if self.mode == "sync":
+                round_.append(w)
+                if len(round_) < workers:
+                    continue
+                answered, round_ = sorted(round_), []
+                self._apply_round(answered)
+            else:
+                self._apply(w)
+                answered = [w]
+            if k != 0:  # its pushes consumed: the next message of each (even while its reply waits)
+                for v in answered:
+                    recvs[v] = self._expect(v)
+            self._answer_pulls(ph, answered, recvs, stop)
+            self._eval_step()
+        waitall([*self.reply_reqs, *(snap.get("send") for snap in self._snapshots)])
+        self.reply_reqs = [None] * workers
+        if k != 0:
+            self._snapshots = []
+        wall = wtime() - t_begin
+        busy = (wall - waited) / wall if wall > 0 else float("nan")
+        return self._server_steps(self.version - start_version, waited, busy)
+
+    def _wait_limit(self) -> float | None:
+        stall = self.ctx.cfg["debug.stall_s"]
+        return 10 * stall if stall else None
+
+    def _phase_start(self, k: int) -> None:
+        """Every rank tells server 0 it is ready; server 0 starts the other servers."""
+        comm, size = self.comm, self.comm.Get_size()
+        token = np.zeros(1, dtype=np.float64)
+        if k == 0:
+            tokens = np.zeros((size, 1), dtype=np.float64)
+            waitall([comm.Irecv(tokens[r], source=r, tag=_READY) for r in range(1, size)])
+            for j in range(1, self.servers):
+                comm.Send(token, dest=j, tag=_START)
+        else:
+            comm.Send(token, dest=0, tag=_READY)
+            comm.Recv(token, source=0, tag=_START)
+
+    def _answer_pulls(self, ph: _Phase, pulls: Sequence[int], recvs: list[Any], stop: Any) -> None:
+        """Answer the pulls of ``pulls`` (and those the SSP gate held back, when it opens).
+
+        Server 0 grants a push while fewer than the target have been granted and no stop
+        was asked; a worker it does not grant is told the phase is over. In ``sync`` mode
+        the W pulls of a round are granted or refused together. The other servers answer
+        every pull the gate lets through with their shard; a worker server 0 stopped tells
+        them with a done.
+        """
+        first = self.rank == 0
+        if first and stop.requested:
+            ph.stopping = True
+        if self.mode == "sync":
+            go = not ph.stopping and ph.granted < ph.target
+            if first:
+                ph.granted += len(pulls) if go else 0
+            for w in pulls:
+                self._reply_or_stop(ph, w, go or not first, recvs)
+            return
+        ph.deferred.extend(pulls)
+        waiting, ph.deferred = ph.deferred, []
+        for w in sorted(waiting):
+            over = first and (ph.stopping or ph.granted >= ph.target)
+            gated = self.mode == "ssp" and not ssp_may_pull(int(self.clocks[w]), self.clocks, self.bound)
+            if not over and gated:
+                ph.deferred.append(w)
+                continue
+            if first and not over:
+                ph.granted += 1
+            self._reply_or_stop(ph, w, not over, recvs)
+
+    def _reply_or_stop(self, ph: _Phase, w: int, go: bool, recvs: list[Any]) -> None:
+        """Answer w's pull; server 0 then expects w's push, or counts w out of the phase."""
+        self._reply(w, go)
+        if self.rank == 0:
+            if go:
+                recvs[w] = self._expect(w)
+            else:
+                ph.active -= 1
+
+    def _expect(self, w: int) -> Any:
+        """The receive of worker w's next message (a push; or a done, on servers k > 0)."""
+        return self.comm.Irecv(self.pushes[w][0], source=self.servers + w, tag=_PUSH)
+
+    def _reply(self, w: int, go: bool) -> None:
+        """Send worker w this shard at the current version (``go``), or only the end of the phase."""
+        if self.reply_reqs[w] is not None:
+            self.reply_reqs[w].Wait()  # the previous reply's buffer (received long ago)
+            self.reply_reqs[w] = None
+        buf, head, payload = self.replies[w]
+        head[_GO], head[_VERSION] = float(go), float(self.version)
+        if go:
+            payload[:] = self.shard.data
+            if self.used is not None:
+                self.used[w] = self.shard.data
+            msg = buf
+        else:
+            msg = buf[:_HEAD_BYTES]
+        self.reply_reqs[w] = self.comm.Isend(msg, dest=self.servers + w, tag=_REPLY)
+        self.bytes_sent += msg.nbytes
+
+    def _apply(self, w: int) -> None:
+        """Apply worker w's push on arrival (async, ssp)."""
+        _, head, payload = self.pushes[w]
+        a, b = self._range(self.rank)
+        grad = payload[: b - a]
+        tau = self.version - int(head[_VPULL])
+        lr = compensated_lr(self.lr(self.version), tau, self.compensation)
+        if self.used is not None:  # dc: the shard now against the one w was sent
+            grad = dc_gradient(grad, self.shard.data, self.used[w], self.dc_lambda, self.scratch)
+        self._step(grad, lr)
+        self.version += 1
+        self.clocks[w] += 1
+        self._record(w, head, tau)
+        self._boundary(self.version - 1)
+
+    def _apply_round(self, round_: list[int]) -> None:
+        """Sum the W pushes of a round in worker order, scale by 1/W, apply once (sync)."""
+        a, b = self._range(self.rank)
+        acc = self.scratch
+        acc[:] = self.pushes[round_[0]][2][: b - a]
+        for w in round_[1:]:
+            acc += self.pushes[w][2][: b - a]
+        acc *= self.dtype.type(1.0 / self.workers)
+        self._step(acc, self.lr(self.version))
+        self.version += len(round_)
+        self.clocks[round_] += 1
+        for w in round_:
+            self._record(w, self.pushes[w][1], 0)
+        self._boundary(self.version - len(round_))
+
+    def _step(self, grad: np.ndarray, lr: float) -> None:
+        self.shard.grad = grad
+        self.optimizer.lr = lr
+        self.optimizer.step()
+
+    def _record(self, w: int, head: np.ndarray, tau: int) -> None:
+        """The push's staleness row; on server 0 its metrics row and the master BatchNorm statistics."""
+        now = self.ctx.elapsed()
+        self._table.append((self.version, w, self.rank, tau, now))
+        if self.rank != 0:
+            return
+        samples = int(head[_SAMPLES])
+        self._rows.append({
+            "loss": float(head[_LOSS]),
+            "train_accuracy": float(head[_CORRECT]) / samples if samples else float("nan"),
+            "worker": w, "tau": tau, "ended": wtime(),
+        })  # fmt: skip
+        if self.bn_packer is not None:
+            payload = self.pushes[w][2]
+            a, b = self._range(0)
+            bn = payload[b - a :][: self.bn_packer.total]
+            self.bn_packer.unpack(bn, self.master_bn)
+
+    def _boundary(self, before: int) -> None:
+        """At an evaluation boundary and the last push: server 0 takes a snapshot, the others send theirs."""
+        end = before < self.ctx.total_steps <= self.version  # the run's last push: its result
+        if not (_crossed(before, self.version, self.period) or end):
+            return
+        if self.rank == 0:
+            self._take_snapshot()
+        else:
+            self._send_snapshot()
+
+    # -- evaluation of the master copy (server 0), without holding workers back -----------------
+    def _take_snapshot(self) -> None:
+        """Server 0: this shard now, the others' as they reach the same version."""
+        flat = np.empty(self.packer.total, dtype=self.dtype)
+        a, b = self._range(0)
+        flat[a:b] = self.shard.data
+        recvs = []
+        for j in range(1, self.servers):
+            lo, hi = self._range(j)
+            recvs.append(self.comm.Irecv(flat[lo:hi], source=j, tag=_SNAPSHOT))
+        bn = [buf.copy() for buf in self.master_bn]
+        self._snapshots.append({"flat": flat, "bn": bn, "recvs": recvs, "row": len(self._rows) - 1})
+
+    def _send_snapshot(self) -> None:
+        """Servers k > 0: send server 0 this shard at the evaluation boundary."""
+        copy = self.shard.data.copy()
+        self._snapshots.append({"send": self.comm.Isend(copy, dest=0, tag=_SNAPSHOT), "copy": copy})
+        self.bytes_sent += copy.nbytes
+
+    def _eval_pending(self) -> bool:
+        return self.rank == 0 and (bool(self._snapshots) or self._eval_parts is not None)
+
+    def _eval_step(self) -> None:
+        """Server 0: one test batch of the oldest snapshot whose shards are all in."""
+        if self.rank != 0:
+            return
+        if self._eval_parts is None:
+            if not self._snapshots or any(r is not None for r in self._snapshots[0]["recvs"]):
+                return
+            snap = self._snapshots[0]
+            self.packer.unpack(snap["flat"], [p.data for p in self.params])
+            for buf, saved in zip(self.buffers, snap["bn"]):
+                buf[...] = saved
+            self._eval_parts = self.ctx.evaluation_parts(self.model)
+        try:
+            next(self._eval_parts)
+        except StopIteration as done:
+            acc, loss = done.value
+            snap = self._snapshots.pop(0)
+            row = self._rows[snap["row"]]
+            row["test_accuracy"], row["test_loss"] = acc, loss
+            self._eval_parts = None
+
+    def _server_steps(self, n: int, waited: float, busy: float) -> list[StepStats]:
+        """Server 0: a step per push with its apply time; the others: their phase spread evenly."""
+        wait_each = waited / n if n else 0.0
+        series = {"busy_fraction": busy}
+        if self.rank == 0:
+            return [
+                StepStats(lr=self.lr(self.version - n + i), comm_s=wait_each, bytes_sent=self.bytes_sent,
+                          ended=row["ended"], series=series)
+                for i, row in enumerate(self._rows)
+            ]  # fmt: skip
+        return [
+            StepStats(lr=self.lr(self.version - n + i), comm_s=wait_each, bytes_sent=self.bytes_sent,
+                      series=series)
+            for i in range(n)
+        ]  # fmt: skip
+
+    # ========================================================================================
+    # workers
+    # ========================================================================================
+    def _init_worker(self) -> None:
+        self.w = self.rank - self.servers
+        self.sampler = self.ctx.sampler(self.w)
+        self.lr = self.ctx.schedule()
+        self.loss_fn = SoftmaxCrossEntropy()
+        self.clock = 0  # pushes of this worker applied
+        self.flat = np.empty(self.packer.total, dtype=self.dtype)
+        self.pushes = [_message(self._push_bytes(k), self.dtype) for k in range(self.servers)]
+        self.replies = [_message(self.shards.nbytes(k), self.dtype) for k in range(self.servers)]
+        self.push_reqs: list[Any] = [None] * self.servers
+        self.v_pull = np.zeros(self.servers, dtype=np.int64)
+        self._batches: Any = None
+
+    def _work(self, stop: Any) -> None:
+        """One phase of a worker: pull, compute, push, until server 0 says the phase is over."""
+        comm, servers = self.comm, self.servers
+        t_begin = wtime()
+        comm_s = 0.0
+        comm.Send(np.zeros(1, dtype=np.float64), dest=0, tag=_READY)
+        by_design = self.mode in ("ssp", "sync")  # held back by the bound or the round
+        pushes = 0
+        while True:
+            t0 = wtime()
+            reqs = [comm.Irecv(self.replies[k][0], source=k, tag=_REPLY) for k in range(servers)]
+            held = long_wait("a worker held back by its round or the staleness bound", self._wait_limit())
+            with held if by_design else nullcontext():
+                reqs[0].Wait()
+                go = bool(self.replies[0][1][_GO])
+                if not go:  # the phase is over: the other servers are told, their answers taken
+                    done = np.zeros(_HEAD, dtype=np.float64)
+                    done[_KIND] = _IS_DONE
+                    for k in range(1, servers):
+                        comm.Send(done, dest=k, tag=_PUSH)
+                waitall([*reqs[1:], *self.push_reqs])
+                self.push_reqs = [None] * servers
+            comm_s += wtime() - t0
+            if not go:
+                break
+            for k in range(servers):
+                a, b = self._range(k)
+                _, head, payload = self.replies[k]
+                self.flat[a:b] = payload
+                self.v_pull[k] = int(head[_VERSION])
+            self.packer.unpack(self.flat, [p.data for p in self.params])
+            self._note["phase"] = "forward/backward"
+            indices = self._next_batch()
+            x, y = self.ctx.batch(indices)
+            loss, correct = forward_backward(self.model, self.loss_fn, x, y)
+            grads = self.packer.pack([p.grad for p in self.params])
+            t0 = wtime()
+            self._push(grads, loss, correct, len(indices), stop.requested)
+            comm_s += wtime() - t0
+            pushes += 1
+            self._note["phase"] = "waiting for the servers"
+        self._phase_pushes, self._phase_wall, self._phase_comm = pushes, wtime() - t_begin, comm_s
+
+    def _push(self, grads: np.ndarray, loss: float, correct: int, samples: int, stop: bool) -> None:
+        """This worker's gradient, a shard to each server, with what the servers record."""
+        for k in range(self.servers):
+            buf, head, payload = self.pushes[k]
+            a, b = self._range(k)
+            head[:] = 0.0
+            head[_KIND], head[_CLOCK], head[_VPULL], head[_STOP] = _IS_PUSH, self.clock, self.v_pull[k], stop
+            head[_SAMPLES], head[_CORRECT], head[_LOSS] = samples, correct, loss
+            payload[: b - a] = grads[a:b]
+            if k == 0 and self.bn_packer is not None:
+                payload[b - a :][: self.bn_packer.total] = self.bn_packer.pack(self.buffers)
+            self.push_reqs[k] = self.comm.Isend(buf, dest=k, tag=_PUSH)
+            self.bytes_sent += buf.nbytes
+        self.clock += 1
+
+    def _next_batch(self) -> Any:
+        if self._batches is not None:
+            for _, indices in self._batches:
+                return indices
+        self._batches = iter(self.sampler)
+        _, indices = next(self._batches)
+        return indices
+
+    # ========================================================================================
+    # the driver's calls
+    # ========================================================================================
+    def run_until(self, step: int, target: int, stop: Any) -> list[StepStats]:
+        """Serve or work from ``step`` pushes applied until server 0 has granted ``target``; quiesce.
+
+        Returns one entry per push applied in the phase on every rank: server 0 learns the
+        number and tells every rank (a broadcast after the phase).
+        """
+        if self.is_server:
+            stats = self._serve(step, target, stop)
+            n = self.comm.bcast(len(stats) if self.rank == 0 else None, root=0)
+            return stats
+        self._work(stop)
+        n = self.comm.bcast(None, root=0)
+        wall = self._phase_wall
+        rate = self._phase_pushes / wall if wall > 0 else float("nan")
+        return [
+            StepStats(lr=self.lr(step + i), comm_s=self._phase_comm / n, bytes_sent=self.bytes_sent,
+                      series={"pushes_per_s": rate})
+            for i in range(n)
+        ]  # fmt: skip
+
+    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
+        """Server 0's rows of the phase for every rank, the stop votes, the staleness rows to rank 0."""
+        table = np.array(self._table if self.is_server else [], dtype=np.float64).reshape(-1, 5)
+        gathered = self.comm.gather((bool(stop), table), root=0)
+        payload: Any = None
+        tables: dict[str, dict[str, Any]] = {}
+        if self.rank == 0:
+            assert gathered is not None
+            votes = sum(int(v) for v, _ in gathered)
+            columns = ["loss", "train_accuracy", "test_accuracy", "test_loss"]
+            rows = np.array([[r.get(c, np.nan) for c in columns] for r in self._rows]).reshape(-1, 4)
+            payload = (votes, rows)
+            both = np.concatenate([t for _, t in gathered]) if gathered else np.zeros((0, 5))
+            order = np.lexsort((both[:, 2], both[:, 0]))  # by update, then server
+            both = both[order]
+            tables = {"staleness": {"update": both[:, 0], "worker": both[:, 1], "server": both[:, 2],
+                                    "tau": both[:, 3], "time": both[:, 4]}}  # fmt: skip
+        votes, rows = self.comm.bcast(payload, root=0)
+        out = []
+        for loss, acc, test_acc, test_loss in rows:
+            row = {"loss": float(loss), "train_accuracy": float(acc)}
+            if np.isfinite(test_acc):
+                row.update(test_accuracy=float(test_acc), test_loss=float(test_loss))
+            out.append(row)
+        return Agreement(rows=out, stop_votes=int(votes), tables=tables if self.rank == 0 else {})
+
+    def evaluate(self) -> tuple[float, float]:
+        """Server 0 evaluates the master copy (the shards gathered); every rank learns the result."""
+        comm = self.comm
+        if self.is_server and self.rank != 0:
+            comm.Send(self.shard.data, dest=0, tag=_SHARD)
+        result = None
+        if self.rank == 0:
+            flat = np.empty(self.packer.total, dtype=self.dtype)
+            a, b = self._range(0)
+            flat[a:b] = self.shard.data
+            for j in range(1, self.servers):
+                lo, hi = self._range(j)
+                comm.Recv(flat[lo:hi], source=j, tag=_SHARD)
+            self.packer.unpack(flat, [p.data for p in self.params])
+            for buf, saved in zip(self.buffers, self.master_bn):
+                buf[...] = saved
+            parts = self.ctx.evaluation_parts(self.model)
+            while result is None:
+                try:
+                    next(parts)
+                except StopIteration as done:
+                    result = done.value
+        return comm.bcast(result, root=0)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state(self, pieces: bool) -> RankState:
+        """A server: its shard, optimizer state, version and clocks; a worker: its sampler, streams, clock."""
+        if self.is_server:
+            part = RankState(meta={"version": self.version, "clocks": self.clocks.tolist(),
+                                   "bytes_sent": self.bytes_sent})  # fmt: skip
+            if self.rank == 0:
+                part.arrays = {f"bn{i}": b.copy() for i, b in enumerate(self.master_bn)}
+            if pieces:
+                opt = self.optimizer.state_dict()
+                part.pieces[f"shard {self.rank}"] = {
+                    "params": {"shard": self.shard.data.copy()},
+                    "optimizer": {k: v for k, v in opt.items() if isinstance(v, np.ndarray)},
+                    "meta": {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}},
+                }
+            return part
+        return RankState(
+            arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
+            meta={"random": self.ctx.random_state(), "sampler": self.sampler.state(), "clock": self.clock,
+                  "bytes_sent": self.bytes_sent},
+        )  # fmt: skip
+
+    def load_state(self, state: RankState) -> None:
+        """Put back what :meth:`state` captured."""
+        self.bytes_sent = int(state.meta.get("bytes_sent", 0))
+        if self.is_server:
+            self.check_state(state.pieces)
+            shard = state.pieces[f"shard {self.rank}"]
+            self.shard.data[...] = shard["params"]["shard"]
+            self.optimizer.load_state_dict({**shard["meta"]["optimizer"], **shard["optimizer"]})
+            self.version = int(state.meta["version"])
+            self.clocks[:] = state.meta["clocks"]
+            if self.rank == 0:
+                for i, buf in enumerate(self.master_bn):
+                    buf[...] = state.arrays[f"bn{i}"]
+            return
+        self.model.load_state_dict(state.arrays, strict=False)
+        self.sampler.load_state(state.meta["sampler"])
+        self.ctx.load_random_state(state.meta["random"])
+        self.clock = int(state.meta["clock"])
+        self._batches = None
+
+    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
+        """Refuse shards of another size (another model or dtype).
+
+        Raises:
+            ConfigError: naming the shard that differs.
+        """
+        for k in range(self.servers):
+            shard = pieces.get(f"shard {k}")
+            if shard is None:
+                continue
+            a, b = self._range(k)
+            got = tuple(np.shape(shard["params"]["shard"]))
+            if got != (b - a,):
+                raise ConfigError(f"it holds another model (shard {k} has {got[0] if got else 0} elements, "
+                                  f"this model's {b - a})")  # fmt: skip
+
+    def close(self) -> None:
+        """Free the strategy's communicator (collective)."""
+        self.comm.Free()
+
+
+class _Phase:
+    """Server-side bookkeeping of one phase: pushes granted, workers still active, pulls held back."""
+
+    def __init__(self, workers: int, granted: int, target: int) -> None:
+        self.active = workers
+        self.granted = granted
+        self.target = target
+        self.stopping = False
+        self.deferred: list[int] = []

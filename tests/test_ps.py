@@ -1,0 +1,207 @@
+"""Parameter servers (``parallel.strategy = "ps"``) in the simulator, against simpler equivalents.
+
+* one worker in ``async`` mode is single-process training, bit for bit (tau = 0);
+* ``sync`` mode is sync data parallel on the same batches, bit for bit (the sums of 2 and
+  3 gradients in the same order), with one server and with shards cut across tensors;
+* homogeneous ``async`` with equal per-layer costs: tau = W - 1 for every push after the
+  first round, exactly (and ``w`` for worker w's first push);
+* ``ssp`` never lets tau exceed :func:`~hpcdl.parallel.ps_plan.max_staleness` with a 3x
+  straggler, while ``async`` with the same straggler does;
+* resume at a quiesce point repeats the uninterrupted run bit for bit (cost table, no jitter);
+* the run file's ``staleness/`` rows, the plan's errors and ``--plan``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.comm import world
+from hpcdl.config import load_config
+from hpcdl.driver.run import train
+from hpcdl.errors import ConfigError
+from hpcdl.parallel.ps import compensated_lr, dc_gradient
+from hpcdl.parallel.ps_plan import max_staleness
+from hpcdl.sim.compute import make_compute
+from hpcdl.sim.engine import simulate
+from hpcdl.sim.network import load_network
+
+COMMON = [
+    "dtype=float64", "model.depth=2", "model.width=32", "data.batch_size=16", "optimizer.lr=0.05",
+    "optimizer.momentum=0.9", "schedule.scale=none", "schedule.name=constant", "schedule.warmup_epochs=0",
+    "checkpoint.every=0", "parallel.strategy=ps",
+]  # fmt: skip
+
+
+def cfg(*sets: str) -> Any:
+    return load_config("digits-mlp", [*COMMON, *sets])
+
+
+def equal_costs(tmp_path: Path) -> str:
+    """A cost table charging every layer of the 2-layer MLP 100 us forward and 200 us backward."""
+    table = tmp_path / "equal.toml"
+    rows = "".join(f'[[layers]]\nlayer = "{i}"\nforward_s = 1e-4\nbackward_s = 2e-4\n' for i in range(6))
+    table.write_text(rows)
+    return f"table:{table}"
+
+
+def sim(
+    n: int, config: Any, out: Path | None = None, compute: str = "none", resume: str | None = None
+) -> list[Any]:
+    """Train ``config`` on ``n`` virtual ranks (eth10g); each rank's result."""
+    result = simulate(
+        n,
+        lambda: train(config, world(), out=out, resume=resume),
+        network=load_network("eth10g", n),
+        compute=make_compute(compute),
+    )
+    return result.results
+
+
+def flat(result: Any) -> np.ndarray:
+    """The parameters a run ended with: the packed master copy of a ps run's server, a model's."""
+    strategy = result.strategy
+    if hasattr(strategy, "shard"):
+        return strategy.shard.data.copy()
+    return np.concatenate([p.data.ravel() for p in strategy.model.parameters()])
+
+
+def staleness(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path) as f:
+        return {k: f["staleness"][k][...] for k in f["staleness"]}
+
+
+def test_one_worker_async_is_single_process_training_bit_for_bit(tmp_path: Path) -> None:
+    alone = train(cfg("train.steps=30", "parallel.strategy=sync"))
+    ps = sim(2, cfg("train.steps=30", "parallel.mode=async"), out=tmp_path / "ps.h5")
+    np.testing.assert_array_equal(flat(ps[0]), flat(alone))
+    assert [r["loss"] for r in ps[0].history] == [r["loss"] for r in alone.history]
+    rows = staleness(tmp_path / "ps.h5")
+    assert rows["update"].tolist() == list(range(1, 31))
+    assert not rows["tau"].any()
+
+
+@pytest.mark.parametrize(("workers", "servers"), [(2, 1), (3, 1), (3, 2)])
+def test_sync_mode_is_sync_data_parallel_on_the_same_batches(workers: int, servers: int) -> None:
+    steps = 8
+    dp = sim(workers, cfg(f"train.steps={steps}", "parallel.strategy=sync"))
+    ps = sim(workers + servers, cfg(f"train.steps={steps * workers}", "parallel.mode=sync",
+                                    f"parallel.servers={servers}"))  # fmt: skip
+    expected = flat(dp[0])
+    shards = [flat(r) for r in ps[:servers]]  # server k's shard: its range of the packed buffer
+    np.testing.assert_array_equal(np.concatenate(shards), expected)
+    assert ps[0].steps == steps * workers
+
+
+def test_homogeneous_async_staleness_is_w_minus_1_after_the_first_round(tmp_path: Path) -> None:
+    workers = 6
+    out = tmp_path / "ps.h5"
+    sim(workers + 1, cfg("train.steps=60", "parallel.mode=async"), out=out, compute=equal_costs(tmp_path))
+    rows = staleness(out)
+    first = rows["worker"][:workers]
+    assert sorted(first.tolist()) == list(range(workers))
+    assert rows["tau"][:workers].tolist() == list(range(workers))  # pulled at 0, applied at w
+    assert (rows["tau"][workers:] == workers - 1).all(), np.bincount(rows["tau"])
+    # round robin: each worker's pushes are W apart
+    assert (rows["worker"][workers:] == np.tile(first, 60 // workers)[: 60 - workers]).all()
+
+
+@pytest.mark.parametrize("bound", [0, 1, 2])
+def test_ssp_bounds_staleness_with_a_3x_straggler(tmp_path: Path, bound: int) -> None:
+    workers, n = 3, 4
+    limit = max_staleness(workers, bound)
+    out = tmp_path / f"ssp{bound}.h5"
+    straggler = [f"debug.slowdown=['{n - 1}:3']"]
+    sim(n, cfg("train.steps=90", "parallel.mode=ssp", f"parallel.staleness={bound}", *straggler), out=out,
+        compute=equal_costs(tmp_path))  # fmt: skip
+    tau = staleness(out)["tau"]
+    assert tau.max() <= limit, (tau.max(), limit)
+    # without the bound the straggler's pushes are staler than any bound s = 0 allows
+    out = tmp_path / "async.h5"
+    sim(n, cfg("train.steps=90", "parallel.mode=async", *straggler), out=out, compute=equal_costs(tmp_path))
+    assert staleness(out)["tau"].max() > max_staleness(workers, 0)
+
+
+def test_resume_at_a_quiesce_point_repeats_the_run_bit_for_bit(tmp_path: Path) -> None:
+    sets = ["train.steps=40", "checkpoint.every=20", "parallel.mode=async", "parallel.servers=2"]
+    compute = equal_costs(tmp_path)
+    whole = sim(5, cfg(*sets), out=tmp_path / "whole.h5", compute=compute)
+    stopped = sim(5, cfg(*sets, "train.stop_at=20"), out=tmp_path / "part.h5", compute=compute)
+    assert stopped[0].stopped_by and stopped[0].steps == 20
+    resumed = sim(5, cfg(*sets), out=tmp_path / "part.h5", compute=compute, resume="auto")
+    for a, b in zip(whole[:2], resumed[:2]):
+        np.testing.assert_array_equal(flat(a), flat(b))
+    a, b = staleness(tmp_path / "whole.h5"), staleness(tmp_path / "part.h5")
+    for column in ("update", "worker", "server", "tau"):
+        np.testing.assert_array_equal(a[column], b[column], err_msg=column)
+    with h5py.File(tmp_path / "whole.h5") as f, h5py.File(tmp_path / "part.h5") as g:
+        np.testing.assert_array_equal(f["metrics/loss"][...], g["metrics/loss"][...])
+
+
+def test_staleness_rows_past_the_checkpoint_are_cut_on_resume(tmp_path: Path) -> None:
+    """A run killed after its checkpoint left rows past it: the resume cuts them as metrics rows."""
+    out = tmp_path / "run.h5"
+    sets = [
+        "train.steps=30",
+        "checkpoint.every=10",
+        "checkpoint.keep=5",
+        "parallel.mode=async",
+        "log.flush_every=1",
+    ]
+    sim(3, cfg(*sets), out=out)
+    from hpcdl.store.checkpoint import list_checkpoints
+
+    for ckpt in list_checkpoints(out):  # keep the checkpoint of step 10 only: "killed" at step 30
+        if not ckpt.name.endswith("ckpt-00000010.h5"):
+            ckpt.unlink()
+    left = list_checkpoints(out)
+    assert len(left) == 1
+    with h5py.File(out, "r+") as f:
+        f.attrs["status"] = "running"
+    sim(3, cfg(*sets), out=out, resume="auto")
+    rows = staleness(out)
+    assert rows["update"].tolist() == sorted(rows["update"].tolist())
+    assert np.bincount(rows["update"]).tolist() == [0] + [1] * 30  # each push once, none twice
+
+
+def test_compensation_formulas() -> None:
+    assert compensated_lr(0.1, 0, "lr") == 0.1
+    assert compensated_lr(0.1, 4, "lr") == pytest.approx(0.025)
+    assert compensated_lr(0.1, 4, "none") == 0.1
+    rng = np.random.default_rng(0)
+    g, now, used = (rng.standard_normal(50) for _ in range(3))
+    out = np.empty(50)
+    got = dc_gradient(g, now, used, 0.5, out)
+    np.testing.assert_allclose(got, g + 0.5 * g * g * (now - used), rtol=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("sets", "world", "fragment"),
+    [
+        (["parallel.servers=2"], 2, "parallel.servers = 2 on 2 ranks leaves no worker"),
+        (["parallel.servers=3"], 3, "run on at least 4 ranks"),
+        (["exchange.accumulate=2"], 3, "a push is one batch"),
+    ],
+)
+def test_layouts_that_do_not_fit_are_one_line(sets: list[str], world: int, fragment: str) -> None:
+    from hpcdl.driver.run import plan
+
+    with pytest.raises(ConfigError) as info:
+        plan(cfg(*sets), world)
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_plan_shows_roles_and_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcdl.train import print_plan
+
+    print_plan(cfg("parallel.servers=2", "parallel.mode=ssp", "parallel.staleness=2"), 6)
+    out = capsys.readouterr().out
+    assert "rank 0        server        shard 0" in out and "rank 1        server        shard 1" in out
+    assert "ranks 2-5" in out and "worker" in out
+    assert "ssp: staleness bound s = 2" in out
+    assert "server 0: elements 0.." in out and "server 1: elements" in out

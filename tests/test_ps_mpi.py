@@ -1,0 +1,156 @@
+"""Parameter servers under mpiexec (-n 2 and -n 3): every mode, against simpler equivalents.
+
+* one server and one worker in ``async`` mode is single-process training, bit for bit;
+* ``sync`` mode is sync data parallel on the same batches (W = N - 1 workers against N - 1
+  data-parallel ranks), bit for bit where the sums are in the same order (W <= 2);
+* ``ssp`` with a 3x straggler (``debug.slowdown``) never exceeds the largest staleness the
+  rule allows; ``async`` and ``ssp`` finish with one staleness row per push and shard;
+* a stop at a checkpoint and ``--resume auto`` give the uninterrupted run's parameters
+  (``sync`` mode: the arrival order is fixed).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.comm import world
+from hpcdl.config import load_config
+from hpcdl.parallel.ps_plan import max_staleness
+from hpcdl.train import run
+
+COMMON = [
+    "dtype=float64", "model.depth=2", "model.width=32", "data.batch_size=16", "optimizer.lr=0.05",
+    "optimizer.momentum=0.9", "schedule.scale=none", "schedule.name=constant", "schedule.warmup_epochs=0",
+    "checkpoint.every=0", "parallel.strategy=ps",
+]  # fmt: skip
+
+
+def cfg(*sets: str) -> Any:
+    return load_config("digits-mlp", [*COMMON, *sets])
+
+
+def master(result: Any, comm: Any, servers: int) -> np.ndarray | None:
+    """The packed master parameters gathered from the servers onto rank 0 (None elsewhere)."""
+    shard = result.strategy.shard.data if comm.Get_rank() < servers else None
+    shards = comm.gather(shard, root=0)
+    return np.concatenate(shards[:servers]) if shards is not None else None
+
+
+def packed(result: Any) -> np.ndarray:
+    return np.concatenate([p.data.ravel() for p in result.model.parameters()])
+
+
+def shared_path(comm: Any, tmp_path: Path, name: str) -> Path:
+    """Rank 0's temporary path, on every rank (the run file is written by rank 0 only)."""
+    return Path(comm.bcast(str(tmp_path / name), root=0))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_worker_async_is_single_process_training_bit_for_bit() -> None:
+    comm = world()
+    pair = comm.Split(0 if comm.Get_rank() < 2 else 1, comm.Get_rank())
+    try:
+        if comm.Get_rank() < 2:
+            ps = run(cfg("train.steps=24", "parallel.mode=async"), pair)
+            got = master(ps, pair, 1)
+            losses = [r["loss"] for r in ps.history]
+    finally:
+        pair.Free()
+    alone_comm = comm.Split(comm.Get_rank(), 0)
+    try:
+        alone = run(cfg("train.steps=24", "parallel.strategy=sync"), alone_comm)
+    finally:
+        alone_comm.Free()
+    if comm.Get_rank() == 0:
+        np.testing.assert_array_equal(got, packed(alone))
+        assert losses == [r["loss"] for r in alone.history]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sync_mode_is_sync_data_parallel_on_the_same_batches() -> None:
+    comm = world()
+    workers, steps = comm.Get_size() - 1, 6
+    ps = run(cfg(f"train.steps={steps * workers}", "parallel.mode=sync"), comm)
+    got = master(ps, comm, 1)
+    dp_comm = comm.Split(0 if comm.Get_rank() < workers else 1, comm.Get_rank())
+    try:
+        member = comm.Get_rank() < workers
+        dp = run(cfg(f"train.steps={steps}", "parallel.strategy=sync"), dp_comm) if member else None
+    finally:
+        dp_comm.Free()
+    if comm.Get_rank() == 0:
+        assert dp is not None and ps.steps == steps * workers
+        if workers <= 2:  # a sum of two is the same in any order
+            np.testing.assert_array_equal(got, packed(dp))
+        else:
+            np.testing.assert_allclose(got, packed(dp), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.mpi(min_size=3)
+@pytest.mark.parametrize("bound", [0, 1])
+def test_ssp_never_exceeds_its_staleness_bound_with_a_3x_straggler(tmp_path: Path, bound: int) -> None:
+    comm = world()
+    n = comm.Get_size()
+    out = shared_path(comm, tmp_path, "ssp.h5")
+    straggler = f"debug.slowdown=['{n - 1}:3']"
+    sets = ["train.steps=60", "parallel.mode=ssp", f"parallel.staleness={bound}", straggler]
+    result = run(cfg(*sets), comm, out=out)
+    if comm.Get_rank() == 0:
+        with h5py.File(out) as f:
+            tau, worker = f["staleness/tau"][...], f["staleness/worker"][...]
+        assert len(tau) == result.steps == 60
+        assert tau.max() <= max_staleness(n - 1, bound), np.bincount(tau)
+        assert (worker == n - 2).sum() <= 60 / (n - 1)  # the straggler pushes no more than its share
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["async", "ssp", "sync"])
+def test_every_mode_finishes_with_a_row_per_push_and_shard(tmp_path: Path, mode: str) -> None:
+    comm = world()
+    n = comm.Get_size()
+    servers = 2 if n >= 3 else 1
+    out = shared_path(comm, tmp_path, f"{mode}.h5")
+    steps = 12 * (n - servers)
+    result = run(cfg(f"train.steps={steps}", f"parallel.mode={mode}", f"parallel.servers={servers}",
+                     "train.eval_every=10"), comm, out=out)  # fmt: skip
+    if comm.Get_rank() == 0:
+        with h5py.File(out) as f:
+            rows = {k: f["staleness"][k][...] for k in f["staleness"]}
+            accuracy = f["metrics/test_accuracy"][...]
+            pushes = f["ranks/pushes_per_s"][...]
+        assert len(rows["update"]) == steps * servers
+        workers = n - servers
+        # every server applied every push once; a sync round's W pushes share its update
+        rounds = np.repeat(np.arange(workers, steps + 1, workers), workers)
+        expected = np.arange(1, steps + 1) if mode != "sync" else rounds
+        for k in range(servers):
+            np.testing.assert_array_equal(np.sort(rows["update"][rows["server"] == k]), expected)
+        assert (rows["tau"] >= 0).all()
+        if mode == "sync":
+            assert not rows["tau"].any()
+        assert np.isfinite(accuracy[-1]) and np.isfinite(accuracy).sum() >= 2  # evaluated on the way
+        assert np.isnan(pushes[:, :servers]).all() and (pushes[:, servers:] > 0).all()
+        assert result.test_accuracy == accuracy[-1]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_stop_and_resume_at_a_checkpoint_repeat_the_sync_mode_run(tmp_path: Path) -> None:
+    comm = world()
+    workers = comm.Get_size() - 1
+    steps = 8 * workers
+    sets = [f"train.steps={steps}", f"checkpoint.every={4 * workers}", "parallel.mode=sync"]
+    whole = run(cfg(*sets), comm, out=shared_path(comm, tmp_path, "whole.h5"))
+    part = shared_path(comm, tmp_path, "part.h5")
+    stopped = run(cfg(*sets, f"train.stop_at={4 * workers}"), comm, out=part)
+    assert stopped.stopped_by and stopped.steps == 4 * workers
+    resumed = run(cfg(*sets), comm, out=part, resume="auto")
+    a, b = master(whole, comm, 1), master(resumed, comm, 1)
+    if comm.Get_rank() == 0:
+        np.testing.assert_array_equal(a, b)
+        with h5py.File(part) as f:
+            assert f["staleness/update"].shape[0] == steps
