@@ -129,6 +129,7 @@ def print_plan(cfg: Config, world_size: int) -> None:
     batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])
     print(placement.table())
+
     def model() -> Any:
         xp = array_module(cfg["device"])
         return build(cfg, data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))

@@ -88,8 +88,9 @@ class Trainer:
     counters: Counters = field(default_factory=Counters)
     profiler: LayerProfiler | None = None
     slowdown: Slowdown | None = None
-    history: list[dict[str, float]] = field(default_factory=list)
+    history: list[dict[str, float]] = field(default_factory=list)  # rank 0's only when running free
     accuracy: tuple[float, float] = (math.nan, math.nan)  # the last evaluation: accuracy, loss
+    evaluated_at: int = -1  # the step of the last evaluation (the same on every rank)
     stopped_by: str = ""
     _pending: list[_Step] = field(default_factory=list)
     _met: int = 0  # the step of the last meeting
@@ -103,13 +104,12 @@ class Trainer:
         total = self.ctx.total_steps
         self._met, self._t_segment = self.step, wtime()
         self.ctx.elapsed = self.elapsed  # type: ignore[method-assign]  (the run's time, every segment)
-        free = self.strategy.runs_free
         while self.step < total and not self.stopped_by:
-            if free:
+            if self.strategy.runs_free:
                 self._phase()
-            else:
-                self._one_step()
-            if free or self.strategy.meets_after(self.step) or self.step >= total:
+                continue
+            self._one_step()
+            if self.strategy.meets_after(self.step) or self.step == total:
                 self._meeting()
 
     def elapsed(self) -> float:
@@ -147,34 +147,61 @@ class Trainer:
         return min(due)
 
     def _phase(self) -> None:
-        """Let a free-running strategy run to the next meeting; its steps join the pending ones.
+        """Let a free-running strategy run to the next meeting, then meet: rows, evaluations, a
+        stop, a checkpoint.
 
-        A step's wall time is the time since the previous one ended on this rank: when the
-        strategy timed its steps (``StepStats.ended``) as it did them, else the call's time
-        spread evenly; the last step takes the call's end.
+        The steps' rows are rank 0's (the row rank's clock times them); each rank's time
+        over the phase makes one row of ``ranks/`` (a meeting, not a step: with 1,024
+        workers and 10,000 pushes a row per step and rank would dwarf the run).
         """
         t0 = wtime()
-        other = t0 - self._t_end - self._meeting_comm if self._t_end is not None else 0.0
-        self._meeting_comm = 0.0
+        other = t0 - self._t_end if self._t_end is not None else 0.0
         self._note["step"], self._note["phase"] = self.step + 1, "running free"
         with self.ctx.observing(self.profiler, self.slowdown):
-            done = self.strategy.run_until(self.step, self._next_meeting(), self.stop)
+            phase = self.strategy.run_until(self.step, self._next_meeting(), self.stop)
+        t_run = wtime()
+        self._note["phase"] = "metrics and stop vote"
+        agreed = self.strategy.meet(phase, self.stop.requested)
         self._t_end = wtime()
-        prev, n = t0, len(done)
-        for i, stats in enumerate(done):
-            if i == n - 1:
-                end = self._t_end
-            elif math.isfinite(stats.ended):
-                end = stats.ended
-            else:
-                end = t0 + (self._t_end - t0) * (i + 1) / n
-            wall, prev = end - prev, end
-            self.counters.train_s += wall
-            self.counters.compute_s += wall - stats.comm_s
-            self.counters.comm_s += stats.comm_s
-            elapsed = self.counters.elapsed_s + end - self._t_segment
-            self._pending.append(_Step(stats, wall, other if i == 0 else 0.0, elapsed))
+        first, n = self.step + 1, agreed.steps
+        if agreed.bad >= 0:
+            self.log.close("failed", end_time=heartbeat_now())
+            raise HpcdlError(
+                f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
+                "kept (lower optimizer.lr, or parallel.compensation = 'lr' for stale pushes)"
+            )
+        wall, meeting = t_run - t0, self._t_end - t_run
+        self.counters.train_s += wall
+        self.counters.compute_s += wall - phase.comm_s
+        self.counters.comm_s += phase.comm_s + meeting
+        rows = self._phase_rows(first, agreed, phase, t0)
+        for i, acc, loss in agreed.evaluated:
+            self.accuracy, self.evaluated_at = (acc, loss), first + i
+            self._say_accuracy(first + i, (first + i - 1) // self.ctx.steps_per_epoch)
+        self.history.extend(rows)
         self.step += n
+        self._note["phase"] = "run file"
+        self.log.record_phase(rows, self.step, wall - phase.comm_s, phase.comm_s + meeting, other,
+                              phase.series, agreed.tables)  # fmt: skip
+        if rows:
+            self.bar.update(self.step, since=self._met, loss=rows[-1]["loss"], samples_per_s=self._rate())
+        self._stop_or_save(agreed.stop_votes, first - 1)
+        self._met = self.step
+
+    def _phase_rows(self, first: int, agreed: Any, phase: Any, t0: float) -> list[dict[str, float]]:
+        """Rank 0's metrics rows of a phase: the strategy's, with the driver's columns and times."""
+        spe, per_step = self.ctx.steps_per_epoch, self.ctx.placement.step_samples
+        rows, prev = [], t0
+        for i, (row, ended) in enumerate(zip(agreed.rows, phase.ended)):
+            step, wall = first + i, ended - prev
+            prev = ended
+            rows.append({
+                "step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **row,
+                "step_time": wall,
+                "samples_per_s": per_step / wall if wall > 0 else math.nan, "bytes_sent": phase.bytes_sent,
+                "time": self.counters.elapsed_s + ended - self._t_segment,
+            })  # fmt: skip
+        return rows
 
     def _meeting(self) -> None:
         """What fires at a meeting: agree, rows, evaluation, progress, a stop, a checkpoint."""
@@ -182,18 +209,13 @@ class Trainer:
         first = self.step - len(steps) + 1
         self._note["phase"] = "metrics and stop vote"
         agreed = self.strategy.agree([s.stats for s in steps], self.stop.requested)
-        if steps and agreed.bytes_sent is not None:  # the meeting sent data: the last step's running total
+        if agreed.bytes_sent is not None:  # the meeting sent data: the last step's running total
             steps[-1].stats.bytes_sent = agreed.bytes_sent
-        if steps:  # (a free-running strategy stopped before its first step did none)
-            steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
+        steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
         self.counters.comm_s += agreed.comm_s
-        for name, columns in agreed.tables.items():
-            self.log.add_table(name, columns)
         for i, (done, row) in enumerate(zip(steps, agreed.rows)):
             self._record(first + i, done, row, last=i == len(steps) - 1)
-        if self.history:
-            loss = self.history[-1]["loss"]
-            self.bar.update(self.step, since=self._met, loss=loss, samples_per_s=self._rate())
+        self.bar.update(self.step, since=self._met, loss=self.history[-1]["loss"], samples_per_s=self._rate())
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
 
@@ -218,19 +240,16 @@ class Trainer:
         row = {"step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **agreed, "lr": stats.lr,
                "step_time": done.wall_s, "samples_per_s": rate, "bytes_sent": stats.bytes_sent,
                "time": done.elapsed_s}  # fmt: skip
-        if math.isfinite(agreed.get("test_accuracy", math.nan)):  # the strategy evaluated on its own
-            self.accuracy = (agreed["test_accuracy"], agreed["test_loss"])
-            self._say_accuracy(step, row["epoch"])
-        elif last and not self.strategy.runs_free and self._evaluation_due():
+        if last and self._evaluation_due():
             self._note["phase"] = "evaluation"
-            self.accuracy = self.strategy.evaluate()
+            self.accuracy, self.evaluated_at = self.strategy.evaluate(), step
             acc, loss = self.accuracy
             row.update(test_accuracy=acc, test_loss=loss)
             self._say_accuracy(step, row["epoch"])
         self.history.append(row)
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
-        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s, stats.series)
+        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s)
 
     def _say_accuracy(self, step: int, epoch: int) -> None:
         acc, loss = self.accuracy

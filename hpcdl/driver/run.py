@@ -150,9 +150,7 @@ def _run(
     trainer = Trainer(
         ctx,
         strategy,
-        log=RunLog(
-            comm, opened.runfile, cfg["log.flush_every"], placement, strategy.rank_series, strategy.row_rank
-        ),  # fmt: skip
+        log=RunLog(comm, opened.runfile, cfg["log.flush_every"], placement, strategy.rank_series),
         bar=bar,
         stop=current_stop_request(),
         save=lambda step: _checkpoint(trainer, run_path, step),
@@ -179,7 +177,7 @@ def _run(
 def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResult:
     """After the last step or a stop: a last evaluation, the last checkpoint, the file's summary."""
     ctx, strategy = trainer.ctx, trainer.strategy
-    if not trainer.stopped_by and (not trainer.history or "test_accuracy" not in trainer.history[-1]):
+    if not trainer.stopped_by and trainer.evaluated_at != trainer.step:  # the end not yet evaluated
         notes()["phase"] = "evaluation"
         trainer.accuracy = strategy.evaluate()
     ckpt_path = _checkpoint(trainer, run_path, trainer.step)

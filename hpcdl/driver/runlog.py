@@ -47,28 +47,19 @@ class RunLog:
         flush_every: int,
         placement: Placement,
         series: tuple[str, ...] = (),
-        row_rank: int | None = None,
     ) -> None:
         self.comm = comm
         self.runfile = runfile  # only rank 0 has one
         self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
         self._times: list[tuple[float, ...]] = []
-        self._tables: dict[str, list[dict[str, Any]]] = {}
         # a row's lr is a data-parallel member's; its step time and bytes the slowest and busiest rank's
         self._member = next(r for r, p in enumerate(placement.ranks) if p.member >= 0)
         self._global_batch = placement.step_samples
-        self._series = series  # the strategy's own per-rank series
-        self._row_rank = row_rank  # the rank whose step time a row takes (None: the slowest)
+        self._series = series  # a free-running strategy's own per-rank series
 
     def record(
-        self,
-        row: dict[str, Any],
-        compute_s: float,
-        comm_s: float,
-        exposed_s: float,
-        other_s: float,
-        series: dict[str, float] | None = None,
+        self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float
     ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
@@ -77,52 +68,66 @@ class RunLog:
         rank 0's row takes its ``lr`` from the first data-parallel member, its
         ``step_time`` (and ``samples_per_s``) from the slowest rank and its ``bytes_sent``
         from the rank that sent most (each rank's own are in its ``row``): rank 0 may read
-        no batches at all. ``series`` holds this rank's values of the strategy's own
-        per-rank series (NaN for those it does not give).
+        no batches at all.
         """
         if self.runfile is not None:
             self._rows.append(row)
         own = (row["step_time"], float(row["bytes_sent"]), row["lr"])
-        extra = tuple((series or {}).get(name, math.nan) for name in self._series)
-        self._times.append((compute_s, comm_s, exposed_s, other_s, *own, *extra))
+        self._times.append((compute_s, comm_s, exposed_s, other_s, *own))
         if len(self._times) >= self.flush_every:
             self.flush()
 
-    def add_table(self, name: str, columns: dict[str, Any]) -> None:
-        """Rows of the row group ``name`` (rank 0; written with the next flush)."""
-        if self.runfile is not None and len(next(iter(columns.values()), ())):
-            self._tables.setdefault(name, []).append(columns)
-
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
-        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7 + len(self._series))
+        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7)
         every = self.comm.gather(mine, root=0)
         self._times = []
         if self.runfile is None:
             return
-        times = np.stack(every, axis=1)  # steps, ranks, 7 + series
+        times = np.stack(every, axis=1)  # steps, ranks, 7
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
         self._agreed_columns(times)
-        series = {"compute_time": compute, "comm_time": comm_t, "wait_time": wait,
-                  "exposed_comm_time": exposed, "other_time": other}  # fmt: skip
-        series.update({name: times[..., 7 + i] for i, name in enumerate(self._series)})
-        tables = {
-            name: {column: np.concatenate([part[column] for part in parts]) for column in parts[0]}
-            for name, parts in self._tables.items()
-        }
-        self.runfile.append_rows(self._rows, series, tables)
-        self._rows, self._tables = [], {}
+        self.runfile.append_rows(
+            self._rows,
+            {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
+             "other_time": other},
+        )  # fmt: skip
+        self._rows = []
+
+    def record_phase(
+        self,
+        rows: list[dict[str, Any]],
+        step: int,
+        compute_s: float,
+        comm_s: float,
+        other_s: float,
+        series: dict[str, float],
+        tables: dict[str, dict[str, Any]],
+    ) -> None:
+        """A free-running strategy's meeting: rank 0's rows and row groups, each rank's phase (collective).
+
+        Each rank's compute, communication and other time over the phase (and the
+        strategy's own series) make one row of ``ranks/``, with ``ranks/step`` the step
+        the phase ended at; the rows and ``tables`` (rank 0's) are written and flushed
+        at once: one gather per meeting, however many steps the phase did.
+        """
+        mine = np.array([compute_s, comm_s, other_s, *(series.get(s, math.nan) for s in self._series)])
+        every = self.comm.gather(mine, root=0)
+        if self.runfile is None:
+            return
+        times = np.stack(every)[None]  # 1 row, ranks, 3 + series
+        compute, comm_t, other = times[..., 0], times[..., 1], times[..., 2]
+        blocks = {"compute_time": compute, "comm_time": comm_t, "wait_time": comm_t - comm_t.min(),
+                  "exposed_comm_time": np.full_like(compute, np.nan), "other_time": other}  # fmt: skip
+        blocks.update({name: times[..., 3 + i] for i, name in enumerate(self._series)})
+        self.runfile.append_rows(rows, blocks, tables, rank_steps=[step])
 
     def _agreed_columns(self, times: np.ndarray) -> None:
-        """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them.
-
-        The step time is the slowest rank's, or the row rank's when the strategy names one
-        (a parameter server's steps are its applies).
-        """
-        walls = times[..., 4].max(axis=1) if self._row_rank is None else times[:, self._row_rank, 4]
-        most_sent, lrs = times[..., 5].max(axis=1), times[:, self._member, 6]
-        for row, wall, sent, lr in zip(self._rows, walls, most_sent, lrs):
+        """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them."""
+        for row, wall, sent, lr in zip(
+            self._rows, times[..., 4].max(axis=1), times[..., 5].max(axis=1), times[:, self._member, 6]
+        ):
             row["lr"], row["step_time"], row["bytes_sent"] = float(lr), float(wall), int(sent)
             row["samples_per_s"] = self._global_batch / wall if wall > 0 else math.nan
 

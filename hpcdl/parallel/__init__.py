@@ -12,6 +12,7 @@ from hpcdl.parallel.exchange import AllreduceExchange, ExchangeError, GradientEx
 from hpcdl.parallel.strategy import (
     STRATEGIES,
     Agreement,
+    PhaseStats,
     Placement,
     RankPlace,
     RankState,
@@ -28,6 +29,7 @@ __all__ = [
     "RankPlace",
     "RankState",
     "RunContext",
+    "PhaseStats",
     "StepStats",
     "Strategy",
     "strategy_class",

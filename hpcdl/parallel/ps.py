@@ -70,11 +70,11 @@ from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel.ps_plan import ShardPlan, shard_plan, ssp_may_pull
 from hpcdl.parallel.strategy import (
     Agreement,
+    PhaseStats,
     Placement,
     RankPlace,
     RankState,
     RunContext,
-    StepStats,
     Strategy,
 )
 from hpcdl.parallel.sync import forward_backward
@@ -246,12 +246,11 @@ class ParameterServer(Strategy):
         else:
             self.comm.Recv(self.shard.data, source=0, tag=_SHARD)
 
-    def _serve(self, step: int, target: int, stop: Any) -> list[StepStats]:
+    def _serve(self, step: int, target: int, stop: Any) -> PhaseStats:
         """One phase of server k: apply pushes and answer pulls until every worker is done."""
         k, workers = self.rank, self.workers
         t_begin = wtime()
         waited = 0.0
-        start_version = self.version
         self._phase_start(k)
         ph = _Phase(workers, granted=step, target=target)
         self._rows: list[dict[str, float]] = []
@@ -312,7 +311,7 @@ class ParameterServer(Strategy):
             self._snapshots = []
         wall = wtime() - t_begin
         busy = (wall - waited) / wall if wall > 0 else float("nan")
-        return self._server_steps(self.version - start_version, waited, busy)
+        return self._server_phase(waited, busy)
 
     def _wait_limit(self) -> float | None:
         stall = self.ctx.cfg["debug.stall_s"]
@@ -423,6 +422,7 @@ class ParameterServer(Strategy):
         self._boundary(self.version - len(round_))
 
     def _step(self, grad: np.ndarray, lr: float) -> None:
+        self._lr_used = lr
         self.shard.grad = grad
         self.optimizer.lr = lr
         self.optimizer.step()
@@ -437,7 +437,7 @@ class ParameterServer(Strategy):
         self._rows.append({
             "loss": float(head[_LOSS]),
             "train_accuracy": float(head[_CORRECT]) / samples if samples else float("nan"),
-            "worker": w, "tau": tau, "ended": wtime(),
+            "lr": self._lr_used, "worker": w, "tau": tau, "ended": wtime(),
         })  # fmt: skip
         if self.bn_packer is not None:
             payload = self.pushes[w][2]
@@ -498,21 +498,12 @@ class ParameterServer(Strategy):
             row["test_accuracy"], row["test_loss"] = acc, loss
             self._eval_parts = None
 
-    def _server_steps(self, n: int, waited: float, busy: float) -> list[StepStats]:
-        """Server 0: a step per push with its apply time; the others: their phase spread evenly."""
-        wait_each = waited / n if n else 0.0
-        series = {"busy_fraction": busy}
-        if self.rank == 0:
-            return [
-                StepStats(lr=self.lr(self.version - n + i), comm_s=wait_each, bytes_sent=self.bytes_sent,
-                          ended=row["ended"], series=series)
-                for i, row in enumerate(self._rows)
-            ]  # fmt: skip
-        return [
-            StepStats(lr=self.lr(self.version - n + i), comm_s=wait_each, bytes_sent=self.bytes_sent,
-                      series=series)
-            for i in range(n)
-        ]  # fmt: skip
+    def _server_phase(self, waited: float, busy: float) -> PhaseStats:
+        """A server's phase: its waits, its busy fraction; server 0 timed each push it applied."""
+        ended = [row.pop("ended") for row in self._rows] if self.rank == 0 else []
+        return PhaseStats(
+            comm_s=waited, bytes_sent=self.bytes_sent, series={"busy_fraction": busy}, ended=ended
+        )
 
     # ========================================================================================
     # workers
@@ -599,51 +590,41 @@ class ParameterServer(Strategy):
     # ========================================================================================
     # the driver's calls
     # ========================================================================================
-    def run_until(self, step: int, target: int, stop: Any) -> list[StepStats]:
-        """Serve or work from ``step`` pushes applied until server 0 has granted ``target``; quiesce.
-
-        Returns one entry per push applied in the phase on every rank: server 0 learns the
-        number and tells every rank (a broadcast after the phase).
-        """
+    def run_until(self, step: int, target: int, stop: Any) -> PhaseStats:
+        """Serve or work from ``step`` pushes applied until server 0 has granted ``target``; quiesce."""
         if self.is_server:
-            stats = self._serve(step, target, stop)
-            n = self.comm.bcast(len(stats) if self.rank == 0 else None, root=0)
-            return stats
+            return self._serve(step, target, stop)
         self._work(stop)
-        n = self.comm.bcast(None, root=0)
         wall = self._phase_wall
         rate = self._phase_pushes / wall if wall > 0 else float("nan")
-        return [
-            StepStats(lr=self.lr(step + i), comm_s=self._phase_comm / n, bytes_sent=self.bytes_sent,
-                      series={"pushes_per_s": rate})
-            for i in range(n)
-        ]  # fmt: skip
+        return PhaseStats(comm_s=self._phase_comm, bytes_sent=self.bytes_sent, series={"pushes_per_s": rate})
 
-    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
-        """Server 0's rows of the phase for every rank, the stop votes, the staleness rows to rank 0."""
+    def meet(self, phase: PhaseStats, stop: bool) -> Agreement:
+        """Server 0's rows of the phase (rank 0 keeps them), the staleness rows of every server,
+        and for every rank the steps, the evaluations, a non-finite loss and the stop votes.
+
+        One gather (each rank's stop flag; each server's staleness rows) and one broadcast.
+        """
         table = np.array(self._table if self.is_server else [], dtype=np.float64).reshape(-1, 5)
         gathered = self.comm.gather((bool(stop), table), root=0)
-        payload: Any = None
-        tables: dict[str, dict[str, Any]] = {}
+        summary: Any = None
+        agreement = Agreement(rows=[], stop_votes=0)
         if self.rank == 0:
             assert gathered is not None
-            votes = sum(int(v) for v, _ in gathered)
-            columns = ["loss", "train_accuracy", "test_accuracy", "test_loss"]
-            rows = np.array([[r.get(c, np.nan) for c in columns] for r in self._rows]).reshape(-1, 4)
-            payload = (votes, rows)
-            both = np.concatenate([t for _, t in gathered]) if gathered else np.zeros((0, 5))
-            order = np.lexsort((both[:, 2], both[:, 0]))  # by update, then server
-            both = both[order]
-            tables = {"staleness": {"update": both[:, 0], "worker": both[:, 1], "server": both[:, 2],
-                                    "tau": both[:, 3], "time": both[:, 4]}}  # fmt: skip
-        votes, rows = self.comm.bcast(payload, root=0)
-        out = []
-        for loss, acc, test_acc, test_loss in rows:
-            row = {"loss": float(loss), "train_accuracy": float(acc)}
-            if np.isfinite(test_acc):
-                row.update(test_accuracy=float(test_acc), test_loss=float(test_loss))
-            out.append(row)
-        return Agreement(rows=out, stop_votes=int(votes), tables=tables if self.rank == 0 else {})
+            keys = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss")
+            rows = agreement.rows = [{k: r[k] for k in keys if k in r} for r in self._rows]
+            both = np.concatenate([t for _, t in gathered])
+            both = both[np.lexsort((both[:, 2], both[:, 0]))]  # by update, then server (stable: worker order)
+            agreement.tables = {"staleness": dict(zip(("update", "worker", "server", "tau", "time"), both.T))}
+            bad = next((i for i, r in enumerate(rows) if not np.isfinite(r["loss"])), -1)
+            evaluated = [
+                (i, r["test_accuracy"], r["test_loss"]) for i, r in enumerate(rows) if "test_loss" in r
+            ]
+            summary = (len(rows), evaluated, bad, sum(int(v) for v, _ in gathered))
+        agreement.steps, agreement.evaluated, agreement.bad, agreement.stop_votes = self.comm.bcast(
+            summary, root=0
+        )
+        return agreement
 
     def evaluate(self) -> tuple[float, float]:
         """Server 0 evaluates the master copy (the shards gathered); every rank learns the result."""

@@ -32,6 +32,7 @@ from hpcdl.errors import ConfigError
 __all__ = [
     "STRATEGIES",
     "Agreement",
+    "PhaseStats",
     "Placement",
     "RankPlace",
     "RankState",
@@ -247,11 +248,6 @@ class StepStats:
         comm_s: seconds in communication.
         exposed_s: the part of ``comm_s`` that nothing overlapped (after backward).
         bytes_sent: bytes this rank has sent since the run began (a running total).
-        ended: when the step ended on this rank's clock (:func:`hpcdl.comm.wtime`), for a
-            strategy that runs many steps in one call and timed them (a server's applies);
-            NaN: the driver spreads the call's time evenly over its steps.
-        series: this rank's values of the strategy's extra per-rank series
-            (:attr:`Strategy.rank_series`) for the step.
     """
 
     loss: float = float("nan")
@@ -261,8 +257,25 @@ class StepStats:
     comm_s: float = 0.0
     exposed_s: float = 0.0
     bytes_sent: int = 0
-    ended: float = float("nan")
+
+
+@dataclass
+class PhaseStats:
+    """What a free-running strategy did on this rank between two meetings (:meth:`Strategy.run_until`).
+
+    Attributes:
+        comm_s: seconds in communication, waiting for messages included.
+        bytes_sent: bytes this rank has sent since the run began (a running total).
+        series: this rank's values of the strategy's own per-rank series
+            (:attr:`Strategy.rank_series`) over the phase.
+        ended: on the row rank (:attr:`Strategy.row_rank`), when each step of the phase
+            ended on its clock (:func:`hpcdl.comm.wtime`); empty elsewhere.
+    """
+
+    comm_s: float = 0.0
+    bytes_sent: int = 0
     series: dict[str, float] = field(default_factory=dict)
+    ended: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -280,6 +293,12 @@ class Agreement:
         tables: row groups of the run file beside ``metrics/`` (``staleness``: one row per
             applied push and shard), as columns, on rank 0; rows past a checkpoint's step
             are cut on resume by their ``update`` column.
+        steps: (a free-running strategy's meeting) the steps done in the phase; its rows
+            (with ``lr``) are rank 0's only, to spare every rank a copy of every row.
+        evaluated: (a free-running strategy's meeting) ``(index of the step in the phase,
+            test accuracy, test loss)`` of each evaluation the phase finished, on every rank.
+        bad: (a free-running strategy's meeting) the index of the phase's first step whose
+            loss is not finite, on every rank; -1: none.
     """
 
     rows: list[dict[str, float]]
@@ -287,6 +306,9 @@ class Agreement:
     comm_s: float = 0.0
     bytes_sent: int | None = None
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
+    steps: int = 0
+    evaluated: list[tuple[int, float, float]] = field(default_factory=list)
+    bad: int = -1
 
 
 @dataclass
@@ -388,13 +410,13 @@ class Strategy:
     #: the name ``parallel.strategy`` selects it by
     name: ClassVar[str] = ""
     #: True: the ranks run their own loops between meetings (servers and workers): the
-    #: driver calls :meth:`run_until`, not :meth:`step`, and the strategy evaluates on its
-    #: own schedule (rows it returns with ``test_accuracy`` are not evaluated again)
+    #: driver calls :meth:`run_until` and :meth:`meet`, not :meth:`step` and :meth:`agree`;
+    #: the strategy evaluates on its own schedule, and ``ranks/`` gets a row per meeting
     runs_free: ClassVar[bool] = False
-    #: extra per-rank series (``ranks/`` of the run file) that the steps' ``series`` give
+    #: a free-running strategy's own per-rank series (``ranks/``), from ``PhaseStats.series``
     rank_series: ClassVar[tuple[str, ...]] = ()
-    #: the rank whose times make a row's ``step_time`` and ``time``; None: the slowest rank's
-    row_rank: ClassVar[int | None] = None
+    #: a free-running strategy: the rank whose clock times the steps (``PhaseStats.ended``)
+    row_rank: ClassVar[int] = 0
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
@@ -412,7 +434,7 @@ class Strategy:
         """Step ``step`` (0-based: the steps done before it) on this rank."""
         raise NotImplementedError
 
-    def run_until(self, step: int, target: int, stop: Any) -> list[StepStats]:
+    def run_until(self, step: int, target: int, stop: Any) -> PhaseStats:
         """Run free from ``step`` steps done until ``target`` or a stop, then quiesce (``runs_free``).
 
         Args:
@@ -422,9 +444,12 @@ class Strategy:
             stop: this rank's stop flag (``requested``): asked, the strategy ends early.
 
         Returns:
-            One entry per step done, as many on every rank; the ranks then meet
-            (:meth:`agree`).
+            What this rank did; the ranks then meet (:meth:`meet`).
         """
+        raise NotImplementedError
+
+    def meet(self, phase: PhaseStats, stop: bool) -> Agreement:
+        """After :meth:`run_until`: the phase's steps and rows, its evaluations, the stop (collective)."""
         raise NotImplementedError
 
     @classmethod

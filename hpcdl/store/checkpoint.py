@@ -282,8 +282,12 @@ def _read_v1(h5: h5py.File, attrs: dict[str, Any]) -> Checkpoint:
     ranks = [
         (
             _read_group(h5[f"buffers/{r}"]) if f"buffers/{r}" in h5 else {},
-            {"random": rng[r], "sampler": meta["sampler"], "exchange": exchange,
-             "driver": {k: counters.get(k, 0.0) for k in ("train_s", "compute_s", "elapsed_s")}},
+            {
+                "random": rng[r],
+                "sampler": meta["sampler"],
+                "exchange": exchange,
+                "driver": {k: counters.get(k, 0.0) for k in ("train_s", "compute_s", "elapsed_s")},
+            },
         )
         for r in range(world)
     ]

@@ -22,7 +22,9 @@ Layout (format version 1)::
                             processed up to the step), time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
                             evaluated), lr, step_time, samples_per_s, bytes_sent
-    /ranks/<series>         2-D (steps, ranks): compute_time, comm_time, wait_time,
+    /ranks/<series>         2-D (steps, ranks) — (meetings, ranks) for a strategy whose
+                            ranks run free between meetings (ps), with ranks/step the
+                            step each meeting ended at: compute_time, comm_time, wait_time,
                             exposed_comm_time (the part of comm_time after backward ended),
                             other_time (the rank's time between the end of the previous
                             step and this one: metrics agreement, evaluation, logging,
@@ -289,8 +291,11 @@ class RunFile:
         for name in RANK_SERIES:
             if name not in h5["ranks"]:  # a series newer than the file: NaN for the rows it has
                 _rank_series(h5["ranks"], name, len(steps), ranks, fill=np.nan)
+        kept = keep  # ranks/ rows are steps, or meetings ending at ranks/step (a free-running strategy)
+        if "step" in h5["ranks"]:
+            kept = int(np.count_nonzero(h5["ranks/step"][...] <= step))
         for dataset in h5["ranks"].values():  # a strategy's own series too
-            dataset.resize((keep, ranks))
+            dataset.resize((kept, *dataset.shape[1:]))
         for table, (_, by) in TABLES.items():
             if table in h5:
                 kept = int(np.count_nonzero(h5[table][by][...] <= step))  # rows of the kept pushes
@@ -349,17 +354,22 @@ class RunFile:
         rows: Sequence[Mapping[str, float]],
         series: Mapping[str, np.ndarray],
         tables: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+        rank_steps: Sequence[int] | None = None,
     ) -> None:
         """A flush of the training log: metrics rows, per-rank blocks, row groups
         (:data:`TABLES`), heartbeat, then to disk.
 
         ``series`` holds every :data:`RANK_SERIES` block and may hold a strategy's own
-        (created on first use, NaN for the rows before). The space of the whole batch is
+        (created on first use, NaN for the rows before). ``rank_steps``: the ``ranks/``
+        rows are meetings of a free-running strategy, not steps; the step each ended at
+        goes to ``ranks/step``. The space of the whole batch is
         reserved before HDF5 is called at all, so a full disk leaves the file exactly as
         its previous flush did (no metrics rows without their per-rank rows).
         """
         metrics = self._metric_columns(rows)
         ranks = {name: np.asarray(values, dtype=np.float64) for name, values in series.items()}
+        if rank_steps is not None:
+            ranks["step"] = np.asarray(rank_steps, dtype=np.int64)
         groups = {name: _table_columns(name, columns) for name, columns in (tables or {}).items()}
         new = set(ranks) - set(self.h5["ranks"]) or any(name not in self.h5 for name in groups)
         if new:  # the new datasets' headers are written into reserved space too
@@ -382,7 +392,9 @@ class RunFile:
         group = self.h5["ranks"]
         rows, nranks = group[RANK_SERIES[0]].shape
         for name in ranks:
-            if name not in group:
+            if name == "step" and name not in group:
+                group.create_dataset(name, shape=(rows,), maxshape=(None,), dtype=np.int64, chunks=(_CHUNK,))
+            elif name not in group:
                 _rank_series(group, name, rows, nranks, fill=np.nan)
         for name, columns in groups.items():
             table = self.h5.require_group(name)
