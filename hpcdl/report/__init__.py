@@ -20,9 +20,21 @@ from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.errors import file_error
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
+from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
 
-__all__ = ["Run", "load", "summarize", "format_table", "labels", "plot", "output_prefix", "main"]
+__all__ = [
+    "Run",
+    "load",
+    "samples_per_step",
+    "samples_processed",
+    "summarize",
+    "format_table",
+    "labels",
+    "plot",
+    "output_prefix",
+    "main",
+]
 
 #: table columns: (key, header, format of a present value)
 COLUMNS = (
@@ -58,12 +70,25 @@ run file's name (the names joined by + for several runs):
 
 @dataclass
 class Run:
-    """A run file read into memory: root attributes, ``metrics/`` and ``ranks/`` series."""
+    """A run file read into memory: root attributes, ``metrics/``, ``ranks/`` and ``staleness/``.
+
+    Attributes:
+        path: the run file.
+        attrs: root attributes (strings decoded).
+        metrics: ``metrics/`` series as recorded, one row per step.
+        ranks: ``ranks/`` series, each (steps, ranks).
+        staleness: ``staleness/`` columns (``update``, ``worker``, ``server``, ``tau``,
+            ``time``), one row per applied push and server; empty when the run has none.
+        samples: training samples processed up to each metrics row (see
+            :func:`samples_processed`); None when the file cannot tell.
+    """
 
     path: Path
     attrs: dict[str, Any]
     metrics: dict[str, np.ndarray]
     ranks: dict[str, np.ndarray] = field(default_factory=dict)
+    staleness: dict[str, np.ndarray] = field(default_factory=dict)
+    samples: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -85,9 +110,11 @@ def _open(path: Path) -> h5py.File:
 
 
 def load(path: str | Path) -> Run:
-    """Read a run file with plain h5py (every series of ``metrics/`` and ``ranks/``).
+    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/`` and ``staleness/``).
 
-    Series of unequal length (a crash between two appends) are cut to the shortest.
+    Series of one group of unequal length (a crash between two appends) are cut to the
+    shortest. ``Run.samples`` is the recorded ``metrics/samples`` or, for older files,
+    computed from the steps and the placement (:func:`samples_processed`).
 
     Raises:
         RunFileError: the file is missing, is not HDF5, or is not an hpcdl run file.
@@ -123,13 +150,23 @@ def load(path: str | Path) -> Run:
             )
         attrs = {key: _plain(value) for key, value in h5.attrs.items()}
         metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
-        group = h5.get("ranks")
-        ranks = {k: d[...] for k, d in group.items() if isinstance(d, h5py.Dataset)} if group else {}
-    n = min((len(v) for v in metrics.values()), default=0)
-    metrics = {k: v[:n] for k, v in metrics.items()}
-    m = min((len(v) for v in ranks.values()), default=0)
-    ranks = {k: v[:m] for k, v in ranks.items()}
-    return Run(path, attrs, metrics, ranks)
+        ranks = _series(h5.get("ranks"))
+        staleness = _series(h5.get("staleness"))
+    metrics = _cut(metrics)
+    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs))
+
+
+def _series(group: h5py.Group | None) -> dict[str, np.ndarray]:
+    """Every dataset of ``group`` (none when the file has no such group)."""
+    if not isinstance(group, h5py.Group):
+        return {}
+    return {k: d[...] for k, d in group.items() if isinstance(d, h5py.Dataset)}
+
+
+def _cut(series: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The series cut to the shortest (rows appended by a writer that died half way)."""
+    n = min((len(v) for v in series.values()), default=0)
+    return {k: v[:n] for k, v in series.items()}
 
 
 def _plain(value: Any) -> Any:

@@ -1,0 +1,153 @@
+"""``python -m hpcdl.report`` on parameter-server runs: τ histograms, samples processed, τ columns.
+
+The run files are written as the ``ps`` strategy will write them (the ``staleness/``
+group, ``metrics/samples``, the ``placement`` and ``config`` attributes), with
+``RunFile`` and plain h5py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.report import load, samples_per_step
+from hpcdl.store.runfile import RunFile
+
+NAN = math.nan
+
+
+def _placement(
+    strategy: str,
+    members: int,
+    *,
+    servers: int = 0,
+    switch: bool = False,
+    batch: int = 8,
+    micro_steps: int = 1,
+) -> str:
+    """The ``placement`` attribute: ``servers`` servers then ``members`` workers (ps), or members
+    and a switch rank set aside (sync)."""
+    ranks = [{"role": "server", "holds": f"shard {k}", "member": -1} for k in range(servers)]
+    role = "worker" if strategy == "ps" else "member"
+    ranks += [{"role": role, "holds": "model", "member": m} for m in range(members)]
+    if switch:
+        ranks.append({"role": "switch", "holds": "", "member": -1})
+    return json.dumps({"strategy": strategy, "ranks": ranks, "batch_size": batch, "micro_steps": micro_steps})
+
+
+def _config(name: str, strategy: str, **parallel: object) -> str:
+    body = "".join(f"{k} = {json.dumps(v)}\n" for k, v in parallel.items())
+    return f'name = "{name}"\n\n[data]\nbatch_size = 8\n\n[parallel]\nstrategy = "{strategy}"\n{body}'
+
+
+def _write(
+    path: Path,
+    *,
+    strategy: str,
+    placement: str | None,
+    steps: int = 10,
+    samples: bool = False,
+    tau: np.ndarray | None = None,
+    workers: int = 1,
+    servers: int = 1,
+    **parallel: object,
+) -> Path:
+    """A run file of ``steps`` rows, evaluated at every 5th step; ``tau``: its ``staleness/`` rows."""
+    ranks = servers + workers if strategy == "ps" else workers
+    attrs: dict[str, object] = {"name": path.stem, "world": "sim", "ranks": ranks, "strategy": strategy,
+                                "config": _config(path.stem, strategy, **parallel)}  # fmt: skip
+    if placement is not None:
+        attrs["placement"] = placement
+    rows = [{"step": k, "time": 0.25 * k, "loss": 2.0 / k, "test_accuracy": 0.1 * k if k % 5 == 0 else NAN}
+            for k in range(1, steps + 1)]  # fmt: skip
+    with RunFile.create(path, attrs, ranks=ranks) as run:
+        run.append_metrics(rows)
+        rank_rows = {s: np.full((steps, ranks), 1e-3) for s in run.h5["ranks"]}
+        if strategy == "ps":  # servers record no compute; no other_time either (an older writer)
+            rank_rows["compute_time"][:, :servers] = NAN
+        run.append_ranks(rank_rows)
+        if strategy == "ps":
+            del run.h5["ranks/other_time"]
+        run.set_attrs(status="finished")
+    with h5py.File(path, "r+") as h5:
+        if samples:  # a newer writer: what each row processed, here 3 samples per step
+            h5["metrics"].create_dataset("samples", data=3 * np.arange(1, steps + 1, dtype=np.int64))
+        if tau is not None:
+            n = len(tau)
+            columns = {
+                "update": np.arange(1, n + 1, dtype=np.int64),
+                "worker": (np.arange(n) % workers).astype(np.int32),
+                "server": (np.arange(n) % servers).astype(np.int32),
+                "tau": np.asarray(tau, dtype=np.int64),
+                "time": np.linspace(0.0, 0.25 * steps, n),
+            }
+            group = h5.create_group("staleness")
+            for name, data in columns.items():  # appended as pushes are applied: resizable
+                group.create_dataset(name, data=data, maxshape=(None,), chunks=(64,))
+    return path
+
+
+def _ps(path: Path, tau: np.ndarray, mode: str = "async", workers: int = 3, **parallel: object) -> Path:
+    return _write(path, strategy="ps", placement=_placement("ps", workers, servers=1), tau=tau,
+                  workers=workers, mode=mode, servers=1, **parallel)  # fmt: skip
+
+
+def _sync(path: Path, **kw: object) -> Path:
+    return _write(path, strategy="sync", placement=_placement("sync", 2, micro_steps=2), workers=2, **kw)
+
+
+#: a known distribution of τ: value -> count (3 never occurs)
+KNOWN = {0: 50, 1: 30, 2: 15, 4: 5}
+
+
+def _known_tau(seed: int = 0) -> np.ndarray:
+    tau = np.repeat(list(KNOWN), list(KNOWN.values()))
+    return np.random.default_rng(seed).permutation(tau)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+
+def test_load_carries_the_staleness_columns_cut_to_the_shortest(tmp_path: Path) -> None:
+    path = _ps(tmp_path / "a.h5", _known_tau())
+    with h5py.File(path, "r+") as h5:  # a writer died between two appends: one column is longer
+        h5["staleness/time"].resize((len(_known_tau()) + 3,))
+    run = load(path)
+    assert sorted(run.staleness) == ["server", "tau", "time", "update", "worker"]
+    assert {len(v) for v in run.staleness.values()} == {sum(KNOWN.values())}
+    np.testing.assert_array_equal(run.staleness["tau"], _known_tau())
+    assert load(_sync(tmp_path / "s.h5")).staleness == {}
+
+
+# -- samples processed --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("strategy", "per_step"),
+    [("ps", 8), ("sync", 2 * 2 * 8)],  # ps: one push of batch 8; sync: 2 members x 2 micro-steps x 8
+)
+def test_samples_of_an_older_file_come_from_steps_and_placement(tmp_path: Path, strategy, per_step) -> None:
+    path = _ps(tmp_path / "ps.h5", _known_tau()) if strategy == "ps" else _sync(tmp_path / "sync.h5")
+    run = load(path)
+    assert "samples" not in run.metrics  # an older file
+    assert samples_per_step(run.attrs) == per_step
+    np.testing.assert_array_equal(run.samples, per_step * np.arange(1, 11))
+
+
+def test_a_switch_rank_set_aside_is_not_a_member() -> None:
+    attrs = {"placement": _placement("sync", 3, switch=True, batch=16)}
+    assert samples_per_step(attrs) == 3 * 16
+    assert samples_per_step({}) is None and samples_per_step({"placement": "{not json"}) is None
+
+
+def test_recorded_samples_are_used_as_recorded(tmp_path: Path) -> None:
+    path = _sync(tmp_path / "new.h5", samples=True)
+    np.testing.assert_array_equal(load(path).samples, 3 * np.arange(1, 11))  # not 32 per step
+    with h5py.File(path, "r+") as h5:  # rows a writer left at 0 (the series' fill): not recorded
+        h5["metrics/samples"][:4] = 0
+    np.testing.assert_array_equal(load(path).samples, [32, 64, 96, 128, *(3 * np.arange(5, 11))])
