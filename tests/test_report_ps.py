@@ -15,10 +15,11 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdl.report import load, samples_per_step
+from hpcdl.report import load, main, samples_per_step
 from hpcdl.store.runfile import RunFile
 
 NAN = math.nan
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _placement(
@@ -110,6 +111,30 @@ def _known_tau(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).permutation(tau)
 
 
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The figures the report saves, by file name (``a+b-staleness.png`` -> Figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    saved: dict = {}
+    original = Figure.savefig
+
+    def savefig(self, fname, *args, **kwargs):  # noqa: ANN001, ANN202
+        saved[getattr(fname, "name", str(fname))] = self
+        return original(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def _figure(figures: dict, name: str):  # noqa: ANN202
+    (fig,) = [f for path, f in figures.items() if Path(path).name.startswith(f".{name}.png")]  # temporary
+    return fig
+
+
 # -- loading ----------------------------------------------------------------------------------
 
 
@@ -151,3 +176,29 @@ def test_recorded_samples_are_used_as_recorded(tmp_path: Path) -> None:
     with h5py.File(path, "r+") as h5:  # rows a writer left at 0 (the series' fill): not recorded
         h5["metrics/samples"][:4] = 0
     np.testing.assert_array_equal(load(path).samples, [32, 64, 96, 128, *(3 * np.arange(5, 11))])
+
+
+def test_accuracy_by_samples_puts_strategies_on_one_axis(tmp_path: Path, figures, capsys) -> None:
+    a = _ps(tmp_path / "a.h5", _known_tau())
+    b = _sync(tmp_path / "b.h5")
+    assert main([str(a), str(b), "--out", f"{tmp_path}/p/"]) == 0
+    fig = _figure(figures, "a+b-accuracy")
+    assert [ax.get_xlabel() for ax in fig.axes] == ["step", "samples processed", "time (s)"]
+    by_samples = fig.axes[1]
+    tests = {ln.get_label(): ln.get_xdata() for ln in by_samples.get_lines()}
+    np.testing.assert_array_equal(tests["a test"], [8 * 5, 8 * 10])  # evaluated at steps 5 and 10
+    np.testing.assert_array_equal(tests["b test"], [32 * 5, 32 * 10])
+    loss = _figure(figures, "a+b-loss")
+    assert [ax.get_xlabel() for ax in loss.axes] == ["step", "samples processed", "time (s)"]
+
+
+def test_a_run_without_placement_is_named_as_not_shown(tmp_path: Path, figures, capsys) -> None:
+    a = _sync(tmp_path / "a.h5")
+    old = _write(tmp_path / "old.h5", strategy="sync", placement=None, workers=2)
+    assert load(old).samples is None
+    assert main([str(a), str(old), "--out", f"{tmp_path}/p/"]) == 0
+    by_samples = _figure(figures, "a+old-accuracy").axes[1]
+    assert [ln.get_label() for ln in by_samples.get_lines()] == ["a test"]
+    assert "not shown (unknown): old" in [t.get_text() for t in by_samples.texts]
+    assert main([str(old), "--out", f"{tmp_path}/q/"]) == 0  # nothing to show by samples: no such panel
+    assert [ax.get_xlabel() for ax in _figure(figures, "old-accuracy").axes] == ["step", "time (s)"]

@@ -1,5 +1,9 @@
 """The report's figures: loss, accuracy and per-rank times, written as PNGs named after the runs.
 
+``loss.png`` and ``accuracy.png`` draw every run against steps, samples processed and
+time: runs of different strategies compare at equal samples and equal time, not at
+equal steps (a ``ps`` step is one push).
+
 ``ranks.png`` has two panels per run. Above, each rank's mean time per step, stacked:
 compute, communication (moving data), waiting (the part of its communication spent
 waiting for slower ranks) and the time spent outside the step (evaluation, logging,
@@ -27,7 +31,7 @@ from hpcdl.errors import file_error
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.report import Run
 
-__all__ = ["FIGURES", "RankTimes", "rank_times", "output_prefix", "plot"]
+__all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
 FIGURES = ("loss", "accuracy", "ranks")
@@ -175,28 +179,32 @@ def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> lis
         written.append(path)
 
     if pairs:
-        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for run, name in pairs:
-            m = run.metrics
-            by_step.plot(m["step"], m["loss"], label=name)
-            by_time.plot(m["time"], m["loss"], label=name)
-        by_step.set_yscale("log")  # shared with by_time
-        _axes(by_step, by_time, "training loss (log scale)")
+        panels = x_axes(pairs)
+        fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), sharey=True, squeeze=False)
+        for ax, (_, xs) in zip(axes[0], panels):
+            for run, name in pairs:
+                if xs[name] is not None:
+                    ax.plot(xs[name], run.metrics["loss"], label=name)
+        axes[0][0].set_yscale("log")  # shared with the others
+        _axes(axes[0], panels, pairs, "training loss (log scale)")
         save(fig, "loss")
 
     evaluated = [(r, n) for r, n in pairs if np.isfinite(r.metrics.get("test_accuracy", [np.nan])).any()]
     if evaluated:
-        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for run, name in evaluated:
-            m = run.metrics
-            for ax, x in ((by_step, m["step"]), (by_time, m["time"])):
+        panels = x_axes(evaluated)
+        fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), sharey=True, squeeze=False)
+        for ax, (_, xs) in zip(axes[0], panels):
+            for run, name in evaluated:
+                x, m = xs[name], run.metrics
+                if x is None:
+                    continue
                 ok = np.isfinite(m["test_accuracy"])
                 (line,) = ax.plot(x[ok], 100 * m["test_accuracy"][ok], "o-", ms=3, label=f"{name} test")
                 train = m.get("train_accuracy")
                 if train is not None and np.isfinite(train).any():
                     ok = np.isfinite(train)
                     ax.plot(x[ok], 100 * train[ok], "--", color=line.get_color(), label=f"{name} train")
-        _axes(by_step, by_time, "accuracy (%)")
+        _axes(axes[0], panels, evaluated, "accuracy (%)")
         save(fig, "accuracy")
 
     timed = [(t, n) for t, n in ((rank_times(r), n) for r, n in pairs) if t is not None]
@@ -215,13 +223,34 @@ def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> lis
     return written
 
 
-def _axes(by_step: Any, by_time: Any, ylabel: str) -> None:
-    by_step.set_xlabel("step")
-    by_time.set_xlabel("time (s)")
-    by_step.set_ylabel(ylabel)
-    for ax in (by_step, by_time):
+def x_axes(pairs: list[tuple[Run, str]]) -> list[tuple[str, dict[str, np.ndarray | None]]]:
+    """The x axes of the loss and accuracy panels: step, samples processed (when some run can tell), time.
+
+    Args:
+        pairs: (run, label) of the runs drawn.
+
+    Returns:
+        ``(axis label, {run label: x of each metrics row, or None when unknown})`` per panel.
+    """
+    panels: list[tuple[str, dict[str, np.ndarray | None]]] = [
+        ("step", {n: r.metrics["step"] for r, n in pairs})
+    ]
+    if any(r.samples is not None for r, _ in pairs):
+        panels.append(("samples processed", {n: r.samples for r, n in pairs}))
+    panels.append(("time (s)", {n: r.metrics.get("time") for r, n in pairs}))
+    return panels
+
+
+def _axes(axes: Any, panels: list, pairs: list[tuple[Run, str]], ylabel: str) -> None:
+    axes[0].set_ylabel(ylabel)
+    for ax, (xlabel, xs) in zip(axes, panels):
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
+        missing = [n for _, n in pairs if xs[n] is None]
+        if missing:  # an older run file without a placement: its samples are unknown
+            ax.text(0.99, 0.01, f"not shown (unknown): {', '.join(missing)}", transform=ax.transAxes,
+                    ha="right", va="bottom", fontsize="x-small")  # fmt: skip
 
 
 def _per_rank(ax: Any, times: RankTimes, name: str) -> None:
