@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpcdl.report import load, main, samples_per_step
+from hpcdl.report.strategy import mode_label, tau_histogram
 from hpcdl.store.runfile import RunFile
 
 NAN = math.nan
@@ -202,3 +203,67 @@ def test_a_run_without_placement_is_named_as_not_shown(tmp_path: Path, figures, 
     assert "not shown (unknown): old" in [t.get_text() for t in by_samples.texts]
     assert main([str(old), "--out", f"{tmp_path}/q/"]) == 0  # nothing to show by samples: no such panel
     assert [ax.get_xlabel() for ax in _figure(figures, "old-accuracy").axes] == ["step", "time (s)"]
+
+
+# -- the staleness histogram -----------------------------------------------------------------
+
+
+def test_tau_histogram_against_numpy() -> None:
+    tau = _known_tau()
+    values, frequency = tau_histogram(tau)
+    np.testing.assert_array_equal(values, np.arange(0, 5))  # integer bins, 3 included though empty
+    counts, _ = np.histogram(tau, bins=np.arange(-0.5, 5.5))
+    np.testing.assert_allclose(frequency, counts / tau.size)
+    np.testing.assert_allclose(frequency, [0.5, 0.3, 0.15, 0.0, 0.05])
+    assert frequency.sum() == pytest.approx(1.0)
+    values, frequency = tau_histogram(np.zeros(7, dtype=np.int64))  # sync: all at 0
+    assert values.tolist() == [0] and frequency.tolist() == [1.0]
+    assert [len(x) for x in tau_histogram(np.zeros(0))] == [0, 0]
+
+
+def test_runs_of_different_lengths_compare(tmp_path: Path, figures, capsys) -> None:
+    """The same distribution, twice as many pushes: the same frequencies are drawn."""
+    a = _ps(tmp_path / "a.h5", _known_tau(1))
+    b = _ps(tmp_path / "b.h5", np.concatenate([_known_tau(2), _known_tau(3)]), mode="ssp", staleness=1)
+    assert main([str(a), str(b), "--out", f"{tmp_path}/p/"]) == 0
+    (ax,) = _figure(figures, "a+b-staleness").axes
+    assert ax.get_yscale() == "log"
+    drawn = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+    assert list(drawn) == ["a: async", "b: ssp s=1 (SSP allows τ <= 6)"]  # 3 workers: (3 - 1)(2 + 1)
+    for line in drawn.values():
+        np.testing.assert_array_equal(line.get_xdata(), np.arange(0, 5))
+        expected = np.array([0.5, 0.3, 0.15, np.nan, 0.05])  # an empty bin is a gap on the log axis
+        np.testing.assert_allclose(line.get_ydata(), expected)
+    bounds = [ln.get_xdata()[0] for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    assert bounds == [6]
+
+
+def test_a_ps_run_beside_a_sync_run_has_one_histogram(tmp_path: Path, figures, capsys) -> None:
+    a = _ps(tmp_path / "a.h5", _known_tau())
+    b = _sync(tmp_path / "b.h5")
+    assert main([str(a), str(b), "--out", f"{tmp_path}/p/"]) == 0
+    out = capsys.readouterr().out
+    written = sorted(Path(ln).name for ln in out.splitlines() if ln.startswith("/"))
+    assert written == [f"a+b-{f}.png" for f in ("accuracy", "loss", "ranks", "staleness")]
+    assert (tmp_path / "p" / "a+b-staleness.png").read_bytes()[:8] == PNG_MAGIC
+    (ax,) = _figure(figures, "a+b-staleness").axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a: async"]
+
+
+def test_no_staleness_rows_no_staleness_png(tmp_path: Path, capsys) -> None:
+    a = _ps(tmp_path / "a.h5", np.zeros(0, dtype=np.int64))  # a ps run that applied nothing yet
+    b = _sync(tmp_path / "b.h5")
+    assert main([str(a), str(b), "--out", f"{tmp_path}/p/"]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "a+b-accuracy.png", "a+b-loss.png", "a+b-ranks.png"]  # fmt: skip
+
+
+def test_mode_labels(tmp_path: Path) -> None:
+    def attrs(**parallel: object) -> dict:
+        return {"strategy": "ps", "config": _config("x", "ps", **parallel)}
+
+    assert mode_label(attrs(mode="async", compensation="none")) == "async"
+    assert mode_label(attrs(mode="ssp", staleness=2)) == "ssp s=2"
+    assert mode_label(attrs(mode="sync")) == "sync"
+    assert mode_label(attrs(mode="async", compensation="dc")) == "async, dc"
+    assert mode_label({"strategy": "pipeline", "config": ""}) == "pipeline"

@@ -1,8 +1,10 @@
-"""The report's figures: loss, accuracy and per-rank times, written as PNGs named after the runs.
+"""The report's figures: loss, accuracy, per-rank times and staleness, written as PNGs named after the runs.
 
 ``loss.png`` and ``accuracy.png`` draw every run against steps, samples processed and
 time: runs of different strategies compare at equal samples and equal time, not at
-equal steps (a ``ps`` step is one push).
+equal steps (a ``ps`` step is one push). ``staleness.png`` has the τ histogram of each
+run that recorded ``staleness/`` (parameter servers), as fractions of its applied
+pushes, with SSP's bound where one applies.
 
 ``ranks.png`` has two panels per run. Above, each rank's mean time per step, stacked:
 compute, communication (moving data), waiting (the part of its communication spent
@@ -27,6 +29,7 @@ import numpy as np
 
 from hpcdl.atomic import write_atomic
 from hpcdl.errors import file_error
+from hpcdl.report.strategy import config_value, mode_label, tau_histogram, workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.report import Run
@@ -34,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
-FIGURES = ("loss", "accuracy", "ranks")
+FIGURES = ("loss", "accuracy", "ranks", "staleness")
 #: above this many ranks the per-rank panel is an area, not bars
 _BARS_UP_TO = 64
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
@@ -143,11 +146,11 @@ def output_prefix(out: str | os.PathLike[str] | None, runs: list[Run]) -> tuple[
 
 
 def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> list[Path]:
-    """Write ``<prefix>-loss.png``, ``-accuracy.png`` and ``-ranks.png`` into ``directory``.
+    """Write ``<prefix>-loss.png``, ``-accuracy.png``, ``-ranks.png``, ``-staleness.png`` into ``directory``.
 
     Runs without rows are left out; a figure with nothing to show (no rows, no evaluated
-    step, no per-rank times) is not written. Each file is written atomically: a plot
-    that cannot be written leaves the file of an earlier report as it was.
+    step, no per-rank times, no ``staleness/`` rows) is not written. Each file is written
+    atomically: a plot that cannot be written leaves the file of an earlier report as it was.
 
     Returns:
         The paths written.
@@ -220,6 +223,12 @@ def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> lis
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         fig.text(0.01, 0.01, _CAPTION.format(how=how), fontsize="x-small", wrap=True)
         save(fig, "ranks", layout=False)
+
+    stale = [(r, n) for r, n in pairs if len(r.staleness.get("tau", ()))]
+    if stale:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _staleness(ax, stale)
+        save(fig, "staleness")
     return written
 
 
@@ -251,6 +260,45 @@ def _axes(axes: Any, panels: list, pairs: list[tuple[Run, str]], ylabel: str) ->
         if missing:  # an older run file without a placement: its samples are unknown
             ax.text(0.99, 0.01, f"not shown (unknown): {', '.join(missing)}", transform=ax.transAxes,
                     ha="right", va="bottom", fontsize="x-small")  # fmt: skip
+
+
+def _staleness(ax: Any, stale: list[tuple[Run, str]]) -> None:
+    """Each run's τ histogram (integer bins, fractions of its applied pushes, log y), SSP's bound dashed."""
+    from matplotlib.ticker import MaxNLocator
+
+    smallest = 1.0
+    for run, name in stale:
+        values, frequency = tau_histogram(run.staleness["tau"])
+        label = f"{name}: {mode_label(run.attrs)}"
+        bound = _ssp_bound(run.attrs)
+        if bound is not None:
+            label += f" (SSP allows τ <= {bound})"
+        shown = np.where(frequency > 0, frequency, np.nan)  # a log axis: an empty bin is a gap
+        (line,) = ax.plot(values, shown, drawstyle="steps-mid", lw=1.5, label=label)
+        ax.plot(values, shown, "o", ms=3, color=line.get_color())  # a lone bin (sync: all at 0) shows
+        if bound is not None:
+            ax.axvline(bound, color=line.get_color(), ls="--", lw=1)
+        smallest = min(smallest, float(frequency[frequency > 0].min()))
+    ax.set_yscale("log")
+    ax.set_ylim(smallest / 3, 1.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("staleness τ (server versions between a worker's pull and its push's apply)")
+    ax.set_ylabel("fraction of applied pushes (log scale)")
+    ax.set_title("staleness of the applied pushes (one count per push and server)", fontsize="medium")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+
+
+def _ssp_bound(attrs: dict[str, Any]) -> int | None:
+    """The largest τ SSP allows for an ``ssp`` run, ``(W - 1)(2 s + 1)`` (None: not ssp, or unknown)."""
+    if attrs.get("strategy") != "ps" or config_value(attrs, "parallel.mode") != "ssp":
+        return None
+    s, w = config_value(attrs, "parallel.staleness"), workers(attrs)
+    if not isinstance(s, int) or w is None:
+        return None
+    from hpcdl.parallel.ps_plan import max_staleness
+
+    return max_staleness(w, s)
 
 
 def _per_rank(ax: Any, times: RankTimes, name: str) -> None:

@@ -1,4 +1,4 @@
-"""What the report reads of a run's strategy: samples per step, its config.
+"""What the report reads of a run's strategy: samples per step, the parameter servers' mode, τ histograms.
 
 Runs of different strategies are compared at equal samples processed and at equal time,
 never at equal steps (DESIGN.md): a ``ps`` step is one worker's push, a ``sync`` step
@@ -18,6 +18,9 @@ __all__ = [
     "samples_per_step",
     "samples_processed",
     "config_value",
+    "workers",
+    "mode_label",
+    "tau_histogram",
 ]
 
 
@@ -80,3 +83,47 @@ def config_value(attrs: dict[str, Any], key: str, default: Any = None) -> Any:
             return default
         value = value[part]
     return value
+
+
+def workers(attrs: dict[str, Any]) -> int | None:
+    """The number of ranks whose role is ``worker`` in the ``placement`` attribute (None: unknown)."""
+    try:
+        ranks = json.loads(attrs.get("placement") or "null")["ranks"]
+        return sum(1 for r in ranks if r["role"] == "worker") or None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def mode_label(attrs: dict[str, Any]) -> str:
+    """How a run exchanges, for legends: ``async``, ``ssp s=1``, ``sync`` for ``ps`` runs.
+
+    A ``ps`` run names its ``parallel.mode`` (with ``s`` for ``ssp``) and its
+    ``parallel.compensation`` when not ``none`` (``async, dc``); any other run names its
+    strategy.
+    """
+    strategy = attrs.get("strategy") or config_value(attrs, "parallel.strategy", "sync")
+    if strategy != "ps":
+        return str(strategy)
+    mode = str(config_value(attrs, "parallel.mode", "async"))
+    label = f"ssp s={config_value(attrs, 'parallel.staleness', '?')}" if mode == "ssp" else mode
+    compensation = config_value(attrs, "parallel.compensation", "none")
+    return label if compensation in (None, "none") else f"{label}, {compensation}"
+
+
+def tau_histogram(tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distribution of staleness over integer bins, as fractions of the applied pushes.
+
+    Args:
+        tau: one τ per applied push and server (``staleness/tau``).
+
+    Returns:
+        ``(values, frequency)``: every integer from ``min(0, min τ)`` to ``max τ``, and
+        the fraction of the rows with that τ (summing to 1; zero for values never seen),
+        so that runs of different lengths compare. Both empty when ``tau`` is.
+    """
+    tau = np.asarray(tau, dtype=np.int64)
+    if not tau.size:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    low = min(0, int(tau.min()))
+    counts = np.bincount(tau - low)
+    return np.arange(low, low + len(counts), dtype=np.int64), counts / tau.size
