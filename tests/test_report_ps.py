@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpcdl.report import load, main, samples_per_step
+from hpcdl.report.plots import rank_times
 from hpcdl.report.strategy import mode_label, tau_histogram
 from hpcdl.store.runfile import RunFile
 
@@ -267,3 +268,13 @@ def test_mode_labels(tmp_path: Path) -> None:
     assert mode_label(attrs(mode="sync")) == "sync"
     assert mode_label(attrs(mode="async", compensation="dc")) == "async, dc"
     assert mode_label({"strategy": "pipeline", "config": ""}) == "pipeline"
+
+
+# -- the ranks --------------------------------------------------------------------------------
+
+
+def test_ps_ranks_outside_the_step_is_not_estimated(tmp_path: Path) -> None:
+    """A ps run's ranks do not meet each step: the step clock says nothing of their time outside it."""
+    times = rank_times(load(_ps(tmp_path / "a.h5", _known_tau())))
+    assert times is not None and "other" not in times.mean and not times.other_estimated
+    assert np.isnan(times.per_step["compute"][:, 0]).all()  # the server computes nothing

@@ -86,7 +86,7 @@ def rank_times(run: Run) -> RankTimes | None:
     ``other_time``, the time outside the step is estimated per rank as the mean interval
     between the rows' ``time`` (rank 0's clock, which every rank shares when the ranks
     meet each step) less the rank's mean compute and communication, over the rows after
-    the first.
+    the first; not for ``ps`` runs, whose ranks do not meet each step.
     """
     r = {k: np.asarray(v, dtype=np.float64) for k, v in run.ranks.items() if np.ndim(v) == 2}
     if "compute_time" not in r or "comm_time" not in r or not len(r["compute_time"]):
@@ -104,7 +104,7 @@ def rank_times(run: Run) -> RankTimes | None:
     steps = np.asarray(step[:rows]) if step is not None and len(step) >= rows else np.arange(1, rows + 1)
     time = run.metrics.get("time")
     n = min(rows, len(time)) if time is not None else 0
-    estimate = "other" not in per_step and n >= 2
+    estimate = "other" not in per_step and n >= 2 and run.attrs.get("strategy") != "ps"
     window = slice(1, n) if estimate else slice(None)
     mean = {k: _column_means(v[window]) for k, v in per_step.items()}
     if estimate:
