@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdl.report import load, main, samples_per_step
+from hpcdl.report import format_table, load, main, samples_per_step, summarize
 from hpcdl.report.plots import rank_times
 from hpcdl.report.strategy import mode_label, tau_histogram
 from hpcdl.store.runfile import RunFile
@@ -270,7 +270,23 @@ def test_mode_labels(tmp_path: Path) -> None:
     assert mode_label({"strategy": "pipeline", "config": ""}) == "pipeline"
 
 
-# -- the ranks --------------------------------------------------------------------------------
+# -- the table --------------------------------------------------------------------------------
+
+
+def test_tau_columns_only_when_a_run_has_staleness(tmp_path: Path) -> None:
+    a = summarize(_ps(tmp_path / "a.h5", _known_tau()))
+    b = summarize(_sync(tmp_path / "b.h5"))
+    assert (a["tau_median"], a["tau_max"]) == (np.median(_known_tau()), 4)
+    assert (b["tau_median"], b["tau_max"]) == (None, None)
+    assert "τ" not in format_table([b])
+    lines = format_table([a, b]).splitlines()
+    header = lines[0].split()
+    assert header[-5:] == ["τ", "median", "τ", "max", "status"]
+    ps_row, sync_row = lines[2].split(), lines[3].split()
+    assert ps_row[-3:] == ["0.5", "4", "finished"]  # median of 50 zeros and 50 ones and more: 0.5
+    assert sync_row[-3:] == ["-", "-", "finished"]
+    end = lines[0].index("τ max") + len("τ max")  # numbers are right-aligned under their header
+    assert lines[2][:end].endswith(" 4") and lines[3][:end].endswith(" -")
 
 
 def test_ps_ranks_outside_the_step_is_not_estimated(tmp_path: Path) -> None:

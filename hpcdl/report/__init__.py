@@ -48,6 +48,11 @@ COLUMNS = (
     ("samples_per_s", "samples/s", "{:.0f}"),
     ("status", "status", "{}"),
 )
+#: columns shown (before status) only when some run recorded staleness (parameter servers)
+STALENESS_COLUMNS = (
+    ("tau_median", "τ median", "{:g}"),
+    ("tau_max", "τ max", "{}"),
+)
 _TEXT = {"run", "name", "world", "status"}
 #: marks an accuracy that is not the run's result (the run has not finished)
 NOT_FINAL = "*"
@@ -197,8 +202,9 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         empty), ``test_accuracy`` (last evaluated, in %), ``accuracy_step`` (the step it
         was evaluated at), ``final`` (True when the run finished, so that accuracy is its
         result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
-        ``interrupted`` when the writer is known to be gone) and ``status`` (as shown:
-        ``running, last written 12 min ago`` when it cannot be told).
+        ``interrupted`` when the writer is known to be gone), ``status`` (as shown:
+        ``running, last written 12 min ago`` when it cannot be told), ``tau_median`` and
+        ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows).
 
     Raises:
         RunFileError: as :func:`load`.
@@ -219,6 +225,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
     if ranks is None and run.ranks:
         ranks = next(iter(run.ranks.values())).shape[1]
     state, status = run_status(a, run.path, now=now)
+    tau = run.staleness.get("tau")
+    has_tau = tau is not None and len(tau) > 0
     return {
         "run": run.path.stem,
         "name": a.get("name"),
@@ -232,6 +240,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         "samples_per_s": None if sps is None else float(sps),
         "state": state,
         "status": status,
+        "tau_median": float(np.median(tau)) if has_tau else None,
+        "tau_max": int(np.max(tau)) if has_tau else None,
     }
 
 
@@ -240,13 +250,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     The accuracy of a run that has not finished (running, interrupted, stopped, failed)
     is its last evaluation, not its result: it is marked ``*`` and a note under the
-    table says at which step it was evaluated.
+    table says at which step it was evaluated. The staleness columns (τ median, τ max)
+    are there only when some run has them, blank (``-``) for the others.
     """
-    cells = [[h for _, h, _ in COLUMNS]]
+    columns = COLUMNS
+    if any(row.get(key) is not None for row in rows for key, _, _ in STALENESS_COLUMNS):
+        columns = (*COLUMNS[:-1], *STALENESS_COLUMNS, COLUMNS[-1])
+    cells = [[h for _, h, _ in columns]]
     marked = []
     for row in rows:
         line = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             value = row.get(key)
             text = "-" if value is None else fmt.format(value)
             if key == "test_accuracy" and value is not None and not row.get("final", True):
@@ -254,11 +268,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 marked.append(f"{row['run']} at step {row.get('accuracy_step', '?')}")
             line.append(text)
         cells.append(line)
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
 
     def line(values: list[str]) -> str:
         parts = [
-            v.ljust(w) if key in _TEXT else v.rjust(w) for v, w, (key, _, _) in zip(values, widths, COLUMNS)
+            v.ljust(w) if key in _TEXT else v.rjust(w) for v, w, (key, _, _) in zip(values, widths, columns)
         ]
         return "  ".join(parts).rstrip()
 
