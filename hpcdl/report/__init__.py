@@ -57,16 +57,30 @@ _TEXT = {"run", "name", "world", "status"}
 #: marks an accuracy that is not the run's result (the run has not finished)
 NOT_FINAL = "*"
 
-DESCRIPTION = "Print a table of run files and plot their loss, accuracy and per-rank times as PNGs."
+DESCRIPTION = (
+    "Print a table of run files and plot their loss, accuracy, per-rank times and staleness as PNGs."
+)
 _EPILOG = """\
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
-wall time, samples/s and status. A run whose file says running but whose process is
-gone (killed, a dead rank) shows as interrupted; when that cannot be told (another
-host), as running with the time since the file was last written. The accuracy of a run
-that has not finished is its last evaluation, marked with *.
+wall time, samples/s and status; when some run has parameter-server staleness rows,
+also the median and largest tau of its applied pushes (- for the others). A run whose
+file says running but whose process is gone (killed, a dead rank) shows as
+interrupted; when that cannot be told (another host), as running with the time since
+the file was last written. The accuracy of a run that has not finished is its last
+evaluation, marked with *.
 
-Plots: PREFIX-loss.png, PREFIX-accuracy.png and PREFIX-ranks.png, where PREFIX is the
-run file's name (the names joined by + for several runs):
+Plots, named PREFIX-FIGURE.png, where PREFIX is the run file's name (the names joined
+by + for several runs), all runs on one figure:
+  loss, accuracy  against step, samples processed and time: runs of different
+                  strategies compare at equal samples and time, not at equal
+                  steps (a ps step is one push). Samples: metrics/samples, or
+                  for older files step x the placement's samples per step
+  ranks           per rank, the mean time per step computing, communicating,
+                  waiting and outside the step; below it, the spread per step
+  staleness       each ps run's tau histogram: the fraction of its applied
+                  pushes at each tau (log axis), labelled with its mode
+                  (a: async, b: ssp s=1), ssp's bound dashed; only when some
+                  run has staleness/ rows
 
   python -m hpcdl.report runs/cnn.h5                          # runs/cnn-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/     # plots/a+b-loss.png, ...
