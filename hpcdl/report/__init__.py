@@ -20,9 +20,21 @@ from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.errors import file_error
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
+from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
 
-__all__ = ["Run", "load", "summarize", "format_table", "labels", "plot", "output_prefix", "main"]
+__all__ = [
+    "Run",
+    "load",
+    "samples_per_step",
+    "samples_processed",
+    "summarize",
+    "format_table",
+    "labels",
+    "plot",
+    "output_prefix",
+    "main",
+]
 
 #: table columns: (key, header, format of a present value)
 COLUMNS = (
@@ -36,20 +48,39 @@ COLUMNS = (
     ("samples_per_s", "samples/s", "{:.0f}"),
     ("status", "status", "{}"),
 )
+#: columns shown (before status) only when some run recorded staleness (parameter servers)
+STALENESS_COLUMNS = (
+    ("tau_median", "τ median", "{:g}"),
+    ("tau_max", "τ max", "{}"),
+)
 _TEXT = {"run", "name", "world", "status"}
 #: marks an accuracy that is not the run's result (the run has not finished)
 NOT_FINAL = "*"
 
-DESCRIPTION = "Print a table of run files and plot their loss, accuracy and per-rank times as PNGs."
+DESCRIPTION = (
+    "Print a table of run files and plot their loss, accuracy, per-rank times and staleness as PNGs."
+)
 _EPILOG = """\
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
-wall time, samples/s and status. A run whose file says running but whose process is
-gone (killed, a dead rank) shows as interrupted; when that cannot be told (another
-host), as running with the time since the file was last written. The accuracy of a run
-that has not finished is its last evaluation, marked with *.
+wall time, samples/s and status; when some run has parameter-server staleness rows,
+also the median and largest tau of its applied pushes (- for the others). A run whose
+file says running but whose process is gone (killed, a dead rank) shows as
+interrupted; when that cannot be told (another host), as running with the time since
+the file was last written. The accuracy of a run that has not finished is its last
+evaluation, marked with *.
 
-Plots: PREFIX-loss.png, PREFIX-accuracy.png and PREFIX-ranks.png, where PREFIX is the
-run file's name (the names joined by + for several runs):
+Plots, named PREFIX-FIGURE.png, where PREFIX is the run file's name (the names joined
+by + for several runs), all runs on one figure:
+  loss, accuracy  against step, samples processed and time: runs of different
+                  strategies compare at equal samples and time, not at equal
+                  steps (a ps step is one push). Samples: metrics/samples, or
+                  for older files step x the placement's samples per step
+  ranks           per rank, the mean time per step computing, communicating,
+                  waiting and outside the step; below it, the spread per step
+  staleness       each ps run's tau histogram: the fraction of its applied
+                  pushes at each tau (log axis), labelled with its mode
+                  (a: async, b: ssp s=1), ssp's bound dashed; only when some
+                  run has staleness/ rows
 
   python -m hpcdl.report runs/cnn.h5                          # runs/cnn-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/     # plots/a+b-loss.png, ...
@@ -58,12 +89,25 @@ run file's name (the names joined by + for several runs):
 
 @dataclass
 class Run:
-    """A run file read into memory: root attributes, ``metrics/`` and ``ranks/`` series."""
+    """A run file read into memory: root attributes, ``metrics/``, ``ranks/`` and ``staleness/``.
+
+    Attributes:
+        path: the run file.
+        attrs: root attributes (strings decoded).
+        metrics: ``metrics/`` series as recorded, one row per step.
+        ranks: ``ranks/`` series, each (steps, ranks).
+        staleness: ``staleness/`` columns (``update``, ``worker``, ``server``, ``tau``,
+            ``time``), one row per applied push and server; empty when the run has none.
+        samples: training samples processed up to each metrics row (see
+            :func:`samples_processed`); None when the file cannot tell.
+    """
 
     path: Path
     attrs: dict[str, Any]
     metrics: dict[str, np.ndarray]
     ranks: dict[str, np.ndarray] = field(default_factory=dict)
+    staleness: dict[str, np.ndarray] = field(default_factory=dict)
+    samples: np.ndarray | None = None
 
     @property
     def rows(self) -> int:
@@ -85,9 +129,11 @@ def _open(path: Path) -> h5py.File:
 
 
 def load(path: str | Path) -> Run:
-    """Read a run file with plain h5py (every series of ``metrics/`` and ``ranks/``).
+    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/`` and ``staleness/``).
 
-    Series of unequal length (a crash between two appends) are cut to the shortest.
+    Series of one group of unequal length (a crash between two appends) are cut to the
+    shortest. ``Run.samples`` is the recorded ``metrics/samples`` or, for older files,
+    computed from the steps and the placement (:func:`samples_processed`).
 
     Raises:
         RunFileError: the file is missing, is not HDF5, or is not an hpcdl run file.
@@ -123,13 +169,23 @@ def load(path: str | Path) -> Run:
             )
         attrs = {key: _plain(value) for key, value in h5.attrs.items()}
         metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
-        group = h5.get("ranks")
-        ranks = {k: d[...] for k, d in group.items() if isinstance(d, h5py.Dataset)} if group else {}
-    n = min((len(v) for v in metrics.values()), default=0)
-    metrics = {k: v[:n] for k, v in metrics.items()}
-    m = min((len(v) for v in ranks.values()), default=0)
-    ranks = {k: v[:m] for k, v in ranks.items()}
-    return Run(path, attrs, metrics, ranks)
+        ranks = _series(h5.get("ranks"))
+        staleness = _series(h5.get("staleness"))
+    metrics = _cut(metrics)
+    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs))
+
+
+def _series(group: h5py.Group | None) -> dict[str, np.ndarray]:
+    """Every dataset of ``group`` (none when the file has no such group)."""
+    if not isinstance(group, h5py.Group):
+        return {}
+    return {k: d[...] for k, d in group.items() if isinstance(d, h5py.Dataset)}
+
+
+def _cut(series: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The series cut to the shortest (rows appended by a writer that died half way)."""
+    n = min((len(v) for v in series.values()), default=0)
+    return {k: v[:n] for k, v in series.items()}
 
 
 def _plain(value: Any) -> Any:
@@ -160,8 +216,9 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         empty), ``test_accuracy`` (last evaluated, in %), ``accuracy_step`` (the step it
         was evaluated at), ``final`` (True when the run finished, so that accuracy is its
         result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
-        ``interrupted`` when the writer is known to be gone) and ``status`` (as shown:
-        ``running, last written 12 min ago`` when it cannot be told).
+        ``interrupted`` when the writer is known to be gone), ``status`` (as shown:
+        ``running, last written 12 min ago`` when it cannot be told), ``tau_median`` and
+        ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows).
 
     Raises:
         RunFileError: as :func:`load`.
@@ -182,6 +239,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
     if ranks is None and run.ranks:
         ranks = next(iter(run.ranks.values())).shape[1]
     state, status = run_status(a, run.path, now=now)
+    tau = run.staleness.get("tau")
+    has_tau = tau is not None and len(tau) > 0
     return {
         "run": run.path.stem,
         "name": a.get("name"),
@@ -195,6 +254,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         "samples_per_s": None if sps is None else float(sps),
         "state": state,
         "status": status,
+        "tau_median": float(np.median(tau)) if has_tau else None,
+        "tau_max": int(np.max(tau)) if has_tau else None,
     }
 
 
@@ -203,13 +264,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     The accuracy of a run that has not finished (running, interrupted, stopped, failed)
     is its last evaluation, not its result: it is marked ``*`` and a note under the
-    table says at which step it was evaluated.
+    table says at which step it was evaluated. The staleness columns (τ median, τ max)
+    are there only when some run has them, blank (``-``) for the others.
     """
-    cells = [[h for _, h, _ in COLUMNS]]
+    columns = COLUMNS
+    if any(row.get(key) is not None for row in rows for key, _, _ in STALENESS_COLUMNS):
+        columns = (*COLUMNS[:-1], *STALENESS_COLUMNS, COLUMNS[-1])
+    cells = [[h for _, h, _ in columns]]
     marked = []
     for row in rows:
         line = []
-        for key, _, fmt in COLUMNS:
+        for key, _, fmt in columns:
             value = row.get(key)
             text = "-" if value is None else fmt.format(value)
             if key == "test_accuracy" and value is not None and not row.get("final", True):
@@ -217,11 +282,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 marked.append(f"{row['run']} at step {row.get('accuracy_step', '?')}")
             line.append(text)
         cells.append(line)
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
 
     def line(values: list[str]) -> str:
         parts = [
-            v.ljust(w) if key in _TEXT else v.rjust(w) for v, w, (key, _, _) in zip(values, widths, COLUMNS)
+            v.ljust(w) if key in _TEXT else v.rjust(w) for v, w, (key, _, _) in zip(values, widths, columns)
         ]
         return "  ".join(parts).rstrip()
 

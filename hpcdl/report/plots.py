@@ -1,4 +1,10 @@
-"""The report's figures: loss, accuracy and per-rank times, written as PNGs named after the runs.
+"""The report's figures: loss, accuracy, per-rank times and staleness, written as PNGs named after the runs.
+
+``loss.png`` and ``accuracy.png`` draw every run against steps, samples processed and
+time: runs of different strategies compare at equal samples and equal time, not at
+equal steps (a ``ps`` step is one push). ``staleness.png`` has the τ histogram of each
+run that recorded ``staleness/`` (parameter servers), as fractions of its applied
+pushes, with SSP's bound where one applies.
 
 ``ranks.png`` has two panels per run. Above, each rank's mean time per step, stacked:
 compute, communication (moving data), waiting (the part of its communication spent
@@ -23,14 +29,15 @@ import numpy as np
 
 from hpcdl.atomic import write_atomic
 from hpcdl.errors import file_error
+from hpcdl.report.strategy import config_value, mode_label, tau_histogram, workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.report import Run
 
-__all__ = ["FIGURES", "RankTimes", "rank_times", "output_prefix", "plot"]
+__all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
-FIGURES = ("loss", "accuracy", "ranks")
+FIGURES = ("loss", "accuracy", "ranks", "staleness")
 #: above this many ranks the per-rank panel is an area, not bars
 _BARS_UP_TO = 64
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
@@ -79,7 +86,7 @@ def rank_times(run: Run) -> RankTimes | None:
     ``other_time``, the time outside the step is estimated per rank as the mean interval
     between the rows' ``time`` (rank 0's clock, which every rank shares when the ranks
     meet each step) less the rank's mean compute and communication, over the rows after
-    the first.
+    the first; not for ``ps`` runs, whose ranks do not meet each step.
     """
     r = {k: np.asarray(v, dtype=np.float64) for k, v in run.ranks.items() if np.ndim(v) == 2}
     if "compute_time" not in r or "comm_time" not in r or not len(r["compute_time"]):
@@ -97,7 +104,7 @@ def rank_times(run: Run) -> RankTimes | None:
     steps = np.asarray(step[:rows]) if step is not None and len(step) >= rows else np.arange(1, rows + 1)
     time = run.metrics.get("time")
     n = min(rows, len(time)) if time is not None else 0
-    estimate = "other" not in per_step and n >= 2
+    estimate = "other" not in per_step and n >= 2 and run.attrs.get("strategy") != "ps"
     window = slice(1, n) if estimate else slice(None)
     mean = {k: _column_means(v[window]) for k, v in per_step.items()}
     if estimate:
@@ -139,11 +146,11 @@ def output_prefix(out: str | os.PathLike[str] | None, runs: list[Run]) -> tuple[
 
 
 def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> list[Path]:
-    """Write ``<prefix>-loss.png``, ``-accuracy.png`` and ``-ranks.png`` into ``directory``.
+    """Write ``<prefix>-loss.png``, ``-accuracy.png``, ``-ranks.png``, ``-staleness.png`` into ``directory``.
 
     Runs without rows are left out; a figure with nothing to show (no rows, no evaluated
-    step, no per-rank times) is not written. Each file is written atomically: a plot
-    that cannot be written leaves the file of an earlier report as it was.
+    step, no per-rank times, no ``staleness/`` rows) is not written. Each file is written
+    atomically: a plot that cannot be written leaves the file of an earlier report as it was.
 
     Returns:
         The paths written.
@@ -175,28 +182,32 @@ def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> lis
         written.append(path)
 
     if pairs:
-        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for run, name in pairs:
-            m = run.metrics
-            by_step.plot(m["step"], m["loss"], label=name)
-            by_time.plot(m["time"], m["loss"], label=name)
-        by_step.set_yscale("log")  # shared with by_time
-        _axes(by_step, by_time, "training loss (log scale)")
+        panels = x_axes(pairs)
+        fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), sharey=True, squeeze=False)
+        for ax, (_, xs) in zip(axes[0], panels):
+            for run, name in pairs:
+                if xs[name] is not None:
+                    ax.plot(xs[name], run.metrics["loss"], label=name)
+        axes[0][0].set_yscale("log")  # shared with the others
+        _axes(axes[0], panels, pairs, "training loss (log scale)")
         save(fig, "loss")
 
     evaluated = [(r, n) for r, n in pairs if np.isfinite(r.metrics.get("test_accuracy", [np.nan])).any()]
     if evaluated:
-        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for run, name in evaluated:
-            m = run.metrics
-            for ax, x in ((by_step, m["step"]), (by_time, m["time"])):
+        panels = x_axes(evaluated)
+        fig, axes = plt.subplots(1, len(panels), figsize=(1 + 5 * len(panels), 4), sharey=True, squeeze=False)
+        for ax, (_, xs) in zip(axes[0], panels):
+            for run, name in evaluated:
+                x, m = xs[name], run.metrics
+                if x is None:
+                    continue
                 ok = np.isfinite(m["test_accuracy"])
                 (line,) = ax.plot(x[ok], 100 * m["test_accuracy"][ok], "o-", ms=3, label=f"{name} test")
                 train = m.get("train_accuracy")
                 if train is not None and np.isfinite(train).any():
                     ok = np.isfinite(train)
                     ax.plot(x[ok], 100 * train[ok], "--", color=line.get_color(), label=f"{name} train")
-        _axes(by_step, by_time, "accuracy (%)")
+        _axes(axes[0], panels, evaluated, "accuracy (%)")
         save(fig, "accuracy")
 
     timed = [(t, n) for t, n in ((rank_times(r), n) for r, n in pairs) if t is not None]
@@ -212,16 +223,82 @@ def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> lis
         fig.tight_layout(rect=(0, 0.04, 1, 1))
         fig.text(0.01, 0.01, _CAPTION.format(how=how), fontsize="x-small", wrap=True)
         save(fig, "ranks", layout=False)
+
+    stale = [(r, n) for r, n in pairs if len(r.staleness.get("tau", ()))]
+    if stale:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _staleness(ax, stale)
+        save(fig, "staleness")
     return written
 
 
-def _axes(by_step: Any, by_time: Any, ylabel: str) -> None:
-    by_step.set_xlabel("step")
-    by_time.set_xlabel("time (s)")
-    by_step.set_ylabel(ylabel)
-    for ax in (by_step, by_time):
+def x_axes(pairs: list[tuple[Run, str]]) -> list[tuple[str, dict[str, np.ndarray | None]]]:
+    """The x axes of the loss and accuracy panels: step, samples processed (when some run can tell), time.
+
+    Args:
+        pairs: (run, label) of the runs drawn.
+
+    Returns:
+        ``(axis label, {run label: x of each metrics row, or None when unknown})`` per panel.
+    """
+    panels: list[tuple[str, dict[str, np.ndarray | None]]] = [
+        ("step", {n: r.metrics["step"] for r, n in pairs})
+    ]
+    if any(r.samples is not None for r, _ in pairs):
+        panels.append(("samples processed", {n: r.samples for r, n in pairs}))
+    panels.append(("time (s)", {n: r.metrics.get("time") for r, n in pairs}))
+    return panels
+
+
+def _axes(axes: Any, panels: list, pairs: list[tuple[Run, str]], ylabel: str) -> None:
+    axes[0].set_ylabel(ylabel)
+    for ax, (xlabel, xs) in zip(axes, panels):
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
+        missing = [n for _, n in pairs if xs[n] is None]
+        if missing:  # an older run file without a placement: its samples are unknown
+            ax.text(0.99, 0.01, f"not shown (unknown): {', '.join(missing)}", transform=ax.transAxes,
+                    ha="right", va="bottom", fontsize="x-small")  # fmt: skip
+
+
+def _staleness(ax: Any, stale: list[tuple[Run, str]]) -> None:
+    """Each run's τ histogram (integer bins, fractions of its applied pushes, log y), SSP's bound dashed."""
+    from matplotlib.ticker import MaxNLocator
+
+    smallest = 1.0
+    for run, name in stale:
+        values, frequency = tau_histogram(run.staleness["tau"])
+        label = f"{name}: {mode_label(run.attrs)}"
+        bound = _ssp_bound(run.attrs)
+        if bound is not None:
+            label += f" (SSP allows τ <= {bound})"
+        shown = np.where(frequency > 0, frequency, np.nan)  # a log axis: an empty bin is a gap
+        (line,) = ax.plot(values, shown, drawstyle="steps-mid", lw=1.5, label=label)
+        ax.plot(values, shown, "o", ms=3, color=line.get_color())  # a lone bin (sync: all at 0) shows
+        if bound is not None:
+            ax.axvline(bound, color=line.get_color(), ls="--", lw=1)
+        smallest = min(smallest, float(frequency[frequency > 0].min()))
+    ax.set_yscale("log")
+    ax.set_ylim(smallest / 3, 1.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("staleness τ (server versions between a worker's pull and its push's apply)")
+    ax.set_ylabel("fraction of applied pushes (log scale)")
+    ax.set_title("staleness of the applied pushes (one count per push and server)", fontsize="medium")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="small")
+
+
+def _ssp_bound(attrs: dict[str, Any]) -> int | None:
+    """The largest τ SSP allows for an ``ssp`` run, ``(W - 1)(2 s + 1)`` (None: not ssp, or unknown)."""
+    if attrs.get("strategy") != "ps" or config_value(attrs, "parallel.mode") != "ssp":
+        return None
+    s, w = config_value(attrs, "parallel.staleness"), workers(attrs)
+    if not isinstance(s, int) or w is None:
+        return None
+    from hpcdl.parallel.ps_plan import max_staleness
+
+    return max_staleness(w, s)
 
 
 def _per_rank(ax: Any, times: RankTimes, name: str) -> None:
