@@ -271,8 +271,8 @@ def test_plots_are_named_after_the_run_and_a_second_report_keeps_the_first(tmp_p
 def test_loss_on_a_log_axis_and_a_legend_on_every_panel(runs, tmp_path, figures, capsys) -> None:
     assert main([str(runs["alpha"][0]), str(runs["beta"][0]), "--out", f"{tmp_path}/p/"]) == 0
     loss, accuracy, ranks = figures
-    assert [ax.get_yscale() for ax in loss.axes] == ["log", "log"]
-    assert [ax.get_xlabel() for ax in loss.axes] == ["step", "time (s)"]
+    assert [ax.get_yscale() for ax in loss.axes] == ["log", "log", "log"]
+    assert [ax.get_xlabel() for ax in loss.axes] == ["step", "samples processed", "time (s)"]
     assert len(ranks.axes) == 4  # per run: by rank, and per step
     for fig in figures:
         for ax in fig.axes:

@@ -78,6 +78,7 @@ def _write(
             del run.h5["ranks/other_time"]
         run.set_attrs(status="finished")
     with h5py.File(path, "r+") as h5:
+        del h5["metrics/samples"]  # an older writer had none
         if samples:  # a newer writer: what each row processed, here 3 samples per step
             h5["metrics"].create_dataset("samples", data=3 * np.arange(1, steps + 1, dtype=np.int64))
         if tau is not None:
