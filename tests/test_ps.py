@@ -168,6 +168,23 @@ def test_staleness_rows_past_the_checkpoint_are_cut_on_resume(tmp_path: Path) ->
     assert np.bincount(rows["update"]).tolist() == [0] + [1] * 30  # each push once, none twice
 
 
+def test_a_loss_gone_bad_ends_the_run_and_keeps_the_rows_before_it(tmp_path: Path) -> None:
+    from hpcdl.errors import HpcdlError
+    from hpcdl.sim.errors import RankFailure
+
+    out = tmp_path / "bad.h5"
+    with pytest.raises((HpcdlError, RankFailure)) as info:
+        sim(3, cfg("train.steps=400", "optimizer.lr=1e6", "parallel.mode=async"), out=out)
+    assert "loss is not finite at step" in str(info.value)
+    bad = int(str(info.value).split("at step ")[1].split(":")[0])
+    assert 1 < bad < 400
+    with h5py.File(out) as f:
+        assert f.attrs["status"] == "failed"
+        assert f["metrics/step"][...].tolist() == list(range(1, bad))
+        assert np.isfinite(f["metrics/loss"][...]).all()
+        assert f["staleness/update"][...].max() == bad - 1
+
+
 def test_compensation_formulas() -> None:
     assert compensated_lr(0.1, 0, "lr") == 0.1
     assert compensated_lr(0.1, 4, "lr") == pytest.approx(0.025)

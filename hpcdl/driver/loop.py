@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hpcdl.comm import notes, wtime
 from hpcdl.driver.context import Context, Slowdown
@@ -164,12 +164,10 @@ class Trainer:
         agreed = self.strategy.meet(phase, self.stop.requested)
         self._t_end = wtime()
         first, n = self.step + 1, agreed.steps
-        if agreed.bad >= 0:
-            self.log.close("failed", end_time=heartbeat_now())
-            raise HpcdlError(
-                f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
-                "kept (lower optimizer.lr, or parallel.compensation = 'lr' for stale pushes)"
-            )
+        if agreed.bad >= 0:  # the rows before it are kept
+            n = agreed.bad
+            agreed.rows = agreed.rows[:n]
+            agreed.evaluated = [e for e in agreed.evaluated if e[0] < n]
         wall, meeting = t_run - t0, self._t_end - t_run
         self.counters.train_s += wall
         self.counters.compute_s += wall - phase.comm_s
@@ -183,6 +181,11 @@ class Trainer:
         self._note["phase"] = "run file"
         self.log.record_phase(rows, self.step, wall - phase.comm_s, phase.comm_s + meeting, other,
                               phase.series, agreed.tables)  # fmt: skip
+        if agreed.bad >= 0:
+            self._fail(
+                f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
+                "kept (lower optimizer.lr, or parallel.compensation = 'lr' for stale pushes)"
+            )
         if rows:
             self.bar.update(self.step, since=self._met, loss=rows[-1]["loss"], samples_per_s=self._rate())
         self._stop_or_save(agreed.stop_votes, first - 1)
@@ -230,8 +233,7 @@ class Trainer:
     def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
         """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
         if not math.isfinite(agreed["loss"]):
-            self.log.close("failed", end_time=heartbeat_now())
-            raise HpcdlError(
+            self._fail(
                 f"loss is {agreed['loss']} at step {step}: stopped; the last good checkpoint is kept "
                 "(lower optimizer.lr or check the data)"
             )
@@ -250,6 +252,16 @@ class Trainer:
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
         self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s)
+
+    def _fail(self, message: str) -> NoReturn:
+        """End the run on every rank alike (a non-finite loss): the file closed as failed, then raise.
+
+        The barrier lets rank 0 finish writing before any rank raises: a rank that raised
+        first would end the job (the abort handler, the simulator) with the rows unwritten.
+        """
+        self.log.close("failed", end_time=heartbeat_now())
+        self.ctx.comm.Barrier()
+        raise HpcdlError(message)
 
     def _say_accuracy(self, step: int, epoch: int) -> None:
         acc, loss = self.accuracy

@@ -289,7 +289,7 @@ class ParameterServer(Strategy):
                     ph.deferred.remove(w)
                     self._reply(w, go=False)
                 continue
-            if head[_STOP]:
+            if head[_STOP] or not np.isfinite(head[_LOSS]):  # a stop asked; a loss gone bad ends the phase
                 ph.stopping = True
             if self.mode == "sync":
                 round_.append(w)
@@ -613,10 +613,12 @@ class ParameterServer(Strategy):
             assert gathered is not None
             keys = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss")
             rows = agreement.rows = [{k: r[k] for k in keys if k in r} for r in self._rows]
+            bad = next((i for i, r in enumerate(rows) if not np.isfinite(r["loss"])), -1)
             both = np.concatenate([t for _, t in gathered])
             both = both[np.lexsort((both[:, 2], both[:, 0]))]  # by update, then server (stable: worker order)
+            if bad >= 0:  # the run ends before the bad push: the file keeps what came before it
+                both = both[both[:, 0] <= self.version - len(rows) + bad]
             agreement.tables = {"staleness": dict(zip(("update", "worker", "server", "tau", "time"), both.T))}
-            bad = next((i for i, r in enumerate(rows) if not np.isfinite(r["loss"])), -1)
             evaluated = [
                 (i, r["test_accuracy"], r["test_loss"]) for i, r in enumerate(rows) if "test_loss" in r
             ]
