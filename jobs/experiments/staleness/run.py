@@ -1,0 +1,489 @@
+"""The staleness study of "A Hybrid Simulator to Analyze Gradient Staleness Effect", on parameter servers.
+
+Every run is ``python -m hpcdl.train`` on the digits-mlp preset with ``parallel.strategy =
+"ps"`` (one server), simulated (``python -m hpcdl.simulate``: ``eth10g``, compute from a
+cost table profiled from a real single-process run) or real (``mpiexec``). One factor at a
+time:
+
+* ``scan``: W in {1, 2, 4, 8, 16, 64, 256, 1024} workers x modes (async, async with
+  ``compensation = "lr"``, ssp s = 1 and 4, the ps ``sync`` mode, and sync data parallel
+  over ``allreduce``), the same pushes (samples) each: the tau distribution per W, test
+  accuracy against samples and time, virtual time per epoch.
+* ``jitter``: homogeneous async at W = 8, equal costs, ``--jitter 0`` (tau = W - 1
+  exactly after the first round) and ``--jitter 0.1`` (the histogram).
+* ``straggler``: W = 8, worker 7 three times slower (``--straggler``), async and ssp
+  s = 1, 4 on ``ib-hdr`` (compute-bound): the straggler's share of pushes and its tau
+  against the closed form (docstring of :func:`closed_form`), SSP's bound.
+* ``real``: real ``mpiexec -n 3`` (W = 2) and ``-n 4`` (W = 3, oversubscribing the 2
+  cores: information) against the simulator at the same W on ``shm-local`` (this
+  machine's calibrated network), compute from the table; Kolmogorov-Smirnov distance of
+  the tau histograms.
+* ``accuracy``: W = 4 simulated and W = 2 real, async with and without ``compensation =
+  "lr"`` beside sync data parallel, the same epochs (samples processed), seeds 0-2: median
+  final test accuracy.
+* ``scale``: 1,024 simulated async workers, 10,000 pushes: wall time and peak memory.
+
+    python jobs/experiments/staleness/run.py --work /tmp/staleness            # everything
+    python jobs/experiments/staleness/run.py --work /tmp/staleness --parts scan straggler
+
+Rows go to ``results.json`` beside this script (each part replaces its own entry), the
+figures to ``*.png`` beside it; run files stay in ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+PARTS = ("profile", "scan", "jitter", "straggler", "real", "accuracy", "scale")
+WORKERS = (1, 2, 4, 8, 16, 64, 256, 1024)
+#: mode name -> the settings on top of the ps preset (``dp``: the sync strategy itself)
+MODES: dict[str, list[str]] = {
+    "async": ["parallel.mode=async"],
+    "async-lr": ["parallel.mode=async", "parallel.compensation=lr"],
+    "ssp1": ["parallel.mode=ssp", "parallel.staleness=1"],
+    "ssp4": ["parallel.mode=ssp", "parallel.staleness=4"],
+    "sync": ["parallel.mode=sync"],
+    "dp": [],
+}
+#: digits-mlp sampled with replacement (1,024 x 32 exceeds the 1,437 training samples), no checkpoints
+BASE = ["data.sampler=random", "checkpoint.every=0", "train.log_every=100000"]
+BATCH, TRAIN_SAMPLES = 32, 1437
+#: settings every run of this invocation adds (``--set``), e.g. optimizer.momentum=0
+EXTRA: list[str] = []
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def sets(items: list[str]) -> list[str]:
+    out = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if value and not re.fullmatch(r"[-+0-9.e]+|true|false|\[.*\]", value):
+            value = json.dumps(value)  # a TOML string
+        out += ["--set", f"{key}={value}"]
+    return out
+
+
+def train(
+    work: Path, name: str, ranks: int, settings: list[str], *, sim: list[str] | None = None, mode: str = "ps"
+) -> dict[str, Any]:
+    """One run of ``hpcdl.train`` (simulated when ``sim`` gives the simulator's options); its results."""
+    out = work / f"{name}.h5"
+    for old in work.glob(f"{name}.*h5"):
+        old.unlink()
+    strategy = ["parallel.strategy=sync"] if mode == "dp" else ["parallel.strategy=ps"]
+    args = ["-m", "hpcdl.train", "--config", "digits-mlp", *sets([*BASE, *EXTRA, *strategy, *settings]),
+            "--progress", "none", "--out", str(out)]  # fmt: skip
+    if sim is not None:
+        cmd = [PYTHON, "-m", "hpcdl.simulate", "-n", str(ranks), "--stats", *sim, *args]
+    else:
+        cmd = [MPIEXEC, "-n", str(ranks), PYTHON, *args]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
+    wall = time.monotonic() - t0
+    row: dict[str, Any] = {"name": name, "ranks": ranks, "settings": settings, "sim": sim,
+                           "exit": done.returncode, "wall_s": round(wall, 2)}  # fmt: skip
+    peak = re.search(r"peak RSS ([\d,]+) MiB", done.stderr)
+    if peak:
+        row["peak_rss_mib"] = int(peak.group(1).replace(",", ""))
+    if done.returncode:
+        error = [ln for ln in done.stderr.splitlines() if "error" in ln.lower()]
+        row["error"] = (error or done.stderr.splitlines()[-1:] or [""])[-1][-300:]
+    if out.exists():
+        row.update(read(out))
+    return row
+
+
+def read(path: Path) -> dict[str, Any]:
+    """What the study keeps of a run file."""
+    with h5py.File(path, "r") as f:
+        m = {k: f["metrics"][k][...] for k in ("step", "samples", "time", "test_accuracy")}
+        tau = f["staleness/tau"][...] if "staleness" in f else np.zeros(0, dtype=np.int64)
+        worker = f["staleness/worker"][...] if "staleness" in f else np.zeros(0, dtype=np.int32)
+        attrs = dict(f.attrs)
+    evaluated = np.isfinite(m["test_accuracy"])
+    epochs = float(m["samples"][-1]) / TRAIN_SAMPLES if len(m["samples"]) else float("nan")
+    return {
+        "path": str(path),
+        "status": str(attrs.get("status")),
+        "steps": int(m["step"][-1]) if len(m["step"]) else 0,
+        "epochs": round(epochs, 3),
+        "final_accuracy": float(m["test_accuracy"][evaluated][-1]) if evaluated.any() else float("nan"),
+        "virtual_s": float(m["time"][-1]) if len(m["time"]) else float("nan"),
+        "s_per_epoch": float(m["time"][-1]) / epochs if len(m["time"]) and epochs else float("nan"),
+        "tau_hist": np.bincount(tau).tolist() if len(tau) else [],
+        "tau_median": float(np.median(tau)) if len(tau) else float("nan"),
+        "tau_max": int(tau.max()) if len(tau) else 0,
+        "curve": {
+            "samples": m["samples"][evaluated].tolist(),
+            "time": m["time"][evaluated].tolist(),
+            "accuracy": m["test_accuracy"][evaluated].tolist(),
+        },  # fmt: skip
+        "worker": np.bincount(worker).tolist() if len(worker) else [],
+        "tau_by_worker": [float(np.mean(tau[worker == w])) for w in range(int(worker.max()) + 1)]
+        if len(worker)
+        else [],
+    }
+
+
+# -- parts ---------------------------------------------------------------------------------------
+
+
+def part_profile(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The cost table: a real single-process digits-mlp run with ``profile.layers = true``."""
+    row = train(
+        work, "profile", 1, ["parallel.strategy=sync", "profile.layers=true", "train.steps=400"], mode="dp"
+    )
+    with h5py.File(row["path"]) as f:
+        table = {k: f["profile"][k][...].tolist() for k in ("forward_s", "backward_s")}
+    step_s = sum(table["forward_s"]) + sum(table["backward_s"])
+    return {"table": row["path"], "layers": table, "compute_per_push_s": step_s}
+
+
+def table(work: Path) -> str:
+    return f"table:{work / 'profile.h5'}"
+
+
+def part_scan(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for w in args.workers:
+        for mode, settings in MODES.items():
+            if mode == "sync" and w == 1:
+                continue  # the same as async with one worker
+            n = w if mode == "dp" else w + 1
+            pushes = args.pushes
+            steps = max(1, round(pushes / w)) if mode == "dp" else pushes
+            sim = ["--network", "eth10g", "--compute", table(work)]
+            every = max(1, 45 // (w if mode == "dp" else 1))  # about an epoch
+            run_sets = [*settings, f"train.steps={steps}", f"train.eval_every={every}"]
+            row = train(work, f"scan-{mode}-w{w}", n, run_sets, sim=sim, mode=mode)
+            row.update(workers=w, mode=mode)
+            acc, per_epoch = row.get("final_accuracy", math.nan), row.get("s_per_epoch", math.nan)
+            tau = f"tau median {row.get('tau_median')} max {row.get('tau_max')}"
+            print(f"scan W={w:5d} {mode:9s} exit {row['exit']} acc {acc:.4f} {tau} s/epoch {per_epoch:.4f} "
+                  f"wall {row['wall_s']} s", flush=True)  # fmt: skip
+            rows.append(row)
+    return {"pushes": args.pushes, "rows": rows}
+
+
+def part_jitter(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for jitter in (0.0, 0.1):
+        sim = ["--network", "eth10g", "--compute", table(work), "--jitter", str(jitter)]
+        row = train(work, f"jitter-{jitter}", 9, ["parallel.mode=async", "train.steps=2000"], sim=sim)
+        tau = _tau(row)
+        row.update(jitter=jitter, after_first_round_all_w_minus_1=bool((tau[8:] == 7).all()))
+        rows.append(row)
+        print(f"jitter {jitter}: tau histogram {row['tau_hist']}", flush=True)
+    return {"rows": rows}
+
+
+def _tau(row: dict[str, Any]) -> np.ndarray:
+    with h5py.File(row["path"]) as f:
+        return f["staleness/tau"][...]
+
+
+def closed_form(workers: int, factor: float, compute_s: float, round_trip_s: float) -> dict[str, float]:
+    """Async with one straggler, compute-bound: shares and staleness from the cycle times.
+
+    A worker's cycle is pull -> compute -> push -> apply -> reply: ``C = T + r`` for the
+    others and ``C_s = f T + r`` for the straggler (T: compute per push, r: the push's
+    and the reply's transfer). Each worker pushes once per cycle, so over a long run the
+    straggler's share of the pushes is ``(1/C_s) / ((W - 1)/C + 1/C_s)``. Its staleness is
+    the pushes the others apply between the reply it computes from and its own push:
+    ``tau_s = (W - 1) C_s / C``; another worker's is ``(W - 2) + C / C_s``.
+    """
+    c, cs = compute_s + round_trip_s, factor * compute_s + round_trip_s
+    return {"cycle_s": c, "straggler_cycle_s": cs, **_relations(workers, c, cs)}
+
+
+def part_straggler(work: Path, args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, Any]:
+    """W = 8 on ib-hdr, worker 7 three times slower: its share and tau against :func:`closed_form`.
+
+    At ``--speed 0.125`` (a device 8x slower: 1.5 ms of compute per push against 14 us
+    per transfer) the workers are compute-bound, as the closed form assumes; at speed 1
+    (190 us of compute) pushes that overlap share the server's link and lengthen every
+    cycle by a queueing delay the closed form leaves out: shown as information, with the
+    same relations fed the cycles measured in the run.
+    """
+    workers, factor = 8, 3.0
+    nbytes = 85_002 * 4 + 64  # the packed float32 parameters and the header
+    alpha, bandwidth = 1.0e-6, 24.0e9  # ib-hdr's inter-node figures
+    rows, forms = [], {}
+    for speed in (0.125, 1.0):
+        compute = profile["compute_per_push_s"] / speed
+        form = forms[str(speed)] = closed_form(workers, factor, compute, 2 * (alpha + nbytes / bandwidth))
+        for mode in ("async", "ssp1", "ssp4"):
+            sim = ["--network", "ib-hdr", "--compute", table(work), "--straggler", f"{workers}:{factor}",
+                   "--speed", str(speed)]  # fmt: skip
+            row = train(
+                work,
+                f"straggler-{mode}-speed{speed}",
+                workers + 1,
+                [*MODES[mode], "train.steps=4000"],
+                sim=sim,
+            )
+            counts = np.array(row["worker"])
+            share = float(counts[-1] / counts.sum())
+            others_rate = counts[:-1].mean() / row["virtual_s"]  # pushes per second of a worker
+            measured = {"cycle_s": 1 / others_rate, "straggler_cycle_s": row["virtual_s"] / counts[-1]}
+            row.update(mode=mode, speed=speed, straggler_share=share, straggler_tau=row["tau_by_worker"][-1],
+                       other_tau=float(np.mean(row["tau_by_worker"][:-1])), measured_cycles=measured,
+                       form_of_measured_cycles=_relations(workers, *measured.values()))  # fmt: skip
+            if mode.startswith("ssp"):
+                row["bound"] = (workers - 1) * (2 * int(mode[3:]) + 1)
+            rows.append(row)
+            print(f"straggler speed {speed} {mode}: share {share:.4f} (form {form['straggler_share']:.4f}) "
+                  f"tau_s {row['straggler_tau']:.2f} (form {form['straggler_tau']:.2f}) "
+                  f"others {row['other_tau']:.2f} "
+                  f"(form {form['other_tau']:.2f}) max {row['tau_max']}", flush=True)  # fmt: skip
+    return {"workers": workers, "factor": factor, "closed_form": forms, "rows": rows}
+
+
+def _relations(workers: int, c: float, cs: float) -> dict[str, float]:
+    return {
+        "straggler_share": (1 / cs) / ((workers - 1) / c + 1 / cs),
+        "straggler_tau": (workers - 1) * cs / c,
+        "other_tau": (workers - 2) + c / cs,
+    }
+
+
+def ks_distance(a: list[int], b: list[int]) -> float:
+    """Kolmogorov-Smirnov distance of two histograms over 0, 1, 2, ...: the largest gap of their CDFs."""
+    n = max(len(a), len(b))
+    pa, pb = np.zeros(n), np.zeros(n)
+    pa[: len(a)], pb[: len(b)] = a, b
+    return float(np.abs(np.cumsum(pa) / pa.sum() - np.cumsum(pb) / pb.sum()).max())
+
+
+def part_real(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for n in (3, 4):
+        settings = ["parallel.mode=async", "train.steps=3000", "data.sampler=shuffle"]
+        real = [train(work, f"real-n{n}-{i}", n, settings) for i in range(args.repeats)]
+        sims = {
+            "table": train(
+                work, f"sim-n{n}-table", n, settings, sim=["--network", "shm-local", "--compute", table(work)]
+            ),
+            "measured": train(work, f"sim-n{n}-measured", n, settings, sim=["--network", "shm-local"]),
+        }
+        for kind, sim in sims.items():
+            distances = [ks_distance(r["tau_hist"], sim["tau_hist"]) for r in real]
+            rows.append({"ranks": n, "workers": n - 1, "sim": kind, "ks": distances,
+                         "ks_median": statistics.median(distances),
+                         "real_hist": [r["tau_hist"] for r in real],
+                         "sim_hist": sim["tau_hist"]})  # fmt: skip
+            print(f"real -n {n} against the simulator ({kind}): KS {distances}", flush=True)
+    return {"rows": rows}
+
+
+def part_accuracy(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    epochs = args.epochs
+    for world, workers in (("sim", 4), ("real", 2)):
+        for mode in ("async", "async-lr", "dp"):
+            finals = []
+            for seed in range(args.seeds):
+                settings = [*MODES[mode], f"train.epochs={epochs}", f"seed={seed}", "data.sampler=shuffle"]
+                n = workers if mode == "dp" else workers + 1
+                sim = ["--network", "eth10g", "--compute", table(work)] if world == "sim" else None
+                row = train(work, f"acc-{world}-{mode}-s{seed}", n, settings, sim=sim, mode=mode)
+                finals.append(row.get("final_accuracy", float("nan")))
+            rows.append({"world": world, "workers": workers, "mode": mode, "finals": finals,
+                         "median": statistics.median(finals)})  # fmt: skip
+            print(f"accuracy {world} W={workers} {mode}: {finals}", flush=True)
+    return {"epochs": epochs, "rows": rows}
+
+
+def part_scale(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    sim = ["--network", "eth10g", "--compute", table(work)]
+    settings = ["parallel.mode=async", "parallel.compensation=lr", "train.steps=10000"]
+    row = train(work, "scale-w1024", 1025, settings,
+                sim=sim)  # fmt: skip
+    print(f"scale: exit {row['exit']} wall {row['wall_s']} s peak {row.get('peak_rss_mib')} MiB "
+          f"accuracy {row.get('final_accuracy')}", flush=True)  # fmt: skip
+    return row
+
+
+# -- figures ---------------------------------------------------------------------------------------
+
+
+def _suffix(key: str) -> str:
+    """``scan@optimizer.momentum=0`` -> ``-momentum0``: the figures of a variant."""
+    tags = key.split("@")[1:]
+    return "".join("-" + t.split(".")[-1].replace("=", "") for t in tags)
+
+
+def _title(key: str) -> str:
+    tags = key.split("@")[1:]
+    return f" ({', '.join(tags)})" if tags else ""
+
+
+def figures(results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for key in sorted(k for k in results if k.startswith("scan")):
+        scan, suffix = results[key].get("rows", []), _suffix(key)
+        if not scan:
+            continue
+        modes = ("async", "ssp1", "ssp4")
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+        for ax, mode in zip(axes, modes):
+            for row in (r for r in scan if r["mode"] == mode and r.get("tau_hist")):
+                hist = np.array(row["tau_hist"], dtype=float)
+                tau = np.nonzero(hist)[0]
+                ax.plot(tau + 1, hist[tau] / hist.sum(), "o-", ms=2, lw=1, label=f"W={row['workers']}")
+            ax.set(xscale="log", yscale="log", xlabel="τ + 1", title=mode)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("fraction of pushes")
+        axes[-1].legend(fontsize="small")
+        fig.suptitle(f"staleness by worker count (digits-mlp, eth10g, one server){_title(key)}")
+        fig.tight_layout()
+        fig.savefig(HERE / f"tau-by-workers{suffix}.png", dpi=110)
+        plt.close(fig)
+
+        fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+        fig.suptitle(f"test accuracy against samples and virtual time{_title(key)}")
+        for col, w in enumerate((4, 64, 1024)):
+            for row in (r for r in scan if r["workers"] == w):
+                curve = row.get("curve")
+                if not curve or not curve["samples"]:
+                    continue
+                acc = 100 * np.array(curve["accuracy"])
+                axes[0, col].plot(curve["samples"], acc, lw=1, label=row["mode"])
+                axes[1, col].plot(curve["time"], acc, lw=1, label=row["mode"])
+            axes[0, col].set(title=f"W = {w}", xlabel="samples processed", ylim=(0, 100))
+            axes[1, col].set(xlabel="virtual time (s)", xscale="log", ylim=(0, 100))
+        for ax in axes.flat:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="x-small")
+        axes[0, 0].set_ylabel("test accuracy (%)")
+        axes[1, 0].set_ylabel("test accuracy (%)")
+        fig.tight_layout()
+        fig.savefig(HERE / f"accuracy{suffix}.png", dpi=110)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for mode in MODES:
+            pts = [
+                (r["workers"], r["s_per_epoch"])
+                for r in scan
+                if r["mode"] == mode and math.isfinite(r.get("s_per_epoch", math.nan))
+            ]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=mode)
+        ax.set(xscale="log", yscale="log", xlabel="workers W", ylabel="virtual seconds per epoch",
+               title="time per epoch (digits-mlp, eth10g)")  # fmt: skip
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(HERE / f"epoch-time{suffix}.png", dpi=110)
+        plt.close(fig)
+
+    for part, name, title in (("straggler", "straggler.png", "one straggler (x3) among 8 workers, ib-hdr"),
+                              ("jitter", "jitter.png", "homogeneous async, W = 8")):  # fmt: skip
+        rows = results.get(part, {}).get("rows", [])
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for row in rows:
+            hist = np.array(row["tau_hist"], dtype=float)
+            label = row.get("mode") or f"jitter {row.get('jitter')}"
+            ax.plot(np.arange(len(hist)), hist / hist.sum(), drawstyle="steps-mid", label=label)
+        ax.set(yscale="log", xlabel="τ", ylabel="fraction of pushes", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(HERE / name, dpi=110)
+        plt.close(fig)
+
+    real = results.get("real", {}).get("rows", [])
+    if real:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+        for ax, n in zip(axes, (3, 4)):
+            rows = [r for r in real if r["ranks"] == n]
+            if not rows:
+                continue
+            for i, hist in enumerate(rows[0]["real_hist"]):
+                h = np.array(hist, float)
+                ax.plot(np.arange(len(h)), h / h.sum(), drawstyle="steps-mid", color="k", alpha=0.5,
+                        label="real" if i == 0 else None)  # fmt: skip
+            for row in rows:
+                h = np.array(row["sim_hist"], float)
+                ax.plot(np.arange(len(h)), h / h.sum(), drawstyle="steps-mid", lw=2,
+                        label=f"sim ({row['sim']}), KS {row['ks_median']:.3f}")  # fmt: skip
+            ax.set(yscale="log", xlabel="τ", title=f"mpiexec -n {n} (W = {n - 1}) against the simulator")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+        axes[0].set_ylabel("fraction of pushes")
+        fig.tight_layout()
+        fig.savefig(HERE / "real-vs-sim.png", dpi=110)
+        plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True, help="directory for the run files")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--workers", nargs="+", type=int, default=list(WORKERS))
+    parser.add_argument("--pushes", type=int, default=4000, help="scan: pushes (samples / 32) per run")
+    parser.add_argument("--repeats", type=int, default=5, help="real: real runs per rank count")
+    parser.add_argument("--seeds", type=int, default=3, help="accuracy: seeds per mode")
+    parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs per run")
+    parser.add_argument("--figures-only", action="store_true", help="redraw the figures from results.json")
+    parser.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting for every run (repeatable): results go under PART@KEY=VALUE",
+    )
+    args = parser.parse_args()
+    EXTRA[:] = args.extra
+    tag = "".join(f"@{item}" for item in args.extra)
+    args.work.mkdir(parents=True, exist_ok=True)
+    store = HERE / "results.json"
+    results: dict[str, Any] = json.loads(store.read_text()) if store.exists() else {}
+    if not args.figures_only:
+        if "profile" in args.parts or not (args.work / "profile.h5").exists():
+            results["profile"] = part_profile(args.work, args)
+        for part in args.parts:
+            if part == "profile":
+                continue
+            t0 = time.monotonic()
+            fn = globals()[f"part_{part}"]
+            key = part + tag
+            results[key] = (
+                fn(args.work, args, results["profile"]) if part == "straggler" else fn(args.work, args)
+            )
+            results[key].update(part_wall_s=round(time.monotonic() - t0, 1), settings=args.extra)
+            store.write_text(json.dumps(results, indent=1))
+            print(f"== {key}: {results[key]['part_wall_s']} s", flush=True)
+    figures(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
