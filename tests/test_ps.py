@@ -222,3 +222,38 @@ def test_plan_shows_roles_and_shards(capsys: pytest.CaptureFixture[str]) -> None
     assert "ranks 2-5" in out and "worker" in out
     assert "ssp: staleness bound s = 2" in out
     assert "server 0: elements 0.." in out and "server 1: elements" in out
+
+
+def test_a_checkpoint_of_another_server_count_is_refused_in_one_line(tmp_path: Path) -> None:
+    from hpcdl.errors import HpcdlError
+    from hpcdl.sim.errors import RankFailure
+
+    out = tmp_path / "run.h5"
+    sets = ["train.steps=20", "checkpoint.every=10", "parallel.mode=async"]
+    sim(4, cfg(*sets, "train.stop_at=10"), out=out)
+    with pytest.raises((HpcdlError, RankFailure)) as info:
+        sim(4, cfg(*sets, "parallel.servers=2"), out=out, resume="auto")
+    message = str(info.value)
+    assert "parallel.servers" in message or "another placement" in message, message
+    with h5py.File(out) as f:  # nothing of the run was changed
+        assert f["metrics/step"][-1] == 10
+
+
+@pytest.mark.parametrize("servers", [3, 0])
+def test_a_layout_that_does_not_fit_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], servers: int
+) -> None:
+    from hpcdl.simulate import main as simulate_main
+
+    argv = ["-n", "3", "-m", "hpcdl.train", "--config", "digits-mlp", "--set", "parallel.strategy=ps",
+            "--set", f"parallel.servers={servers}", "--progress", "none"]  # fmt: skip
+    assert simulate_main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "parallel.servers" in err[0], err
+
+
+def test_bench_train_refuses_a_free_running_strategy() -> None:
+    from hpcdl.bench import main as bench_main
+
+    with pytest.raises(ConfigError, match="runs free: time it with python -m hpcdl.train"):
+        bench_main(["train", "--config", "digits-mlp", "--set", "parallel.strategy=ps"])

@@ -16,13 +16,23 @@ from hpcdl.config import add_set_argument, load_config
 from hpcdl.driver.run import build
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential
-from hpcdl.parallel import Strategy
+from hpcdl.parallel import Strategy, strategy_class
 
 __all__ = ["add_parser", "run", "bench_train"]
 
 
 def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Strategy, Callable[[], dict[str, float]], Any]:
-    """One step of the config's strategy, the very step ``train`` runs (no run file, no meetings)."""
+    """One step of the config's strategy, the very step ``train`` runs (no run file, no meetings).
+
+    Raises:
+        ConfigError: the strategy's ranks run free between meetings (no step to time alone).
+    """
+    if strategy_class(cfg["parallel.strategy"]).runs_free:
+        raise ConfigError(
+            f"bench train times the steps of strategies whose ranks step together; "
+            f"parallel.strategy = {cfg['parallel.strategy']!r} runs free: time it with python -m hpcdl.train "
+            "(its run file's samples_per_s, ranks/pushes_per_s and ranks/busy_fraction)"
+        )
     ctx, strategy = build(cfg, comm)
     done = [0]
 

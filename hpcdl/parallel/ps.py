@@ -606,6 +606,10 @@ class ParameterServer(Strategy):
         One gather (each rank's stop flag; each server's staleness rows) and one broadcast.
         """
         table = np.array(self._table if self.is_server else [], dtype=np.float64).reshape(-1, 5)
+        with long_wait("a rank waits for the pushes in flight to be applied", self._wait_limit()):
+            return self._meet(table, stop)
+
+    def _meet(self, table: np.ndarray, stop: bool) -> Agreement:
         gathered = self.comm.gather((bool(stop), table), root=0)
         summary: Any = None
         agreement = Agreement(rows=[], stop_votes=0)
