@@ -105,13 +105,14 @@ class Context:
         """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
         return evaluate(model, self._data, comm, self.xp, self.dtype)
 
-    def evaluation_parts(self, model: Sequential) -> Generator[None, None, tuple[float, float]]:
-        """Test accuracy and loss of ``model`` on this rank alone, one batch per ``next()``.
+    def evaluation_parts(self, model: Sequential, batch: int) -> Generator[None, None, tuple[float, float]]:
+        """Test accuracy and loss of ``model`` on this rank alone, ``batch`` images per ``next()``.
 
         For a rank that keeps answering messages between the parts (a parameter server);
         the generator's value is ``(accuracy, loss)``.
         """
-        correct, loss_sum, count = yield from evaluation_parts(model, self._data, self.xp, self.dtype)
+        parts = evaluation_parts(model, self._data, self.xp, self.dtype, batch=batch)
+        correct, loss_sum, count = yield from parts
         return float(correct / max(1, count)), float(loss_sum / max(1, count))
 
     def random_state(self) -> dict[str, Any]:

@@ -175,21 +175,27 @@ def evaluate(
 
 
 def evaluation_parts(
-    model: Sequential, data: Dataset, xp: Any, dtype: Any, rank: int = 0, size: int = 1
+    model: Sequential,
+    data: Dataset,
+    xp: Any,
+    dtype: Any,
+    rank: int = 0,
+    size: int = 1,
+    batch: int = EVAL_BATCH,
 ) -> Generator[None, None, np.ndarray]:
-    """Evaluate test images ``rank, rank + size, …`` one batch per ``next()``.
+    """Evaluate test images ``rank, rank + size, …`` one batch of ``batch`` per ``next()``.
 
     A rank that must keep answering messages while it evaluates (a parameter server)
-    runs one part at a time between them. The model is in eval mode from the first part
-    to the last.
+    runs one part at a time between them: small parts keep it from holding the others
+    back for long.
 
     Returns (as the generator's value): ``[correct, loss sum, images]`` of this rank's share.
     """
     idx = np.arange(rank, len(data.y_test), size)
     loss_fn = SoftmaxCrossEntropy()
     correct, loss_sum = 0, 0.0
-    for start in range(0, len(idx), EVAL_BATCH):
-        part = idx[start : start + EVAL_BATCH]
+    for start in range(0, len(idx), batch):
+        part = idx[start : start + batch]
         x = xp.asarray(data.x_test[part], dtype=dtype)
         y = xp.asarray(data.y_test[part])
         model.eval()
@@ -199,6 +205,6 @@ def evaluation_parts(
             model.train()
         loss_sum += loss_fn.forward(logits, y) * len(part)
         correct += int(to_numpy(logits.argmax(axis=1) == y).sum())
-        if start + EVAL_BATCH < len(idx):
+        if start + batch < len(idx):
             yield
     return np.array([correct, loss_sum, len(idx)])

@@ -488,7 +488,8 @@ class ParameterServer(Strategy):
             self.packer.unpack(snap["flat"], [p.data for p in self.params])
             for buf, saved in zip(self.buffers, snap["bn"]):
                 buf[...] = saved
-            self._eval_parts = self.ctx.evaluation_parts(self.model)
+            # a training batch's worth at a time: the workers wait for no more than a forward
+            self._eval_parts = self.ctx.evaluation_parts(self.model, self.ctx.cfg["data.batch_size"])
         try:
             next(self._eval_parts)
         except StopIteration as done:
@@ -648,7 +649,7 @@ class ParameterServer(Strategy):
             self.packer.unpack(flat, [p.data for p in self.params])
             for buf, saved in zip(self.buffers, self.master_bn):
                 buf[...] = saved
-            parts = self.ctx.evaluation_parts(self.model)
+            parts = self.ctx.evaluation_parts(self.model, 512)  # the workers wait anyway: large parts
             while result is None:
                 try:
                     next(parts)

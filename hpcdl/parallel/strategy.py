@@ -376,9 +376,9 @@ class RunContext(Protocol):
         """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
         ...
 
-    def evaluation_parts(self, model: Any) -> Any:
-        """Test accuracy and loss of ``model`` on this rank alone, one batch per ``next()`` (a
-        generator whose value is ``(accuracy, loss)``): for a rank that serves between parts."""
+    def evaluation_parts(self, model: Any, batch: int) -> Any:
+        """Test accuracy and loss of ``model`` on this rank alone, ``batch`` images per ``next()``
+        (a generator whose value is ``(accuracy, loss)``): for a rank that serves between parts."""
         ...
 
     def elapsed(self) -> float:

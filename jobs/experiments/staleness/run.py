@@ -442,6 +442,77 @@ def figures(results: dict[str, Any]) -> None:
         plt.close(fig)
 
 
+def _row(cells: list[Any]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def summary(results: dict[str, Any]) -> str:
+    """The README's tables, in Markdown, from ``results.json``."""
+    out: list[str] = []
+    for key in sorted(k for k in results if k.startswith("scan")):
+        out += [f"### {key} ({results[key].get('pushes')} pushes = samples / 32 per run)", "",
+                "| W | mode | final test acc % | τ median | τ max | virtual s / epoch | wall s |",
+                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in results[key]["rows"]:
+            acc = 100 * r.get("final_accuracy", math.nan)
+            note = f" (loss not finite at step {r['steps'] + 1})" if r["exit"] else ""
+            tau = f"{r['tau_median']:g} | {r['tau_max']}" if r.get("tau_hist") else "– | –"
+            per_epoch = r.get("s_per_epoch", math.nan)
+            cells = [
+                r["workers"],
+                r["mode"],
+                f"{acc:.1f}{note}",
+                tau,
+                f"{per_epoch:.4f}",
+                f"{r['wall_s']:.1f}",
+            ]
+            out.append(_row(cells))
+        out.append("")
+    if "jitter" in results:
+        out += ["### jitter (W = 8, async)", ""]
+        for r in results["jitter"]["rows"]:
+            exact = r["after_first_round_all_w_minus_1"]
+            out.append(f"* jitter {r['jitter']}: τ histogram {r['tau_hist']}; τ = W − 1 after the first "
+                       f"round: {exact}")  # fmt: skip
+        out.append("")
+    if "straggler" in results:
+        st = results["straggler"]
+        out += ["### straggler (W = 8, worker 7 x3, ib-hdr)", "",
+                "| speed | mode | straggler share % (form) | its τ (form) | others' τ (form) | τ max | SSP "
+                "bound |",
+                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in st["rows"]:
+            f = st["closed_form"][str(r["speed"])]
+            share = f"{100 * r['straggler_share']:.2f} ({100 * f['straggler_share']:.2f})"
+            tau_s = f"{r['straggler_tau']:.2f} ({f['straggler_tau']:.2f})"
+            tau_o = f"{r['other_tau']:.2f} ({f['other_tau']:.2f})"
+            out.append(_row([r["speed"], r["mode"], share, tau_s, tau_o, r["tau_max"], r.get("bound", "–")]))
+        out.append("")
+    if "real" in results:
+        out += ["### real against simulated", "",
+                "| mpiexec -n | W | simulated compute | KS per real run | median |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        for r in results["real"]["rows"]:
+            ks = ", ".join(f"{d:.3f}" for d in r["ks"])
+            out.append(f"| {r['ranks']} | {r['workers']} | {r['sim']} | {ks} | {r['ks_median']:.3f} |")
+        out.append("")
+    if "accuracy" in results:
+        out += [f"### accuracy ({results['accuracy']['epochs']} epochs, seeds 0-2)", "",
+                "| world | W | mode | final test acc % per seed | median |",
+                "|---|---|---|---|---|"]  # fmt: skip
+        for r in results["accuracy"]["rows"]:
+            finals = ", ".join(f"{100 * a:.2f}" for a in r["finals"])
+            out.append(_row([r["world"], r["workers"], r["mode"], finals, f"{100 * r['median']:.2f}"]))
+        out.append("")
+    if "scale" in results:
+        r = results["scale"]
+        out += ["### scale", "",
+                f"1,024 async workers (compensation lr), {r.get('steps')} pushes: wall {r['wall_s']} s, "
+                f"peak RSS {r.get('peak_rss_mib')} MiB, virtual {r.get('virtual_s', math.nan):.2f} s, "
+                f"final test accuracy {100 * r.get('final_accuracy', math.nan):.2f} %", ""]  # fmt: skip
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="directory for the run files")
@@ -452,6 +523,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3, help="accuracy: seeds per mode")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy: epochs per run")
     parser.add_argument("--figures-only", action="store_true", help="redraw the figures from results.json")
+    parser.add_argument("--summary", action="store_true", help="print the README's tables from results.json")
     parser.add_argument(
         "--set",
         dest="extra",
@@ -461,6 +533,10 @@ def main() -> int:
         help="a setting for every run (repeatable): results go under PART@KEY=VALUE",
     )
     args = parser.parse_args()
+    if args.summary:
+        store = HERE / "results.json"
+        print(summary(json.loads(store.read_text())))
+        return 0
     EXTRA[:] = args.extra
     tag = "".join(f"@{item}" for item in args.extra)
     args.work.mkdir(parents=True, exist_ok=True)
