@@ -306,6 +306,13 @@ def test_walltime_warning_requeue_resume_is_bitwise_equal_to_one_run(slurm: Clus
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        # the chain starts once the reference's ranks are past MPI_Init (its run file exists): two
+        # jobs initialising UCX at once on one host failed MPI_Init in the chain now and then
+        # ("Message from rank 1 and tag 7 truncated" in MPIDI_UCX_comm_set_vcis)
+        deadline = time.monotonic() + 120
+        while not ref.exists() and reference.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ref.exists(), f"the reference wrote no run file in 120 s (exit status {reference.poll()})"
         # -n 2 overrides the script's --ntasks (with --ntasks-per-node=4 it could not fit 2 CPUs)
         job = slurm.sbatch("-n", "2", "--time=1", "--signal=B:USR1@10", "--job-name=chain",
                            "jobs/slurm/train.sbatch", *args)  # fmt: skip

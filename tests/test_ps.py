@@ -185,6 +185,33 @@ def test_a_loss_gone_bad_ends_the_run_and_keeps_the_rows_before_it(tmp_path: Pat
         assert f["staleness/update"][...].max() == bad - 1
 
 
+def test_phases_shorter_than_w_pushes_grant_the_workers_in_turn(tmp_path: Path) -> None:
+    """A checkpoint every 2 pushes with 4 workers: each phase grants the workers that pushed least."""
+    out = tmp_path / "turns.h5"
+    sim(5, cfg("train.steps=16", "checkpoint.every=2", "checkpoint.keep=1", "parallel.mode=async"), out=out,
+        compute=equal_costs(tmp_path))  # fmt: skip
+    assert np.bincount(staleness(out)["worker"]).tolist() == [4, 4, 4, 4]
+
+
+def test_sync_mode_counts_in_whole_rounds() -> None:
+    from hpcdl.driver.context import arithmetic
+    from hpcdl.driver.run import plan
+
+    with pytest.raises(
+        ConfigError, match="train.steps = 10 is not a whole number of sync rounds of 4 pushes: use 8 or 12"
+    ):
+        plan(cfg("train.steps=10", "parallel.mode=sync"), 5)
+    with pytest.raises(ConfigError, match="checkpoint.every = 6 .* use 4 or 8"):
+        plan(cfg("train.steps=8", "checkpoint.every=6", "parallel.mode=sync"), 5)
+    placement = plan(cfg("train.steps=0", "train.epochs=2", "parallel.mode=sync"), 4)  # W = 3
+    _, per_epoch, total = arithmetic(
+        cfg("train.steps=0", "train.epochs=2", "parallel.mode=sync"), placement, 1437
+    )
+    assert (
+        per_epoch == 3 * (1437 // (3 * 16)) and total == 2 * per_epoch
+    )  # whole rounds, as the sampler's epoch
+
+
 def test_compensation_formulas() -> None:
     assert compensated_lr(0.1, 0, "lr") == 0.1
     assert compensated_lr(0.1, 4, "lr") == pytest.approx(0.025)

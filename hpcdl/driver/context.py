@@ -140,7 +140,8 @@ def arithmetic(cfg: Config, placement: Placement, samples: int) -> tuple[int, in
     """The batches one update averages (width x micro-steps; 1 for an asynchronous push), the
     steps per epoch of ``samples`` training samples (whole steps: global batches, or pushes),
     and the run's steps (``train.steps`` or epochs)."""
-    steps_per_epoch = max(1, samples // placement.step_samples)
+    group = placement.step_multiple  # steps that come in rounds: whole rounds per epoch
+    steps_per_epoch = max(1, samples // (placement.step_samples * group)) * group
     total = cfg["train.steps"] or cfg["train.epochs"] * steps_per_epoch
     return placement.scale_batches, steps_per_epoch, total
 

@@ -56,6 +56,7 @@ each rank's figure over the phase the row belongs to.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -157,6 +158,14 @@ class ParameterServer(Strategy):
             )
         workers = world - servers
         mode = cfg["parallel.mode"]
+        if mode == "sync":
+            for key in ("train.steps", "checkpoint.every", "train.stop_at", "train.eval_every"):
+                if cfg[key] % workers:
+                    below, above = cfg[key] // workers * workers, (cfg[key] // workers + 1) * workers
+                    raise ConfigError(
+                        f"{key} = {cfg[key]} is not a whole number of sync rounds of {workers} pushes: use "
+                        f"{below or above} or {above}"
+                    )
         ranks = [RankPlace("server", f"shard {k}") for k in range(servers)]
         ranks += [RankPlace("worker", "", w) for w in range(workers)]
         how = {
@@ -166,8 +175,8 @@ class ParameterServer(Strategy):
         }[mode]
         notes_ = (f"parameter servers, {how}; compensation {cfg['parallel.compensation']}",)
         return Placement(
-            cls.name, tuple(ranks), cfg["data.batch_size"], 1, notes_,
-            step_batches=1, update_batches=workers if mode == "sync" else 1,
+            cls.name, tuple(ranks), cfg["data.batch_size"], 1, notes_, step_batches=1,
+            update_batches=workers if mode == "sync" else 1, step_multiple=workers if mode == "sync" else 1,
         )  # fmt: skip
 
     @classmethod
@@ -203,6 +212,15 @@ class ParameterServer(Strategy):
             self._init_server()
         else:
             self._init_worker()
+        every = cfg["checkpoint.every"]
+        if self.rank == 0 and self.mode != "sync" and 0 < every < 10 * self.workers:
+            print(
+                f"hpcdl.train: ! checkpoint.every = {every} pushes with {self.workers} workers: every "
+                "checkpoint quiesces the job and drains the workers' pipeline, which shapes the "
+                f"staleness; for a staleness study make it well above {10 * self.workers} (0: the end only)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # -- sizes -------------------------------------------------------------------------------
     def _range(self, k: int) -> tuple[int, int]:
@@ -351,9 +369,12 @@ class ParameterServer(Strategy):
             return
         ph.deferred.extend(pulls)
         waiting, ph.deferred = ph.deferred, []
-        for w in sorted(waiting):
+        low = int(self.clocks.min())  # the gate's minimum: the clocks do not change in this loop
+        # the workers that pushed least first: a phase shorter than W pushes (a checkpoint every
+        # 200 at W = 1,024) grants them in turn, not always to the same low-numbered workers
+        for w in sorted(waiting, key=lambda v: (self.clocks[v], v)):
             over = first and (ph.stopping or ph.granted >= ph.target)
-            gated = self.mode == "ssp" and not ssp_may_pull(int(self.clocks[w]), self.clocks, self.bound)
+            gated = self.mode == "ssp" and not ssp_may_pull(int(self.clocks[w]), [low], self.bound)
             if not over and gated:
                 ph.deferred.append(w)
                 continue
@@ -469,7 +490,9 @@ class ParameterServer(Strategy):
         self._snapshots.append({"flat": flat, "bn": bn, "recvs": recvs, "row": len(self._rows) - 1})
 
     def _send_snapshot(self) -> None:
-        """Servers k > 0: send server 0 this shard at the evaluation boundary."""
+        """Servers k > 0: send server 0 this shard at the evaluation boundary (earlier sends that
+        completed are let go, so a long phase keeps no more copies than server 0 lags behind)."""
+        self._snapshots = [snap for snap in self._snapshots if not snap["send"].Test()]
         copy = self.shard.data.copy()
         self._snapshots.append({"send": self.comm.Isend(copy, dest=0, tag=_SNAPSHOT), "copy": copy})
         self.bytes_sent += copy.nbytes

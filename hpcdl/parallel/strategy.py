@@ -100,6 +100,8 @@ class Placement:
         update_batches: batches one optimizer update averages, which ``schedule.scale``
             scales the learning rate by; 0: ``width x micro_steps``. A parameter server's
             asynchronous push: 1; its synchronous round: the W workers' batches.
+        step_multiple: steps come in groups of this many (a synchronous round of W
+            pushes): an epoch is a whole number of groups.
     """
 
     strategy: str
@@ -109,6 +111,7 @@ class Placement:
     notes: tuple[str, ...] = field(default=())
     step_batches: int = 0
     update_batches: int = 0
+    step_multiple: int = 1
 
     @property
     def world(self) -> int:
@@ -153,7 +156,7 @@ class Placement:
 
     def _key(self) -> tuple[Any, ...]:
         return (self.strategy, self.ranks, self.batch_size, self.micro_steps, self.step_samples,
-                self.scale_batches)  # fmt: skip
+                self.scale_batches, self.step_multiple)  # fmt: skip
 
     def to_json(self) -> str:
         """The placement as JSON text (stored in checkpoints)."""
@@ -171,6 +174,7 @@ class Placement:
             notes=tuple(d.get("notes", ())),
             step_batches=int(d.get("step_batches", 0)),
             update_batches=int(d.get("update_batches", 0)),
+            step_multiple=int(d.get("step_multiple", 1)),
         )
 
     def summary(self) -> str:

@@ -173,6 +173,8 @@ def part_scan(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             steps = max(1, round(pushes / w)) if mode == "dp" else pushes
             sim = ["--network", "eth10g", "--compute", table(work)]
             every = max(1, 45 // (w if mode == "dp" else 1))  # about an epoch
+            if mode == "sync":  # whole rounds of W pushes
+                steps, every = w * max(1, round(pushes / w)), w * max(1, round(45 / w))
             run_sets = [*settings, f"train.steps={steps}", f"train.eval_every={every}"]
             row = train(work, f"scan-{mode}-w{w}", n, run_sets, sim=sim, mode=mode)
             row.update(workers=w, mode=mode)
