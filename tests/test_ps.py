@@ -19,9 +19,9 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from ps_config import cfg
 
 from hpcdl.comm import world
-from hpcdl.config import load_config
 from hpcdl.driver.run import train
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.ps import compensated_lr, dc_gradient
@@ -29,16 +29,6 @@ from hpcdl.parallel.ps_plan import max_staleness
 from hpcdl.sim.compute import make_compute
 from hpcdl.sim.engine import simulate
 from hpcdl.sim.network import load_network
-
-COMMON = [
-    "dtype=float64", "model.depth=2", "model.width=32", "data.batch_size=16", "optimizer.lr=0.05",
-    "optimizer.momentum=0.9", "schedule.scale=none", "schedule.name=constant", "schedule.warmup_epochs=0",
-    "checkpoint.every=0", "parallel.strategy=ps",
-]  # fmt: skip
-
-
-def cfg(*sets: str) -> Any:
-    return load_config("digits-mlp", [*COMMON, *sets])
 
 
 def equal_costs(tmp_path: Path) -> str:

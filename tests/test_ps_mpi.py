@@ -17,21 +17,11 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from ps_config import cfg
 
 from hpcdl.comm import world
-from hpcdl.config import load_config
 from hpcdl.parallel.ps_plan import max_staleness
 from hpcdl.train import run
-
-COMMON = [
-    "dtype=float64", "model.depth=2", "model.width=32", "data.batch_size=16", "optimizer.lr=0.05",
-    "optimizer.momentum=0.9", "schedule.scale=none", "schedule.name=constant", "schedule.warmup_epochs=0",
-    "checkpoint.every=0", "parallel.strategy=ps",
-]  # fmt: skip
-
-
-def cfg(*sets: str) -> Any:
-    return load_config("digits-mlp", [*COMMON, *sets])
 
 
 def master(result: Any, comm: Any, servers: int) -> np.ndarray | None:
