@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -176,6 +177,11 @@ def _start(tmp: Path, procs: list[subprocess.Popen[bytes]]) -> Cluster:  # noqa:
             "SchedulerType=sched/builtin",
             "SchedulerParameters=sched_interval=2",
             "MpiDefault=pmi2",
+            # job ids that differ between runs: MPICH names its shared-memory segment after the PMI
+            # world (job.step under pmi2) and leaves it behind when a step is killed (as the walltime
+            # test does); a later run's job 3 opened the stale /dev/shm/mpich_shm_* of an earlier
+            # one and MPI_Init failed ("Message ... truncated" in MPIDI_UCX_comm_set_vcis)
+            f"FirstJobId={secrets.randbelow(50_000_000) + 1000}",
             "ReturnToService=2",
             "MinJobAge=900",
             "MailProg=/bin/true",
@@ -306,9 +312,8 @@ def test_walltime_warning_requeue_resume_is_bitwise_equal_to_one_run(slurm: Clus
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        # the chain starts once the reference's ranks are past MPI_Init (its run file exists): two
-        # jobs initialising UCX at once on one host failed MPI_Init in the chain now and then
-        # ("Message from rank 1 and tag 7 truncated" in MPIDI_UCX_comm_set_vcis)
+        # the chain starts once the reference trains (its run file exists), so that the reference
+        # shares the cores with most of the chain's first allocation
         deadline = time.monotonic() + 120
         while not ref.exists() and reference.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
