@@ -202,6 +202,37 @@ def test_sync_mode_counts_in_whole_rounds() -> None:
     )  # whole rounds, as the sampler's epoch
 
 
+def test_rows_reach_the_file_during_a_phase_and_outlive_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One phase of 200 pushes (no checkpoint): server 0's rows go to the file every
+    log.flush_every pushes, so a worker that dies at its 70th batch leaves them there."""
+    import hpcdl.parallel.ps as ps_module
+    from hpcdl.sim.errors import RankFailure
+
+    compute, batches = ps_module.forward_backward, [0]
+
+    def dies(*args: Any) -> Any:
+        batches[0] += 1
+        if batches[0] == 140:  # (both workers' batches: the 70th of one of them)
+            raise RuntimeError("a worker dies")
+        return compute(*args)
+
+    monkeypatch.setattr(ps_module, "forward_backward", dies)
+    out = tmp_path / "crash.h5"
+    with pytest.raises(RankFailure, match="a worker dies"):
+        sim(3, cfg("train.steps=200", "log.flush_every=10", "parallel.mode=async"), out=out)
+    import gc
+
+    gc.collect()  # the failed run's file handle
+    with h5py.File(out, "r", locking=False) as f:
+        steps = f["metrics/step"][...].tolist()
+        updates = f["staleness/update"][...].tolist()
+        assert f["metrics/samples"][-1] == 16 * len(steps)
+    assert len(steps) >= 120, len(steps)  # of the 138 pushes applied at most
+    assert steps == list(range(1, len(steps) + 1)) and updates == steps  # each push once, in order
+
+
 def test_compensation_formulas() -> None:
     assert compensated_lr(0.1, 0, "lr") == 0.1
     assert compensated_lr(0.1, 4, "lr") == pytest.approx(0.025)

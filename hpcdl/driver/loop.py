@@ -98,6 +98,8 @@ class Trainer:
     _t_segment: float = 0.0  # when this segment (a run, or a resumed part) began training
     _note: dict[str, Any] = field(default_factory=notes)  # what this rank does, for stall reports
     _meeting_comm: float = 0.0  # communication at the last meeting: not time outside the steps
+    _early: list[dict[str, float]] = field(default_factory=list)  # a phase's rows written during it
+    _prev_end: float = 0.0  # when the phase's last row so far ended (the row rank's clock)
 
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
@@ -157,8 +159,10 @@ class Trainer:
         t0 = wtime()
         other = t0 - self._t_end if self._t_end is not None else 0.0
         self._note["step"], self._note["phase"] = self.step + 1, "running free"
+        self._early, self._prev_end = [], t0
+        early = self._write_early if self.ctx.rank == self.strategy.row_rank else None
         with self.ctx.observing(self.profiler, self.slowdown):
-            phase = self.strategy.run_until(self.step, self._next_meeting(), self.stop)
+            phase = self.strategy.run_until(self.step, self._next_meeting(), self.stop, early)
         t_run = wtime()
         self._note["phase"] = "metrics and stop vote"
         agreed = self.strategy.meet(phase, self.stop.requested)
@@ -172,11 +176,12 @@ class Trainer:
         self.counters.train_s += wall
         self.counters.compute_s += wall - phase.comm_s
         self.counters.comm_s += phase.comm_s + meeting
-        rows = self._phase_rows(first, agreed, phase, t0)
+        done = len(self._early)  # rows written during the phase
+        rows = self._phase_rows(first + done, agreed.rows[done:], phase.ended[done:], phase.bytes_sent)
         for i, acc, loss in agreed.evaluated:
             self.accuracy, self.evaluated_at = (acc, loss), first + i
             self._say_accuracy(first + i, (first + i - 1) // self.ctx.steps_per_epoch)
-        self.history.extend(rows)
+        self.history.extend([*self._early, *rows])
         self.step += n
         self._note["phase"] = "run file"
         self.log.record_phase(rows, self.step, wall - phase.comm_s, phase.comm_s + meeting, other,
@@ -186,25 +191,39 @@ class Trainer:
                 f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
                 "kept (lower optimizer.lr, or parallel.compensation = 'lr' for stale pushes)"
             )
-        if rows:
-            self.bar.update(self.step, since=self._met, loss=rows[-1]["loss"], samples_per_s=self._rate())
+        if self.history:
+            loss = self.history[-1]["loss"]
+            self.bar.update(self.step, since=self._met, loss=loss, samples_per_s=self._rate())
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
 
-    def _phase_rows(self, first: int, agreed: Any, phase: Any, t0: float) -> list[dict[str, float]]:
-        """Rank 0's metrics rows of a phase: the strategy's, with the driver's columns and times."""
+    def _write_early(self, rows: list[dict[str, float]], ended: list[float], tables: dict[str, Any]) -> None:
+        """The row rank, during a phase: the strategy's first final rows go to the run file now."""
+        built = self._phase_rows(self.step + 1 + len(self._early), rows, ended, 0)
+        self._early.extend(built)
+        self.log.write_rows(built, tables)
+        self.bar.update(built[-1]["step"], since=self._met, loss=built[-1]["loss"], samples_per_s=math.nan)
+
+    def _phase_rows(
+        self, first: int, rows: list[dict[str, float]], ended: list[float], bytes_sent: int
+    ) -> list[dict[str, float]]:
+        """Rank 0's metrics rows: the strategy's, with the driver's columns and times.
+
+        A step's time runs from the previous step's end (the phase's start for its first).
+        ``bytes_sent``: the rank's running total, unless the strategy's row gives its own.
+        """
         spe, per_step = self.ctx.steps_per_epoch, self.ctx.placement.step_samples
-        rows, prev = [], t0
-        for i, (row, ended) in enumerate(zip(agreed.rows, phase.ended)):
-            step, wall = first + i, ended - prev
-            prev = ended
-            rows.append({
-                "step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **row,
-                "step_time": wall,
-                "samples_per_s": per_step / wall if wall > 0 else math.nan, "bytes_sent": phase.bytes_sent,
-                "time": self.counters.elapsed_s + ended - self._t_segment,
+        out = []
+        for i, (row, end) in enumerate(zip(rows, ended)):
+            step, wall = first + i, end - self._prev_end
+            self._prev_end = end
+            out.append({
+                "step": step, "epoch": (step - 1) // spe, "samples": step * per_step,
+                "bytes_sent": bytes_sent, **row, "step_time": wall,
+                "samples_per_s": per_step / wall if wall > 0 else math.nan,
+                "time": self.counters.elapsed_s + end - self._t_segment,
             })  # fmt: skip
-        return rows
+        return out
 
     def _meeting(self) -> None:
         """What fires at a meeting: agree, rows, evaluation, progress, a stop, a checkpoint."""

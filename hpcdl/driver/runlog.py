@@ -95,6 +95,14 @@ class RunLog:
         )  # fmt: skip
         self._rows = []
 
+    def write_rows(self, rows: list[dict[str, Any]], tables: dict[str, dict[str, Any]]) -> None:
+        """Rank 0, during a free-running phase: append metrics rows and row groups, then flush.
+
+        No collective: the ranks' times of the phase come with :meth:`record_phase`.
+        """
+        if self.runfile is not None and rows:
+            self.runfile.append_rows(rows, {}, tables)
+
     def record_phase(
         self,
         rows: list[dict[str, Any]],

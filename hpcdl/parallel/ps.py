@@ -272,6 +272,7 @@ class ParameterServer(Strategy):
         self._phase_start(k)
         ph = _Phase(workers, granted=step, target=target)
         self._rows: list[dict[str, float]] = []
+        self._first_bad: int | None = None  # the phase's first row whose loss is not finite
         self._table: list[tuple[int, int, int, int, float]] = []
         self._snapshots: list[dict[str, Any]] = []  # evaluations pending (server 0) or sends (others)
         self._eval_parts: Generator[None, None, tuple[float, float]] | None = None
@@ -323,6 +324,7 @@ class ParameterServer(Strategy):
                     recvs[v] = self._expect(v)
             self._answer_pulls(ph, answered, recvs, stop)
             self._eval_step()
+            self._hand_rows()
         waitall([*self.reply_reqs, *(snap.get("send") for snap in self._snapshots)])
         self.reply_reqs = [None] * workers
         if k != 0:
@@ -455,10 +457,12 @@ class ParameterServer(Strategy):
         if self.rank != 0:
             return
         samples = int(head[_SAMPLES])
+        if self._first_bad is None and not np.isfinite(head[_LOSS]):
+            self._first_bad = len(self._rows)
         self._rows.append({
             "loss": float(head[_LOSS]),
             "train_accuracy": float(head[_CORRECT]) / samples if samples else float("nan"),
-            "lr": self._lr_used, "worker": w, "tau": tau, "ended": wtime(),
+            "lr": self._lr_used, "worker": w, "tau": tau, "ended": wtime(), "bytes_sent": self.bytes_sent,
         })  # fmt: skip
         if self.bn_packer is not None:
             payload = self.pushes[w][2]
@@ -521,6 +525,29 @@ class ParameterServer(Strategy):
             row = self._rows[snap["row"]]
             row["test_accuracy"], row["test_loss"] = acc, loss
             self._eval_parts = None
+
+    def _hand_rows(self) -> None:
+        """Server 0: give the driver the rows that are final, every ``log.flush_every`` of them.
+
+        A row is final once applied, unless an evaluation of its push is still running (it
+        gets the test accuracy) or a loss before it is not finite (the run ends there).
+        """
+        if self._early is None:
+            return
+        final = min((snap["row"] for snap in self._snapshots), default=len(self._rows))
+        if self._first_bad is not None:
+            final = min(final, self._first_bad)
+        if final - self._handed < self.ctx.cfg["log.flush_every"]:
+            return
+        keys = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss", "bytes_sent")
+        part = self._rows[self._handed : final]
+        table = np.array(self._table[self._handed : final], dtype=np.float64).reshape(-1, 5)
+        self._early(
+            [{k: r[k] for k in keys if k in r} for r in part],
+            [r["ended"] for r in part],
+            {"staleness": dict(zip(("update", "worker", "server", "tau", "time"), table.T))},
+        )
+        self._handed = final
 
     def _server_phase(self, waited: float, busy: float) -> PhaseStats:
         """A server's phase: its waits, its busy fraction; server 0 timed each push it applied."""
@@ -614,9 +641,13 @@ class ParameterServer(Strategy):
     # ========================================================================================
     # the driver's calls
     # ========================================================================================
-    def run_until(self, step: int, target: int, stop: Any) -> PhaseStats:
-        """Serve or work from ``step`` pushes applied until server 0 has granted ``target``; quiesce."""
+    def run_until(self, step: int, target: int, stop: Any, early: Any = None) -> PhaseStats:
+        """Serve or work from ``step`` pushes applied until server 0 has granted ``target``; quiesce.
+
+        Server 0 hands ``early`` its rows every ``log.flush_every`` pushes, as they become final.
+        """
         if self.is_server:
+            self._early, self._handed = early, 0
             return self._serve(step, target, stop)
         self._work(stop)
         wall = self._phase_wall
@@ -629,7 +660,8 @@ class ParameterServer(Strategy):
 
         One gather (each rank's stop flag; each server's staleness rows) and one broadcast.
         """
-        table = np.array(self._table if self.is_server else [], dtype=np.float64).reshape(-1, 5)
+        handed = self._handed if self.rank == 0 else 0  # server 0's rows the driver already wrote
+        table = np.array(self._table[handed:] if self.is_server else [], dtype=np.float64).reshape(-1, 5)
         with long_wait("a rank waits for the pushes in flight to be applied", self._wait_limit()):
             return self._meet(table, stop)
 
@@ -639,7 +671,7 @@ class ParameterServer(Strategy):
         agreement = Agreement(rows=[], stop_votes=0)
         if self.rank == 0:
             assert gathered is not None
-            keys = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss")
+            keys = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss", "bytes_sent")
             rows = agreement.rows = [{k: r[k] for k in keys if k in r} for r in self._rows]
             bad = next((i for i, r in enumerate(rows) if not np.isfinite(r["loss"])), -1)
             both = np.concatenate([t for _, t in gathered])

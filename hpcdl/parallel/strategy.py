@@ -438,7 +438,7 @@ class Strategy:
         """Step ``step`` (0-based: the steps done before it) on this rank."""
         raise NotImplementedError
 
-    def run_until(self, step: int, target: int, stop: Any) -> PhaseStats:
+    def run_until(self, step: int, target: int, stop: Any, early: Any = None) -> PhaseStats:
         """Run free from ``step`` steps done until ``target`` or a stop, then quiesce (``runs_free``).
 
         Args:
@@ -446,6 +446,11 @@ class Strategy:
             target: the step of the next meeting; a strategy whose steps come in rounds may
                 end past it, at the end of the round that reaches it.
             stop: this rank's stop flag (``requested``): asked, the strategy ends early.
+            early: on the row rank, ``early(rows, ended, tables)`` takes the phase's first
+                rows that are final (every ``log.flush_every``, in order, none past a
+                non-finite loss), with when each step ended and their row groups, so that
+                the run file grows during a long phase; :meth:`meet` then gives the rows
+                again, all of them, and the row groups not given yet.
 
         Returns:
             What this rank did; the ranks then meet (:meth:`meet`).
