@@ -206,10 +206,12 @@ def test_rows_reach_the_file_during_a_phase_and_outlive_a_crash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One phase of 200 pushes (no checkpoint): server 0's rows go to the file every
-    log.flush_every pushes, so a worker that dies at its 70th batch leaves them there."""
+    log.flush_every pushes, so a worker that dies at its 70th batch leaves them there
+    (without the once-a-second limit: the run takes milliseconds of virtual time)."""
     import hpcdl.parallel.ps as ps_module
     from hpcdl.sim.errors import RankFailure
 
+    monkeypatch.setattr(ps_module, "EARLY_ROWS_S", 0.0)
     compute, batches = ps_module.forward_backward, [0]
 
     def dies(*args: Any) -> Any:
