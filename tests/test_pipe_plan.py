@@ -1,0 +1,121 @@
+"""Pipeline plans (``hpcdl.parallel.pipe_plan``) against literal tables, closed forms and brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hpcdl.errors import ConfigError
+from hpcdl.parallel.pipe_plan import (
+    balance_by_cost,
+    bubble_fraction,
+    gpipe,
+    one_f_one_b,
+    schedule,
+    simulate,
+)
+
+
+def test_gpipe_runs_every_forward_then_the_backwards_in_reverse() -> None:
+    assert str(gpipe(3, 4)) == (
+        "stage 0: F0 F1 F2 F3 B3 B2 B1 B0\nstage 1: F0 F1 F2 F3 B3 B2 B1 B0\nstage 2: F0 F1 F2 F3 B3 B2 B1 B0"
+    )
+
+
+def test_1f1b_warms_up_alternates_and_drains() -> None:
+    assert str(one_f_one_b(3, 4)) == (
+        "stage 0: F0 F1 F2 B0 F3 B1 B2 B3\nstage 1: F0 F1 B0 F2 B1 F3 B2 B3\nstage 2: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
+    assert str(one_f_one_b(4, 2)) == (  # fewer microbatches than stages: warm-up is cut short
+        "stage 0: F0 F1 B0 B1\nstage 1: F0 F1 B0 B1\nstage 2: F0 F1 B0 B1\nstage 3: F0 B0 F1 B1"
+    )
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 16])
+def test_every_stage_runs_each_microbatch_once_forward_then_backward(p: int, m: int) -> None:
+    for plan in (gpipe(p, m), one_f_one_b(p, m)):
+        for ops in plan.stages:
+            assert sorted((op.kind, op.microbatch) for op in ops) == sorted(
+                [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+            )
+            for k in range(m):
+                assert ops.index(next(o for o in ops if o.kind == "F" and o.microbatch == k)) < ops.index(
+                    next(o for o in ops if o.kind == "B" and o.microbatch == k)
+                )
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_equal_costs_give_the_closed_form_bubble_and_1f1b_holds_at_most_p_microbatches(
+    p: int, m: int
+) -> None:
+    """GPipe's bubble (p - 1) / (m + p - 1) on every stage, 1F1B's the same, and 1F1B keeps
+    at most p - s microbatches' activations on stage s where GPipe keeps m."""
+    for plan in (gpipe(p, m), one_f_one_b(p, m)):
+        timeline = simulate(plan, [1.0] * p, [2.0] * p)
+        assert timeline.makespan == (m + p - 1) * 3.0
+        for s in range(p):
+            assert timeline.bubble(s) == pytest.approx(bubble_fraction(p, m), rel=1e-12)
+    assert gpipe(p, m).in_flight() == [m] * p
+    assert one_f_one_b(p, m).in_flight() == [min(p - s, m) for s in range(p)]
+
+
+def test_the_slowest_stage_sets_the_pace_and_transfers_add_up() -> None:
+    """Two stages, the second twice as slow: in steady state one microbatch per its cycle."""
+    timeline = simulate(gpipe(2, 8), [1.0, 2.0], [1.0, 2.0], transfer=0.5)
+    # stage 1's forwards: the first waits for stage 0 (1 + 0.5), then back to back (8 x 2);
+    # its backwards follow at once (8 x 2); stage 0's last backward waits for its gradient
+    assert timeline.end[1][-1] == 1.5 + 16 + 16
+    assert timeline.makespan == 1.5 + 16 + 16 + 0.5 + 1.0
+
+
+def test_simulate_refuses_costs_of_another_stage_count() -> None:
+    with pytest.raises(ValueError, match="costs for 2/2 stages, the schedule has 3"):
+        simulate(gpipe(3, 2), [1.0, 1.0], [1.0, 1.0])
+
+
+def test_schedule_names_and_bad_counts_are_one_line() -> None:
+    assert schedule("1f1b", 2, 2) == one_f_one_b(2, 2)
+    with pytest.raises(
+        ConfigError, match="pipeline.schedule = 'pipedream' is not a schedule; schedules: gpipe, 1f1b"
+    ):
+        schedule("pipedream", 2, 2)
+    with pytest.raises(ConfigError, match="at least 1 stage and 1 microbatch"):
+        gpipe(2, 0)
+
+
+def _brute(costs: list[float], p: int) -> float:
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = [0, *cuts, n]
+        best = min(best, max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_balance_by_cost_minimises_the_slowest_stage() -> None:
+    assert balance_by_cost([1, 2, 3, 4, 5, 6, 7, 8, 9], 3) == [5, 2, 2]  # 15, 13, 17
+    assert balance_by_cost([10, 1, 1, 1, 1], 2) == [1, 4]
+    assert balance_by_cost([1.0] * 8, 4) == [2, 2, 2, 2]
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 10))
+        p = int(rng.integers(1, n + 1))
+        costs = rng.integers(0, 20, n).astype(float).tolist()
+        sizes = balance_by_cost(costs, p)
+        assert len(sizes) == p and sum(sizes) == n and min(sizes) >= 1
+        bounds = np.cumsum([0, *sizes])
+        worst = max(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+        assert worst == _brute(costs, p), (costs, p, sizes)
+
+
+def test_balance_by_cost_refuses_what_cannot_be_cut() -> None:
+    with pytest.raises(
+        ConfigError, match="4 pipeline stages for 3 layers: every stage needs at least one layer"
+    ):
+        balance_by_cost([1, 2, 3], 4)
+    with pytest.raises(ConfigError, match="negative"):
+        balance_by_cost([1, -2, 3], 2)
