@@ -23,6 +23,8 @@ class ReLU(Layer):
         inplace: Write the output into the input and ``gx`` into ``gy``.
     """
 
+    _cache = ("_mask",)
+
     def __init__(self, *, inplace: bool = True) -> None:
         super().__init__()
         self.inplace = inplace

@@ -106,6 +106,8 @@ class Conv2d(Layer):
         xp: Array module holding the parameters.
     """
 
+    _cache = ("_cols", "_shapes")
+
     _params = ("weight", "bias")
 
     def __init__(  # noqa: PLR0917 (the signature mirrors torch.nn.Conv2d)

@@ -29,6 +29,8 @@ class Dropout(Layer):
         ValueError: ``p`` is outside ``[0, 1]``.
     """
 
+    _cache = ("_mask",)
+
     def __init__(self, p: float = 0.5, *, rng: np.random.Generator | None = None) -> None:
         super().__init__()
         if not 0.0 <= p <= 1.0:

@@ -12,6 +12,8 @@ __all__ = ["Flatten"]
 class Flatten(Layer):
     """Keeps the batch axis and flattens the rest (a view when possible)."""
 
+    _cache = ("_shape",)
+
     def __init__(self) -> None:
         super().__init__()
         self._shape: tuple[int, ...] | None = None  # cache: the input shape

@@ -23,6 +23,12 @@ class Layer:
     non-trainable state such as BatchNorm's running statistics in ``_buffers``,
     and any child layers in ``_children``.
 
+    **One call's state.** ``forward`` keeps its cache in the attributes the class lists
+    in ``_cache``. A pipeline stage runs several microbatches forward before their
+    backwards: it takes each forward's cache with :meth:`save_cache` and puts it back
+    with :meth:`load_cache` before that microbatch's backward (a handle per microbatch).
+    The one-batch path, forward then backward, needs neither.
+
     ``needs_input_grad`` (default ``True``): when a model builder sets it to
     ``False`` (on the first layer of a model, whose input is data), a layer may
     skip computing the input gradient and return ``None`` from ``backward``;
@@ -32,6 +38,8 @@ class Layer:
     _params: tuple[str, ...] = ()
     _buffers: tuple[str, ...] = ()
     _children: tuple[str, ...] = ()
+    #: the attributes ``forward`` sets for ``backward`` (one call's cache)
+    _cache: tuple[str, ...] = ()
     needs_input_grad: bool = True
 
     def __init__(self) -> None:
@@ -47,6 +55,22 @@ class Layer:
 
     def __call__(self, x: Any) -> Any:
         return self.forward(x)
+
+    # -- one call's state -------------------------------------------------------
+    def save_cache(self) -> dict[str, Any]:
+        """The last forward's cache here and in every child (references: the next forward
+        replaces the attributes, it does not write into the arrays)."""
+        state: dict[str, Any] = {attr: getattr(self, attr) for attr in self._cache}
+        for child_attr, child in zip(self._children, self.children(), strict=True):
+            state[child_attr + "."] = child.save_cache()
+        return state
+
+    def load_cache(self, state: dict[str, Any]) -> None:
+        """Put back what :meth:`save_cache` returned, so that ``backward`` is that forward's."""
+        for attr in self._cache:
+            setattr(self, attr, state[attr])
+        for child_attr, child in zip(self._children, self.children(), strict=True):
+            child.load_cache(state[child_attr + "."])
 
     # -- structure ----------------------------------------------------------
     def children(self) -> list[Layer]:

@@ -33,6 +33,8 @@ class Linear(Layer):
         xp: Array module holding the parameters (``numpy`` or ``cupy``).
     """
 
+    _cache = ("_x",)
+
     _params = ("weight", "bias")
 
     def __init__(

@@ -24,6 +24,8 @@ class _BatchNorm(Layer):
     running statistics are used. Statistics stay local to the rank (DESIGN.md).
     """
 
+    _cache = ("_xhat", "_inv_std", "_batch_stats")
+
     _params = ("weight", "bias")
     _buffers = ("running_mean", "running_var")
     _ndims: tuple[int, ...] = ()

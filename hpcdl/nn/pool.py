@@ -15,6 +15,8 @@ __all__ = ["AvgPool2d", "GlobalAvgPool2d", "MaxPool2d"]
 class _Pool2d(Layer):
     """Shared geometry of the windowed pools."""
 
+    _cache = ("_shapes",)
+
     def __init__(
         self,
         kernel_size: int | tuple[int, int],
@@ -79,6 +81,8 @@ class MaxPool2d(_Pool2d):
         stride: Defaults to ``kernel_size``.
         padding: ``-inf`` padding on each side, at most half the kernel.
     """
+
+    _cache = ("_shapes", "_argmax")
 
     def __init__(
         self,
@@ -159,6 +163,8 @@ class AvgPool2d(_Pool2d):
 
 class GlobalAvgPool2d(Layer):
     """Mean over the spatial axes: ``(N, C, H, W) -> (N, C)``."""
+
+    _cache = ("_shape",)
 
     def __init__(self) -> None:
         super().__init__()
