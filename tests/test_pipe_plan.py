@@ -9,10 +9,12 @@ import pytest
 
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.pipe_plan import (
+    LayerInfo,
     balance_by_cost,
     bubble_fraction,
     gpipe,
     one_f_one_b,
+    partition,
     schedule,
     simulate,
 )
@@ -119,3 +121,74 @@ def test_balance_by_cost_refuses_what_cannot_be_cut() -> None:
         balance_by_cost([1, 2, 3], 4)
     with pytest.raises(ConfigError, match="negative"):
         balance_by_cost([1, -2, 3], 2)
+
+
+# -- the partition description ---------------------------------------------------------------
+
+#: digits-mlp's six top-level layers: parameters, forward and backward seconds, output bytes
+_ROWS = [(0, 1e-6, 1e-6, 8192), (16640, 2e-5, 3e-5, 32768), (0, 5e-6, 3e-6, 32768),
+         (65792, 5e-5, 9e-5, 32768), (0, 5e-6, 3e-6, 32768), (2570, 6e-6, 1e-5, 1280)]  # fmt: skip
+MLP = [
+    LayerInfo(str(i), params=p, forward_s=f, backward_s=b, output_bytes=o)
+    for i, (p, f, b, o) in enumerate(_ROWS)
+]
+
+
+def test_a_balance_list_a_split_and_each_method_cut_where_they_should() -> None:
+    assert partition(MLP, balance=[2, 4]).balance == (2, 4)
+    assert partition(MLP, split=["3"]).balance == (3, 3)
+    assert partition(MLP, split=["2", "5"]).balance == (2, 3, 1)
+    assert partition(MLP, 2, balance="uniform").balance == (3, 3)
+    # parameters: the 65,792 of layer 3 bound any cut; ties keep the earliest last cut
+    assert partition(MLP, 2, balance="params").balance == (2, 4)  # 16,640 | 68,362
+    params = [float(x.params) for x in MLP]
+    three = partition(MLP, 3, balance="params").balance
+    bounds = np.cumsum([0, *three])
+    assert max(sum(params[a:b]) for a, b in zip(bounds, bounds[1:])) == _brute(params, 3) == 65792
+    assert partition(MLP, 2, balance="time").balance == (3, 3)  # 65 us | 173 us
+    assert partition(MLP, 2, balance="memory").balance == (3, 3)
+
+
+def test_the_partition_prints_stage_layers_parameters_times_and_bytes_sent() -> None:
+    assert partition(MLP, balance=[2, 4]).table() == (
+        "partition (balance): balance = [2, 4]\n"
+        "stage  layers                        params  forward ms  backward ms  sends bytes\n"
+        "0      0 .. 1                        16,640       0.021        0.031       32,768\n"
+        "1      2 .. 5                        68,362       0.066        0.106            0"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"balance": [2, 3]}, "pipeline.balance = [2, 3] sums to 5; the model has 6 top-level layers"),
+        ({"balance": [6, 0]}, "pipeline.balance gives stage 1 no layer: every stage needs one"),
+        (
+            {"split": ["7"]},
+            "pipeline.split names '7', not a top-level layer of the model; layers: 0, 1, 2, 3, 4, 5",
+        ),
+        ({"split": ["3", "2"]}, "the names must follow the model's order, once each"),
+        ({"split": ["0"]}, "and not name its first layer"),
+        (
+            {"balance": "flops", "stages": 2},
+            "pipeline.balance = 'flops' is not a method; methods: uniform, params",
+        ),
+        (
+            {"balance": "uniform", "stages": 7},
+            "7 pipeline stages for a model of 6 top-level layers: use at most 6",
+        ),
+        ({"balance": [3, 3], "stages": 3}, "pipeline.balance describes 2 stages; the run has 3"),
+        ({"balance": [3, 3], "split": ["3"]}, "by pipeline.balance or by pipeline.split (one of them)"),
+    ],
+)
+def test_a_description_that_does_not_fit_is_one_line(kwargs: dict, message: str) -> None:
+    stages = kwargs.pop("stages", None)
+    with pytest.raises(ConfigError) as info:
+        partition(MLP, stages, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_time_balance_needs_a_profile() -> None:
+    bare = [LayerInfo(x.name, params=x.params) for x in MLP]
+    with pytest.raises(ConfigError, match="needs per-layer times: give pipeline.profile"):
+        partition(bare, 2, balance="time")

@@ -33,13 +33,17 @@ from dataclasses import dataclass
 from hpcdl.errors import ConfigError
 
 __all__ = [
+    "METHODS",
+    "LayerInfo",
     "Op",
+    "Partition",
     "Schedule",
     "Timeline",
     "balance_by_cost",
     "bubble_fraction",
     "gpipe",
     "one_f_one_b",
+    "partition",
     "schedule",
     "simulate",
 ]
@@ -245,3 +249,158 @@ def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
         sizes.append(i - c)
         i = c
     return sizes[::-1]
+
+
+# -- the partition description ---------------------------------------------------------------
+
+#: automatic balance methods: what a layer costs
+METHODS = ("uniform", "params", "time", "memory")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the partitioner knows of one top-level layer (a residual block is one).
+
+    Attributes:
+        name: its name in the model (``"3"``, ``"layer2.0"``).
+        params: trainable parameters.
+        forward_s: profiled forward time (0 when unknown).
+        backward_s: profiled backward time.
+        output_bytes: bytes of its output (what a stage ending with it sends on).
+    """
+
+    name: str
+    params: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    output_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Which top-level layers each stage holds: ``balance[s]`` of them, in order."""
+
+    layers: tuple[LayerInfo, ...]
+    balance: tuple[int, ...]
+    method: str
+
+    @property
+    def stages(self) -> list[tuple[LayerInfo, ...]]:
+        """Each stage's layers."""
+        out, start = [], 0
+        for n in self.balance:
+            out.append(self.layers[start : start + n])
+            start += n
+        return out
+
+    def table(self) -> str:
+        """The partition as ``--plan`` prints it: stage, layers, parameters, times, bytes sent on."""
+        lines = [
+            f"partition ({self.method}): balance = {list(self.balance)}",
+            f"{'stage':<7}{'layers':<24}{'params':>12}{'forward ms':>12}{'backward ms':>13}"
+            f"{'sends bytes':>13}",
+        ]
+        stages = self.stages
+        for s, layers in enumerate(stages):
+            names = layers[0].name if len(layers) == 1 else f"{layers[0].name} .. {layers[-1].name}"
+            sent = layers[-1].output_bytes if s < len(stages) - 1 else 0
+            lines.append(
+                f"{s:<7}{names:<24}{sum(x.params for x in layers):>12,}"
+                f"{1e3 * sum(x.forward_s for x in layers):>12.3f}"
+                f"{1e3 * sum(x.backward_s for x in layers):>13.3f}"
+                f"{sent:>13,}"
+            )
+        return "\n".join(lines)
+
+
+def _cost(layer: LayerInfo, method: str) -> float:
+    if method == "uniform":
+        return 1.0
+    if method == "params":
+        return float(layer.params)
+    if method == "time":
+        return layer.forward_s + layer.backward_s
+    return float(layer.output_bytes)  # memory: the activations a stage keeps per microbatch
+
+
+def partition(
+    layers: Sequence[LayerInfo],
+    stages: int | None = None,
+    *,
+    balance: Sequence[int] | str | None = None,
+    split: Sequence[str] | None = None,
+) -> Partition:
+    """Cut a model's top-level layers into pipeline stages, as ``[pipeline]`` describes.
+
+    Exactly one of:
+
+    * ``balance = [n1, ..., np]``: top-level layers per stage (torchgpipe's convention);
+    * ``split = ["name", ...]``: a new stage starts at each named layer (torch pipelining's
+      split points), so there are ``len(split) + 1`` stages;
+    * ``balance = "uniform" | "params" | "time" | "memory"`` with ``stages``: the
+      contiguous cut that minimises the most expensive stage, layers costing 1, their
+      parameters, their profiled forward + backward time, or their output bytes
+      (:func:`balance_by_cost`).
+
+    Raises:
+        ConfigError: one line naming what does not fit: counts that do not sum to the
+            layers, an empty stage, an unknown or repeated or out-of-order split name, a
+            first layer as a split point, more stages than layers, an unknown method, a
+            ``time`` balance without a profile, or a stage count that disagrees.
+    """
+    layers = tuple(layers)
+    n = len(layers)
+    if (balance is None) == (split is None):
+        raise ConfigError("describe the partition by pipeline.balance or by pipeline.split (one of them)")
+    if split is not None:
+        index = {layer.name: i for i, layer in enumerate(layers)}
+        unknown = [name for name in split if name not in index]
+        if unknown:
+            raise ConfigError(
+                f"pipeline.split names {unknown[0]!r}, not a top-level layer of the model; layers: "
+                + ", ".join(x.name for x in layers[:12])
+                + (" ..." if n > 12 else "")
+            )
+        starts = [index[name] for name in split]
+        if starts != sorted(set(starts)) or (starts and starts[0] == 0):
+            raise ConfigError(
+                f"pipeline.split = {list(split)}: the names must follow the model's order, once each, "
+                "and not name its first layer (where stage 0 starts anyway)"
+            )
+        bounds = [0, *starts, n]
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        return _fitting(layers, sizes, stages, "split")
+    if isinstance(balance, str):
+        if balance not in METHODS:
+            raise ConfigError(
+                f"pipeline.balance = {balance!r} is not a method; methods: {', '.join(METHODS)}, or a list"
+            )
+        if stages is None:
+            raise ConfigError(f"pipeline.balance = {balance!r} needs the number of stages")
+        if balance == "time" and not any(x.forward_s or x.backward_s for x in layers):
+            raise ConfigError(
+                'pipeline.balance = "time" needs per-layer times: give pipeline.profile (a run file '
+                "made with profile.layers = true, or a cost table)"
+            )
+        if stages > n:
+            raise ConfigError(
+                f"{stages} pipeline stages for a model of {n} top-level layers: use at most {n}"
+            )
+        sizes = balance_by_cost([_cost(x, balance) for x in layers], stages)
+        return Partition(layers, tuple(sizes), balance)
+    sizes = [int(b) for b in balance]
+    if sum(sizes) != n:
+        raise ConfigError(
+            f"pipeline.balance = {sizes} sums to {sum(sizes)}; the model has {n} top-level layers"
+        )
+    return _fitting(layers, sizes, stages, "balance")
+
+
+def _fitting(layers: tuple[LayerInfo, ...], sizes: list[int], stages: int | None, method: str) -> Partition:
+    if any(size < 1 for size in sizes):
+        raise ConfigError(
+            f"pipeline.{method} gives stage {sizes.index(min(sizes))} no layer: every stage needs one"
+        )
+    if stages is not None and len(sizes) != stages:
+        raise ConfigError(f"pipeline.{method} describes {len(sizes)} stages; the run has {stages}")
+    return Partition(layers, tuple(sizes), method)
