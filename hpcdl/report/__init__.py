@@ -21,6 +21,7 @@ from hpcdl.errors import file_error
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.strategy import samples_per_step, samples_processed
+from hpcdl.report.trace import write_chrome_trace
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
 
 __all__ = [
@@ -84,7 +85,8 @@ by + for several runs), all runs on one figure:
 
   python -m hpcdl.report runs/cnn.h5                          # runs/cnn-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/     # plots/a+b-loss.png, ...
-  python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/cmp  # plots/cmp-loss.png, ..."""
+  python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/cmp  # plots/cmp-loss.png, ...
+  python -m hpcdl.report runs/a.h5 --trace a.json              # the timeline for Perfetto"""
 
 
 @dataclass
@@ -322,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the plots go: a directory (one that exists, or given with a trailing /), or a "
         "path prefix such as plots/cmp (default: beside the first run, named after the runs)",
     )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        type=Path,
+        metavar="OUT.json",
+        help="also write the runs' timelines (trace/) as Chrome trace JSON for Perfetto or "
+        "chrome://tracing (default: none)",
+    )
     return parser
 
 
@@ -339,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     names = labels(runs)
     rows = [summarize(run) | {"run": name} for run, name in zip(runs, names)]
     print(format_table(rows))
+    if args.trace is not None:
+        count = write_chrome_trace(args.runs, args.trace)
+        print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")
     try:
         import matplotlib  # noqa: F401  (only to learn whether plots can be drawn)
     except ImportError:
