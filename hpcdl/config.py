@@ -213,6 +213,12 @@ SCHEMA: dict[str, Key] = {
     "log.flush_every": Key(
         int, 10, "steps between writes of the run file (a crash loses at most these)", minimum=1
     ),
+    "log.trace": Key(
+        bool,
+        False,
+        "record timeline events in the run file's trace/ (sync: each bucket's pack, the wait for the "
+        "allreduces, the unpack), for python -m hpcdl.report --trace",
+    ),
     "debug.stall_s": Key(
         float,
         600.0,

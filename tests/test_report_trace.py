@@ -69,3 +69,41 @@ def test_a_run_without_events_writes_nothing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no trace/ events to write .* nothing was written"):
         main([str(run), "--trace", str(out), "--out", f"{tmp_path}/plots/"])
     assert not out.exists()
+
+
+def test_a_traced_sync_run_records_each_buckets_pack_and_the_wait(tmp_path: Path) -> None:
+    """log.trace = true on 2 virtual ranks: per rank and step, a pack per bucket, one wait, one
+    unpack, in run time, ordered, inside the run; the export opens them. Off by default."""
+    from hpcdl.comm import world
+    from hpcdl.config import load_config
+    from hpcdl.driver.run import train
+    from hpcdl.sim.compute import make_compute
+    from hpcdl.sim.engine import simulate
+    from hpcdl.sim.network import load_network
+
+    sets = ["train.steps=6", "log.flush_every=2", "exchange.bucket_mb=0.02", "checkpoint.every=0"]
+    out, plain = tmp_path / "traced.h5", tmp_path / "plain.h5"
+    for path, extra in ((out, ["log.trace=true"]), (plain, [])):
+        cfg = load_config("digits-mlp", [*sets, *extra])
+        run = lambda cfg=cfg, path=path: train(cfg, world(), out=path)  # noqa: E731
+        simulate(2, run, network=load_network("eth10g", 2), compute=make_compute("measured"))
+    import h5py
+
+    with h5py.File(out) as f:
+        rank, start, end = f["trace/rank"][...], f["trace/start"][...], f["trace/end"][...]
+        kind = [k.decode() if isinstance(k, bytes) else k for k in f["trace/kind"][...]]
+        bucket = f["trace/microbatch"][...]
+        last = float(f["metrics/time"][-1])
+    buckets = 1 + max(int(b) for b, k in zip(bucket, kind) if k == "pack")
+    assert buckets >= 2  # 0.02 MiB buckets of digits-mlp's 85,002 parameters
+    for r in (0, 1):
+        mine = [k for k, rr in zip(kind, rank) if rr == r]
+        assert mine.count("pack") == 6 * buckets and mine.count("wait") == 6 and mine.count("unpack") == 6
+        times = [(s, e) for s, e, rr in zip(start, end, rank) if rr == r]
+        assert all(0 <= s <= e <= last + 1e-9 for s, e in times)
+        assert [s for s, _ in times] == sorted(s for s, _ in times)
+    assert (
+        len(chrome_trace([out])["traceEvents"]) == 2 + 2 * 6 * (buckets + 2) + 1
+    )  # + names of 2 tracks, 1 process
+    with h5py.File(plain) as f:
+        assert f["trace/rank"].shape == (0,)

@@ -48,10 +48,18 @@ class Context:
         self.batches, self.steps_per_epoch, self.total_steps = arithmetic(cfg, placement, samples)
         self._schedule: Schedule | None = None
         self._t0 = wtime()
+        #: this rank's timeline events since the last write: (kind, start, end, microbatch)
+        self.events: list[tuple[str, float, float, int]] = []
 
     def elapsed(self) -> float:
         """Seconds since the run began, on this rank's clock (the driver counts every segment)."""
         return wtime() - self._t0
+
+    def trace(self, kind: str, start: float, end: float, microbatch: int = -1) -> None:
+        """A timeline event of this rank from ``start`` to ``end`` (:func:`hpcdl.comm.wtime`
+        times), kept in run time and written to ``trace/`` with the next rows (``log.trace``)."""
+        offset = self.elapsed() - wtime()
+        self.events.append((kind, start + offset, end + offset, microbatch))
 
     @property
     def rank(self) -> int:

@@ -47,6 +47,7 @@ class RunLog:
         flush_every: int,
         placement: Placement,
         series: tuple[str, ...] = (),
+        events: list[tuple[str, float, float, int]] | None = None,
     ) -> None:
         self.comm = comm
         self.runfile = runfile  # only rank 0 has one
@@ -57,6 +58,7 @@ class RunLog:
         self._member = next(r for r, p in enumerate(placement.ranks) if p.member >= 0)
         self._global_batch = placement.step_samples
         self._series = series  # a free-running strategy's own per-rank series
+        self._events = events if events is not None else []  # this rank's timeline, drained at writes
 
     def record(
         self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float
@@ -80,10 +82,11 @@ class RunLog:
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
         mine = np.array(self._times, dtype=np.float64).reshape(-1, 7)
-        every = self.comm.gather(mine, root=0)
+        every, events = self._gather(mine)
         self._times = []
         if self.runfile is None:
             return
+        self._write_events(events)
         times = np.stack(every, axis=1)  # steps, ranks, 7
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
@@ -121,15 +124,33 @@ class RunLog:
         at once: one gather per meeting, however many steps the phase did.
         """
         mine = np.array([compute_s, comm_s, other_s, *(series.get(s, math.nan) for s in self._series)])
-        every = self.comm.gather(mine, root=0)
+        every, events = self._gather(mine)
         if self.runfile is None:
             return
+        self._write_events(events)
         times = np.stack(every)[None]  # 1 row, ranks, 3 + series
         compute, comm_t, other = times[..., 0], times[..., 1], times[..., 2]
         blocks = {"compute_time": compute, "comm_time": comm_t, "wait_time": comm_t - comm_t.min(),
                   "exposed_comm_time": np.full_like(compute, np.nan), "other_time": other}  # fmt: skip
         blocks.update({name: times[..., 3 + i] for i, name in enumerate(self._series)})
         self.runfile.append_rows(rows, blocks, tables, rank_steps=[step])
+
+    def _gather(self, mine: np.ndarray) -> tuple[list[np.ndarray], list[list[tuple[Any, ...]]]]:
+        """Every rank's timings and timeline events on rank 0 (one gather; events only when traced)."""
+        events, self._events[:] = list(self._events), []
+        gathered = self.comm.gather((mine, events), root=0)
+        if gathered is None:
+            return [], []
+        return [t for t, _ in gathered], [e for _, e in gathered]
+
+    def _write_events(self, events: list[list[tuple[Any, ...]]]) -> None:
+        rows = [(rank, *event) for rank, own in enumerate(events) for event in own]
+        if self.runfile is None or not rows:
+            return
+        rank, kind, start, end, micro = zip(*rows)
+        self.runfile.append_trace(
+            {"rank": rank, "kind": kind, "start": start, "end": end, "microbatch": micro}
+        )
 
     def _agreed_columns(self, times: np.ndarray) -> None:
         """Rank 0's rows take lr, step time, throughput and bytes from the ranks that set them."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,8 @@ class BucketedExchange(LocalExchange):
         self._layer_params: dict[int, list[int]] = {}
         self._reqs: list[CollRequest | None] = []
         self._marked: set[int] = set()  # gradients final in this backward
+        #: ``tracer(kind, start, end, bucket)``: timeline events (``log.trace``); None: none
+        self.tracer: Callable[..., None] | None = None
         notes()["buckets"] = _InFlight(self)  # read by stall reports only: no cost per step
 
     def broadcast_parameters(self, root: int = 0) -> None:
@@ -120,6 +122,7 @@ class BucketedExchange(LocalExchange):
 
     def _start(self, b: int) -> None:
         """Pack bucket ``b`` in the wire format and start its allreduce."""
+        t0 = wtime() if self.tracer is not None else 0.0
         qscale = self._int32_scale(b) if self.compression == "int32" else None
         self._qscales[b] = qscale
         buf = self.buckets.pack_bucket(b, self._grads, qscale=qscale)
@@ -127,6 +130,8 @@ class BucketedExchange(LocalExchange):
         narrow = self.compression if self.compression in ("float16", "bfloat16") else None
         self._reqs.append(self.coll.Iallreduce(buf, buf, narrow=narrow))
         self.bytes_sent += int(buf.nbytes)
+        if self.tracer is not None:
+            self.tracer("pack", t0, wtime(), b)
 
     def _int32_scale(self, b: int) -> float:
         """The quantization scale of bucket ``b``: from its global max |g| (a MAX allreduce).
@@ -159,12 +164,17 @@ class BucketedExchange(LocalExchange):
                 self._fold(i)
                 for b in self.buckets.mark_ready(i):
                     self._start(b)
+        t_wait = wtime()
         waitall(self._reqs)
+        t_unpack = wtime()
         scale = self._average_scale()
         self._accumulated = 0
         for b in range(len(self.buckets)):
             buf = self.buckets.buffer(b)
             self.buckets.unpack_bucket(b, buf, self._grads, scale=scale, qscale=self._qscales[b])
+        if self.tracer is not None:
+            self.tracer("wait", t_wait, t_unpack)
+            self.tracer("unpack", t_unpack, wtime())
         self._reqs = []
         self._marked.clear()
         self.buckets.reset()

@@ -60,6 +60,8 @@ class SyncDataParallel(Strategy):
         self.optimizer = ctx.optimizer(self.model.parameters())
         self.exchange = exchange_for(ctx.cfg, self.comm, self.model)
         self.exchange.broadcast_parameters(root=0)  # rank 0's weights, whatever the others built
+        if ctx.cfg["log.trace"] and hasattr(self.exchange, "tracer"):
+            self.exchange.tracer = ctx.trace  # the buckets' pack, wait and unpack on the timeline
         self.loss_fn = SoftmaxCrossEntropy()
         self._batches: Any = None  # the rest of the sampler's current epoch
         self._agree = np.zeros(8)

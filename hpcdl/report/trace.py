@@ -61,8 +61,8 @@ def chrome_trace(paths: Sequence[str | Path]) -> dict[str, Any]:
     if not events:
         names = ", ".join(str(p) for p in paths)
         raise ConfigError(
-            f"{names}: no trace/ events to write (a run records them where its strategy times its "
-            "operations); nothing was written"
+            f"{names}: no trace/ events to write (a run records them with log.trace = true); "
+            "nothing was written"
         )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
