@@ -32,6 +32,7 @@ from hpcdl.driver.signals import StopRequest
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
 from hpcdl.parallel import StepStats, Strategy
+from hpcdl.parallel.strategy import crossed
 from hpcdl.store.runfile import heartbeat_now
 
 __all__ = ["Counters", "Trainer"]
@@ -289,7 +290,7 @@ class Trainer:
     def _evaluation_due(self) -> bool:
         every = self.ctx.cfg["train.eval_every"]
         period = every or self.ctx.steps_per_epoch  # 0: at the end of each epoch
-        return _crossed(self._met, self.step, period) or self.step == self.ctx.total_steps
+        return crossed(self._met, self.step, period) or self.step == self.ctx.total_steps
 
     def _stop_or_save(self, stop_votes: int, before: int) -> None:
         total, cfg = self.ctx.total_steps, self.ctx.cfg
@@ -298,10 +299,5 @@ class Trainer:
             self.stopped_by = self.stop.name or "a signal to another rank"
         elif stop_at and before < stop_at <= self.step < total:
             self.stopped_by = f"train.stop_at = {stop_at}"
-        elif every and _crossed(before, self.step, every) and self.step < total:
+        elif every and crossed(before, self.step, every) and self.step < total:
             self.save(self.step)
-
-
-def _crossed(before: int, now: int, period: int) -> bool:
-    """True when a multiple of ``period`` lies in ``(before, now]``."""
-    return period > 0 and now // period > before // period

@@ -77,6 +77,7 @@ from hpcdl.parallel.strategy import (
     RankState,
     RunContext,
     Strategy,
+    crossed,
 )
 from hpcdl.parallel.sync import forward_backward
 
@@ -118,11 +119,6 @@ def dc_gradient(
     out *= out.dtype.type(lam)
     out += grad
     return out
-
-
-def _crossed(before: int, now: int, period: int) -> bool:
-    """True when a multiple of ``period`` lies in ``(before, now]``."""
-    return period > 0 and now // period > before // period
 
 
 class ParameterServer(Strategy):
@@ -475,7 +471,7 @@ class ParameterServer(Strategy):
     def _boundary(self, before: int) -> None:
         """At an evaluation boundary and the last push: server 0 takes a snapshot, the others send theirs."""
         end = before < self.ctx.total_steps <= self.version  # the run's last push: its result
-        if not (_crossed(before, self.version, self.period) or end):
+        if not (crossed(before, self.version, self.period) or end):
             return
         if self.rank == 0:
             self._take_snapshot()

@@ -39,6 +39,7 @@ __all__ = [
     "RunContext",
     "StepStats",
     "Strategy",
+    "crossed",
     "strategy_class",
 ]
 
@@ -47,6 +48,11 @@ STRATEGIES: dict[str, str] = {
     "sync": "hpcdl.parallel.sync:SyncDataParallel",
     "ps": "hpcdl.parallel.ps:ParameterServer",
 }
+
+
+def crossed(before: int, now: int, period: int) -> bool:
+    """True when a multiple of ``period`` lies in ``(before, now]`` (a checkpoint, an evaluation due)."""
+    return period > 0 and now // period > before // period
 
 
 def strategy_class(name: str) -> type[Strategy]:
