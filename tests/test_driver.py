@@ -193,16 +193,24 @@ def test_a_slowed_rank_computes_longer_in_the_run_file(
     assert model["mode"] == "measured"
 
 
-def test_slowdown_sleeps_after_each_layer_where_the_world_does_not_model_it() -> None:
-    """Under MPI (no world hook) a Slowdown observer spends factor - 1 times each layer's time."""
-    import time
+def test_slowdown_sleeps_after_each_layer_where_the_world_does_not_model_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under MPI (no world hook) a Slowdown observer spends factor - 1 times each outermost
+    layer's time (a clock and a sleep that record, not real time)."""
+    import hpcdl.driver.context as context_module
 
+    clock, slept = iter([10.0, 10.5, 20.0, 20.25]), []
+    monkeypatch.setattr(context_module, "wtime", lambda: next(clock))
+    monkeypatch.setattr(context_module, "sleep", slept.append)
     slow = Slowdown(3.0)
-    t0 = time.perf_counter()
     slow.before("forward", None, None)
-    time.sleep(0.02)
+    slow.before("forward", None, None)  # an inner layer (a block's): inside the outer one's time
     slow.after("forward", None, None)
-    assert time.perf_counter() - t0 >= 0.06 - 1e-3
+    slow.after("forward", None, None)  # 0.5 s of the outer layer: 2 x 0.5 more
+    slow.before("backward", None, None)
+    slow.after("backward", None, None)
+    assert slept == [1.0, 0.5]
 
 
 # -- format-1 checkpoints (before pieces) still resume -------------------------------------------
