@@ -499,6 +499,12 @@ class ParameterServer(Strategy):
         self._snapshots.append({"send": self.comm.Isend(copy, dest=0, tag=_SNAPSHOT), "copy": copy})
         self.bytes_sent += copy.nbytes
 
+    def _load_master(self, flat: np.ndarray, bn: Sequence[np.ndarray]) -> None:
+        """Server 0's model takes the master parameters (packed) and BatchNorm statistics, to evaluate."""
+        self.packer.unpack(flat, [p.data for p in self.params])
+        for buf, saved in zip(self.buffers, bn):
+            buf[...] = saved
+
     def _eval_pending(self) -> bool:
         return self.rank == 0 and (bool(self._snapshots) or self._eval_parts is not None)
 
@@ -510,9 +516,7 @@ class ParameterServer(Strategy):
             if not self._snapshots or any(r is not None for r in self._snapshots[0]["recvs"]):
                 return
             snap = self._snapshots[0]
-            self.packer.unpack(snap["flat"], [p.data for p in self.params])
-            for buf, saved in zip(self.buffers, snap["bn"]):
-                buf[...] = saved
+            self._load_master(snap["flat"], snap["bn"])
             # a training batch's worth at a time: the workers wait for no more than a forward
             self._eval_parts = self.ctx.evaluation_parts(self.model, self.ctx.cfg["data.batch_size"])
         try:
@@ -702,9 +706,7 @@ class ParameterServer(Strategy):
             for j in range(1, self.servers):
                 lo, hi = self._range(j)
                 comm.Recv(flat[lo:hi], source=j, tag=_SHARD)
-            self.packer.unpack(flat, [p.data for p in self.params])
-            for buf, saved in zip(self.buffers, self.master_bn):
-                buf[...] = saved
+            self._load_master(flat, self.master_bn)
             parts = self.ctx.evaluation_parts(self.model, 512)  # the workers wait anyway: large parts
             while result is None:
                 try:
