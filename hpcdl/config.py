@@ -55,11 +55,20 @@ class Key:
     also: tuple[Any, ...] = ()  # values allowed outside the bounds
     pattern: str = ""  # lists of strings: the regular expression every element matches
     pattern_doc: str = ""  # ... and how it reads, for the table and errors
+    or_list: bool = False  # a string of ``choices`` or a non-empty list of positive ``item``s
+
+    @property
+    def type_name(self) -> str:
+        """The type column of the README's table: ``str``, or ``str | list`` for ``or_list`` keys."""
+        return f"{self.type.__name__} | list" if self.or_list else self.type.__name__
 
     def bounds(self) -> str:
         """The allowed values in words, e.g. ``>= 2, or 0``, ``> 0``, ``>= 0, < 1``; '' if any."""
         if self.choices:
-            return " / ".join(map(str, self.choices))
+            text = " / ".join(map(str, self.choices))
+            if self.or_list and self.item is not None:
+                text += f", or a list of {_type_name(self.item).split()[-1]}s > 0"
+            return text
         parts = []
         if self.minimum is not None:
             parts.append(f">= {self.minimum:g}")
@@ -168,6 +177,43 @@ SCHEMA: dict[str, Key] = {
         choices=("none", "lr", "dc"),
     ),
     "parallel.dc_lambda": Key(float, 0.04, "ps dc: lambda of g + lambda g*g*(w_now - w_used)", minimum=0.0),
+    "pipeline.microbatches": Key(
+        int,
+        4,
+        "pipeline: microbatches of data.batch_size per step (m: the stages overlap on them)",
+        minimum=1,
+    ),
+    "pipeline.schedule": Key(
+        str,
+        "1f1b",
+        "pipeline: gpipe (all forwards, then all backwards) or 1f1b (at most p - s microbatches held "
+        "on stage s)",
+        choices=("gpipe", "1f1b"),
+    ),
+    "pipeline.balance": Key(
+        str,
+        "uniform",
+        "pipeline: top-level layers per stage [n1, ..., np], or the automatic contiguous partition "
+        "minimising the slowest stage by layer count, parameters, profiled time or output bytes",
+        choices=("uniform", "params", "time", "memory"),
+        item=int,
+        or_list=True,
+    ),
+    "pipeline.split": Key(
+        list,
+        [],
+        "pipeline: names of the top-level layers at which stages 1, 2, ... start (instead of "
+        "pipeline.balance)",
+        item=str,
+        pattern=r"[A-Za-z0-9_.]+",
+        pattern_doc="naming top-level layers",
+    ),
+    "pipeline.profile": Key(
+        str,
+        "",
+        'pipeline balance = "time": a run file made with profile.layers = true, or a TOML/CSV cost '
+        "table; empty: rank 0 profiles a few steps first",
+    ),
     "exchange.name": Key(
         str,
         "bucketed",
@@ -254,6 +300,14 @@ def _check(key: str, value: Any) -> Any:
     if spec is None:
         raise ConfigError(f"unknown config key {key!r}; nearest valid key: {_nearest(key)}")
     t = spec.type
+    if spec.or_list and isinstance(value, list):
+        ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)  # type: ignore[arg-type]
+        if not ok or not value:
+            raise ConfigError(
+                f"config key {key!r} expects one of {', '.join(map(repr, spec.choices))} or a non-empty "
+                f"list of positive {spec.item.__name__}s (got {value!r})"  # type: ignore[union-attr]
+            )
+        return value
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
@@ -264,8 +318,9 @@ def _check(key: str, value: Any) -> Any:
     if t is float and not math.isfinite(value):
         raise ConfigError(f"config key {key!r} expects a finite float (got {value!r})")
     if spec.choices and value not in spec.choices:
+        alt = f" or a list of positive {spec.item.__name__}s" if spec.or_list and spec.item else ""
         raise ConfigError(
-            f"config key {key!r} must be one of {', '.join(map(repr, spec.choices))} (got {value!r})"
+            f"config key {key!r} must be one of {', '.join(map(repr, spec.choices))}{alt} (got {value!r})"
         )
     also = "".join(f", or {v!r}" for v in spec.also)
     for bound, broken, text in ((spec.minimum, operator.lt, ">="), (spec.above, operator.le, ">"),
@@ -276,7 +331,7 @@ def _check(key: str, value: Any) -> Any:
         bad = [v for v in value if not isinstance(v, str) or not re.fullmatch(spec.pattern, v)]
         if bad:
             raise ConfigError(f"config key {key!r} expects strings {spec.pattern_doc} (got {bad[0]!r})")
-    elif spec.item is not None:
+    elif spec.item is not None and not spec.or_list:
         ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)
         if not ok or not value:
             raise ConfigError(
@@ -421,7 +476,7 @@ def markdown_table() -> str:
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for key, spec in SCHEMA.items():
         rows.append(
-            f"| `{key}` | {spec.type.__name__} | `{_toml_value(spec.default)}` | {spec.bounds() or 'any'} "
+            f"| `{key}` | {spec.type_name} | `{_toml_value(spec.default)}` | {spec.bounds() or 'any'} "
             f"| {spec.doc} |"
         )
     return "\n".join(rows)

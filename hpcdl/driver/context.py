@@ -109,6 +109,10 @@ class Context:
         x, y = gather_batch(self._data.x_train, self._data.y_train, indices, self.xp)
         return x.astype(self.dtype, copy=False), y
 
+    def labels(self, indices: Any) -> Any:
+        """Training labels at ``indices``, on the config's device (without gathering the samples)."""
+        return self.xp.asarray(self._data.y_train[np.asarray(indices)])
+
     def evaluate(self, model: Sequential, comm: Communicator) -> tuple[float, float]:
         """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
         return evaluate(model, self._data, comm, self.xp, self.dtype)

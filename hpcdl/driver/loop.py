@@ -271,7 +271,7 @@ class Trainer:
         self.history.append(row)
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
-        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s)
+        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s, stats.series)
 
     def _fail(self, message: str) -> NoReturn:
         """End the run on every rank alike (a non-finite loss): the file closed as failed, then raise.

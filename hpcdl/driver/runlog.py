@@ -57,11 +57,17 @@ class RunLog:
         # a row's lr is a data-parallel member's; its step time and bytes the slowest and busiest rank's
         self._member = next(r for r, p in enumerate(placement.ranks) if p.member >= 0)
         self._global_batch = placement.step_samples
-        self._series = series  # a free-running strategy's own per-rank series
+        self._series = series  # the strategy's own per-rank series (Strategy.rank_series)
         self._events = events if events is not None else []  # this rank's timeline, drained at writes
 
     def record(
-        self, row: dict[str, Any], compute_s: float, comm_s: float, exposed_s: float, other_s: float
+        self,
+        row: dict[str, Any],
+        compute_s: float,
+        comm_s: float,
+        exposed_s: float,
+        other_s: float,
+        series: dict[str, float] | None = None,
     ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
@@ -70,31 +76,33 @@ class RunLog:
         rank 0's row takes its ``lr`` from the first data-parallel member, its
         ``step_time`` (and ``samples_per_s``) from the slowest rank and its ``bytes_sent``
         from the rank that sent most (each rank's own are in its ``row``): rank 0 may read
-        no batches at all.
+        no batches at all. ``series``: this rank's values of the strategy's own per-rank
+        series for the step (a pipeline stage's bubble), into ``ranks/`` beside the times.
         """
         if self.runfile is not None:
             self._rows.append(row)
         own = (row["step_time"], float(row["bytes_sent"]), row["lr"])
-        self._times.append((compute_s, comm_s, exposed_s, other_s, *own))
+        extra = tuple((series or {}).get(name, math.nan) for name in self._series)
+        self._times.append((compute_s, comm_s, exposed_s, other_s, *own, *extra))
         if len(self._times) >= self.flush_every:
             self.flush()
 
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
-        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7)
+        mine = np.array(self._times, dtype=np.float64).reshape(-1, 7 + len(self._series))
         every, events = self._gather(mine)
         self._times = []
         if self.runfile is None:
             return
         self._write_events(events)
-        times = np.stack(every, axis=1)  # steps, ranks, 7
+        times = np.stack(every, axis=1)  # steps, ranks, 7 + series
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
         self._agreed_columns(times)
         self.runfile.append_rows(
             self._rows,
             {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
-             "other_time": other},
+             "other_time": other, **{name: times[..., 7 + i] for i, name in enumerate(self._series)}},
         )  # fmt: skip
         self._rows = []
 

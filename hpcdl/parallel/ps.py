@@ -71,6 +71,7 @@ from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel.ps_plan import ShardPlan, shard_plan, ssp_may_pull
 from hpcdl.parallel.strategy import (
     Agreement,
+    Batches,
     PhaseStats,
     Placement,
     RankPlace,
@@ -575,7 +576,7 @@ class ParameterServer(Strategy):
         self.replies = [_message(self.shards.nbytes(k), self.dtype) for k in range(self.servers)]
         self.push_reqs: list[Any] = [None] * self.servers
         self.v_pull = np.zeros(self.servers, dtype=np.int64)
-        self._batches: Any = None
+        self.batches = Batches(self.sampler)
 
     def _work(self, stop: Any) -> None:
         """One phase of a worker: pull, compute, push, until server 0 says the phase is over."""
@@ -609,7 +610,7 @@ class ParameterServer(Strategy):
                 self.v_pull[k] = int(head[_VERSION])
             self.packer.unpack(self.flat, [p.data for p in self.params])
             self._note["phase"] = "forward/backward"
-            indices = self._next_batch()
+            indices = self.batches.next()
             x, y = self.ctx.batch(indices)
             loss, correct = forward_backward(self.model, self.loss_fn, x, y)
             grads = self.packer.pack([p.grad for p in self.params])
@@ -634,14 +635,6 @@ class ParameterServer(Strategy):
             self.push_reqs[k] = self.comm.Isend(buf, dest=k, tag=_PUSH)
             self.bytes_sent += buf.nbytes
         self.clock += 1
-
-    def _next_batch(self) -> Any:
-        if self._batches is not None:
-            for _, indices in self._batches:
-                return indices
-        self._batches = iter(self.sampler)
-        _, indices = next(self._batches)
-        return indices
 
     # ========================================================================================
     # the driver's calls
@@ -755,7 +748,7 @@ class ParameterServer(Strategy):
         self.sampler.load_state(state.meta["sampler"])
         self.ctx.load_random_state(state.meta["random"])
         self.clock = int(state.meta["clock"])
-        self._batches = None
+        self.batches.restart()
 
     def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
         """Refuse shards of another size (another model or dtype).

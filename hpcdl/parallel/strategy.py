@@ -32,6 +32,7 @@ from hpcdl.errors import ConfigError
 __all__ = [
     "STRATEGIES",
     "Agreement",
+    "Batches",
     "PhaseStats",
     "Placement",
     "RankPlace",
@@ -47,6 +48,7 @@ __all__ = [
 STRATEGIES: dict[str, str] = {
     "sync": "hpcdl.parallel.sync:SyncDataParallel",
     "ps": "hpcdl.parallel.ps:ParameterServer",
+    "pipeline": "hpcdl.parallel.pipeline:Pipeline",
 }
 
 
@@ -67,6 +69,28 @@ def strategy_class(name: str) -> type[Strategy]:
         raise ConfigError(f"parallel.strategy = {name!r} is not a strategy; strategies: {known}")
     module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+class Batches:
+    """A sampler's batches one at a time, from one epoch into the next (the sampler keeps the
+    position, for resume: after its ``load_state``, call :meth:`restart`)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self._epoch: Any = None  # the rest of the sampler's current epoch
+
+    def next(self) -> Any:
+        """The indices of the next batch."""
+        if self._epoch is not None:
+            for _, indices in self._epoch:
+                return indices
+        self._epoch = iter(self.sampler)  # the rest of the current epoch, or the next one
+        _, indices = next(self._epoch)
+        return indices
+
+    def restart(self) -> None:
+        """Continue from where the sampler now stands."""
+        self._epoch = None
 
 
 # -- placement: what each rank does, as data ---------------------------------------------------
@@ -258,6 +282,8 @@ class StepStats:
         comm_s: seconds in communication.
         exposed_s: the part of ``comm_s`` that nothing overlapped (after backward).
         bytes_sent: bytes this rank has sent since the run began (a running total).
+        series: this rank's values of the strategy's own per-rank series
+            (:attr:`Strategy.rank_series`) for the step: a pipeline stage's bubble.
     """
 
     loss: float = float("nan")
@@ -267,6 +293,7 @@ class StepStats:
     comm_s: float = 0.0
     exposed_s: float = 0.0
     bytes_sent: int = 0
+    series: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -382,6 +409,10 @@ class RunContext(Protocol):
         """Training samples and labels at ``indices``, on the config's device and dtype."""
         ...
 
+    def labels(self, indices: Any) -> Any:
+        """Training labels at ``indices``, on the config's device (a last pipeline stage's)."""
+        ...
+
     def evaluate(self, model: Any, comm: Communicator) -> tuple[float, float]:
         """Test accuracy and loss of ``model``, the test set sharded over ``comm`` (collective)."""
         ...
@@ -423,7 +454,8 @@ class Strategy:
     #: driver calls :meth:`run_until` and :meth:`meet`, not :meth:`step` and :meth:`agree`;
     #: the strategy evaluates on its own schedule, and ``ranks/`` gets a row per meeting
     runs_free: ClassVar[bool] = False
-    #: a free-running strategy's own per-rank series (``ranks/``), from ``PhaseStats.series``
+    #: the strategy's own per-rank series (``ranks/``), from ``StepStats.series`` (a row per
+    #: step) or, running free, ``PhaseStats.series`` (a row per meeting)
     rank_series: ClassVar[tuple[str, ...]] = ()
     #: a free-running strategy: the rank whose clock times the steps (``PhaseStats.ended``)
     row_rank: ClassVar[int] = 0

@@ -24,6 +24,7 @@ from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.strategy import (
     Agreement,
+    Batches,
     Placement,
     RankPlace,
     RankState,
@@ -63,14 +64,14 @@ class SyncDataParallel(Strategy):
         if ctx.cfg["log.trace"] and hasattr(self.exchange, "tracer"):
             self.exchange.tracer = ctx.trace  # the buckets' pack, wait and unpack on the timeline
         self.loss_fn = SoftmaxCrossEntropy()
-        self._batches: Any = None  # the rest of the sampler's current epoch
+        self.batches = Batches(self.sampler)
         self._agree = np.zeros(8)
         self._note = notes()  # what this rank does, for the stall watchdog's reports
 
     # -- a step ------------------------------------------------------------------------------
     def step(self, step: int) -> StepStats:
         """Batch -> forward/backward per micro-step (buckets summed during backward) -> exchange -> update."""
-        indices = self._next_batch()
+        indices = self.batches.next()
         self.optimizer.lr = self.lr(step)
         comm_before, exposed_before = self.exchange.comm_time, self.exchange.exposed_time
         loss, correct = 0.0, 0
@@ -95,15 +96,6 @@ class SyncDataParallel(Strategy):
             exposed_s=self.exchange.exposed_time - exposed_before,
             bytes_sent=self.exchange.bytes_sent,
         )
-
-    def _next_batch(self) -> Any:
-        """This rank's indices of the next batch (the sampler keeps the position, for resume)."""
-        if self._batches is not None:
-            for _, indices in self._batches:
-                return indices
-        self._batches = iter(self.sampler)  # the rest of the current epoch, or the next one
-        _, indices = next(self._batches)
-        return indices
 
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
@@ -151,7 +143,7 @@ class SyncDataParallel(Strategy):
         self.exchange.bytes_sent = int(counters["bytes_sent"])
         self.exchange.comm_time = float(counters["comm_time"])
         self.exchange.exposed_time = float(counters["exposed_time"])
-        self._batches = None
+        self.batches.restart()
 
     def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
         """Refuse a model with other parameters (names or shapes) than this one's.

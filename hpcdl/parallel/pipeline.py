@@ -1,0 +1,542 @@
+"""``parallel.strategy = "pipeline"``: the model cut into stages, microbatches through a schedule.
+
+Rank s of p holds stage s: a contiguous run of the model's top-level layers (a residual
+block is one), chosen by ``[pipeline]`` (:func:`stage_partition`: counts, split points or an
+automatic balance). A step is ``pipeline.microbatches = m`` microbatches of
+``data.batch_size`` each — the samples one process takes with ``exchange.accumulate = m``,
+its reference. Stage 0 reads the inputs, the last stage the labels and the loss; each
+stage runs its operations in the order the schedule gives (:mod:`hpcdl.parallel.pipe_plan`:
+GPipe or 1F1B), receiving a forward's input from stage s - 1 and a backward's output
+gradient from stage s + 1. Receives are posted two operations ahead and sends are
+nonblocking, so transfers overlap compute. Each forward keeps its layers' cache (the
+call's state, :meth:`hpcdl.nn.Layer.save_cache`) until its backward. The gradients of the
+m microbatches are summed, then averaged (as the accumulating exchange does), and each
+stage updates its own slice. BatchNorm uses each microbatch's statistics, as under
+accumulation.
+
+Per step each stage records its bubble (the part of the schedule's span it spent not
+computing), the most activation bytes it held and the most microbatches in flight
+(``ranks/``); with ``log.trace`` every forward, backward, send and receive goes to
+``trace/``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module, get_array_module, to_numpy
+from hpcdl.comm import notes, waitall, wtime
+from hpcdl.errors import ConfigError
+from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.parallel import make_exchange
+from hpcdl.parallel.pipe_plan import LayerInfo, Op, Partition, Schedule, partition, schedule
+from hpcdl.parallel.strategy import (
+    Agreement,
+    Batches,
+    Placement,
+    RankPlace,
+    RankState,
+    RunContext,
+    StepStats,
+    Strategy,
+)
+from hpcdl.parallel.sync import mean_over_members
+
+__all__ = ["Pipeline", "layer_infos", "profile_costs", "stage_partition"]
+
+#: steps rank 0 profiles for ``balance = "time"`` when ``pipeline.profile`` is empty
+PROFILE_STEPS = 3
+#: receives are posted for the operations this many ahead of the one running
+LOOKAHEAD = 2
+#: test images per evaluation message (the driver's evaluation batch)
+EVAL_BATCH = 512
+
+
+# -- the partition: what each stage holds ------------------------------------------------------
+
+
+def layer_infos(
+    model: Sequential,
+    input_shape: Sequence[int],
+    batch: int,
+    costs: dict[str, Any] | None = None,
+) -> list[LayerInfo]:
+    """What the partitioner knows of each top-level layer: parameters, output bytes at ``batch``
+    samples (one sample forward, in evaluation mode), and ``costs``' times scaled to ``batch``.
+
+    Args:
+        model: the whole model.
+        input_shape: one sample's shape.
+        batch: samples per microbatch.
+        costs: layer name -> :class:`hpcdl.sim.compute.LayerCost` (a cost table), or None.
+    """
+    first = model.parameters()[0].data  # a model has parameters; a stage may not
+    x = get_array_module(first).zeros((1, *input_shape), dtype=first.dtype)
+    training = model.training
+    model.eval()
+    infos = []
+    try:
+        for name, layer in zip(model._children, model.layers, strict=True):
+            x = layer.forward(x)
+            fwd = bwd = 0.0
+            cost = (costs or {}).get(name)
+            if cost is not None:
+                scale = batch / cost.batch if cost.batch else 1.0
+                fwd, bwd = cost.forward_s * scale, cost.backward_s * scale
+            params = sum(int(p.size) for p in layer.parameters())
+            infos.append(LayerInfo(name, params, fwd, bwd, int(x.nbytes) * batch))
+    finally:
+        model.train(training)
+    return infos
+
+
+def profile_costs(model: Sequential, x: Any, y: Any, steps: int = PROFILE_STEPS) -> dict[str, Any]:
+    """Per top-level layer, the median forward and backward time over ``steps`` steps on ``(x, y)``.
+
+    Run on a model of its own (its gradients, BatchNorm statistics and dropout draws are
+    spent): the costs ``balance = "time"`` partitions by when no profile is given.
+    """
+    from hpcdl.sim.compute import LayerCost  # noqa: PLC0415 (the simulator's row type, no simulator)
+
+    profiler = LayerProfiler()
+    loss_fn = SoftmaxCrossEntropy()
+    with observe(profiler):
+        for _ in range(steps):
+            loss_fn.forward(model.forward(x), y)
+            model.backward(loss_fn.backward())
+    batch = int(x.shape[0])
+    return {row["layer"]: LayerCost(row["forward_s"], row["backward_s"], batch) for row in profiler.table()}
+
+
+def stage_partition(
+    cfg: Any, model: Sequential, stages: int, input_shape: Sequence[int], sample: Callable[[], Any] | None
+) -> Partition:
+    """The partition ``[pipeline]`` describes for ``stages`` stages of ``model`` (pure but for profiling).
+
+    ``pipeline.split`` (names) when given, else ``pipeline.balance`` (counts or a method).
+    ``balance = "time"`` takes its costs from ``pipeline.profile`` (a run file's ``profile/``
+    or a cost table) or, when that is empty, profiles :data:`PROFILE_STEPS` steps of a
+    microbatch ``sample()`` returns (``(model, x, y)``: a model of its own).
+
+    Raises:
+        ConfigError: the description does not fit the model (one line naming it).
+    """
+    balance, split = cfg["pipeline.balance"], cfg["pipeline.split"]
+    if split and balance != "uniform":
+        raise ConfigError(
+            f"pipeline.split = {split} and pipeline.balance = {balance!r} both describe the partition: "
+            "give one"
+        )
+    batch = cfg["data.batch_size"]
+    costs = None
+    if cfg["pipeline.profile"]:
+        from hpcdl.sim.compute import load_cost_table  # noqa: PLC0415
+
+        costs = load_cost_table(cfg["pipeline.profile"])
+    elif balance == "time" and not split and sample is not None:
+        costs = profile_costs(*sample())
+    infos = layer_infos(model, input_shape, batch, costs)
+    if balance == "time" and costs is not None and not split:
+        missing = [x.name for x in infos if x.name not in costs]
+        if missing:
+            raise ConfigError(
+                f"pipeline.profile {cfg['pipeline.profile']} has no row for layer {missing[0]!r}: "
+                "profile this model (a run with profile.layers = true)"
+            )
+    if split:
+        return partition(infos, stages, split=split)
+    return partition(infos, stages, balance=balance)
+
+
+# -- the strategy --------------------------------------------------------------------------------
+
+
+class Pipeline(Strategy):
+    """Pipeline parallel (GPipe, 1F1B): one stage per rank, m microbatches per step.
+
+    Args:
+        ctx: the driver's run context.
+
+    Raises:
+        ConfigError: the partition does not fit the model (on every rank alike).
+    """
+
+    name = "pipeline"
+    rank_series = ("bubble", "activation_bytes", "in_flight")
+
+    @classmethod
+    def plan(cls, cfg: Any, world: int) -> Placement:
+        """Rank s is stage s and holds it; every stage follows the one stream of batches (member 0).
+
+        Raises:
+            ConfigError: ``exchange.accumulate`` set (a pipeline's microbatches are its own).
+        """
+        if cfg["exchange.accumulate"] != 1:
+            raise ConfigError(
+                f"exchange.accumulate = {cfg['exchange.accumulate']} is sync's; a pipeline accumulates "
+                "over its microbatches: set pipeline.microbatches instead"
+            )
+        m = cfg["pipeline.microbatches"]
+        sched = schedule(cfg["pipeline.schedule"], world, m)
+        ranks = tuple(RankPlace(f"stage {s}", f"stage {s}", 0) for s in range(world))
+        peaks = sched.in_flight()
+        notes_ = (
+            f"schedule {sched.name}, {m} microbatch{'es' * (m > 1)} of {cfg['data.batch_size']}; "
+            f"most microbatches held per stage: {peaks}",
+            str(sched),
+        )
+        return Placement(cls.name, ranks, cfg["data.batch_size"], m, notes=notes_)
+
+    @classmethod
+    def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
+        """The partition (``--plan``): stage, layers, parameters, times, bytes sent on."""
+        from hpcdl.driver.factory import load_data  # noqa: PLC0415 (the driver's, for the sample's shape)
+
+        data = load_data(cfg)
+        whole = model()
+        batch = cfg["data.batch_size"]
+
+        def sample() -> tuple[Sequential, Any, Any]:
+            x = np.asarray(data.x_train[:batch], dtype=cfg["dtype"])
+            return model(), x, np.asarray(data.y_train[:batch])
+
+        return [stage_partition(cfg, whole, placement.world, data.input_shape, sample).table()]
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.comm = ctx.comm.Dup()  # its own messages: tags cannot meet the driver's collectives
+        self.p, self.s = self.comm.Get_size(), self.comm.Get_rank()
+        self.xp, self.dtype = array_module(ctx.cfg["device"]), np.dtype(ctx.cfg["dtype"])
+        self.first, self.last = self.s == 0, self.s == self.p - 1
+        self.m = ctx.placement.micro_steps
+        self.schedule: Schedule = schedule(ctx.cfg["pipeline.schedule"], self.p, self.m)
+        self.ops: tuple[Op, ...] = self.schedule.stages[self.s]
+        whole: Sequential = ctx.build_model()
+        self.partition = self._agree_partition(whole)
+        start = sum(self.partition.balance[: self.s])
+        self.model: Sequential = whole[start : start + self.partition.balance[self.s]]
+        self.batch = ctx.placement.batch_size
+        self.in_shape, self.out_shape = self._boundary_shapes(whole, start)
+        del whole  # the other stages' layers are freed
+        if not self.first:  # the model's first layers skip their input gradient: here one is sent back
+            for layer in self.model:
+                layer.needs_input_grad = True
+        self.sampler = ctx.sampler(0)
+        self.batches = Batches(self.sampler)
+        self.lr = ctx.schedule()
+        params = self.model.parameters()
+        self.optimizer = ctx.optimizer(params) if params else None  # a stage of ReLUs has nothing to update
+        # sums the microbatches' gradients and averages them (the accumulating exchange's rule);
+        # over one rank here, over a stage's replicas when they come
+        self.replicas = self.comm.Split(self.s, 0)  # the stage's replicas: itself alone here
+        self.exchange = make_exchange("allreduce", self.replicas, self.model.parameters())
+        self.loss_fn = SoftmaxCrossEntropy()
+        self.tracing = bool(ctx.cfg["log.trace"])
+        self.bytes_sent = 0
+        self._agree = np.zeros(8)
+        self._note = notes()
+
+    # -- building ----------------------------------------------------------------------------
+    def _agree_partition(self, whole: Sequential) -> Partition:
+        """Rank 0 works the partition out (it may profile) and every rank takes it, or its error."""
+        outcome: tuple[str, Any] | None = None
+        if self.s == 0:
+            cfg, data = self.ctx.cfg, self.ctx.data()
+
+            def sample() -> tuple[Sequential, Any, Any]:
+                x, y = self.ctx.batch(np.arange(self.ctx.placement.batch_size))
+                streams = self.ctx.random_state()  # a model of its own: the run's dropout draws stay
+                model = self.ctx.build_model()
+                self.ctx.load_random_state(streams)
+                return model, x, y
+
+            try:
+                outcome = ("ok", stage_partition(cfg, whole, self.p, data.input_shape, sample))
+            except ConfigError as err:
+                outcome = ("error", str(err))
+        kind, value = self.comm.bcast(outcome, root=0)
+        if kind == "error":
+            raise ConfigError(value)
+        return value
+
+    def _boundary_shapes(self, whole: Sequential, start: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of a microbatch's input to this stage and of its output (one sample forward)."""
+        x = self.xp.zeros((1, *self.ctx.data().input_shape), dtype=self.dtype)
+        shapes = [tuple(x.shape[1:])]
+        whole.eval()
+        try:
+            for layer in whole.layers[: start + len(self.model)]:
+                x = layer.forward(x)
+                shapes.append(tuple(x.shape[1:]))
+        finally:
+            whole.train()
+        return (self.batch, *shapes[start]), (self.batch, *shapes[-1])
+
+    # -- a step ------------------------------------------------------------------------------
+    def step(self, step: int) -> StepStats:
+        """This stage's operations of the schedule on the step's m microbatches, then its update."""
+        indices = self.batches.next()
+        parts = np.split(indices, self.m)
+        lr = self.lr(step)
+        run = _StepRun(self, parts)
+        t_start = wtime()
+        for i, op in enumerate(self.ops):
+            run.post(i + LOOKAHEAD)
+            if op.kind == "F":
+                run.forward(op.microbatch)
+            else:
+                run.backward(op.microbatch, last=i == len(self.ops) - 1)
+            if self.tracing:
+                run.poll_sends()
+        t_ops = wtime()
+        run.finish_sends()
+        self._note["phase"] = "update"
+        self.exchange.exchange()  # the sum over microbatches, averaged
+        if self.optimizer is not None:
+            self.optimizer.lr = lr
+            self.optimizer.step()
+        span = t_ops - t_start
+        return StepStats(
+            loss=run.loss / self.m if self.last else math.nan,
+            correct=run.correct,
+            samples=len(indices) if self.last else 0,
+            lr=lr,
+            comm_s=run.comm_s,
+            exposed_s=run.comm_s,
+            bytes_sent=self.bytes_sent,
+            series={
+                "bubble": 1.0 - run.busy_s / span if span > 0 else 0.0,
+                "activation_bytes": float(run.peak_bytes),
+                "in_flight": float(run.peak_held),
+            },
+        )
+
+    # -- meetings ----------------------------------------------------------------------------
+    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
+        """The last stage's loss and batch accuracy, and the stop votes: one allreduce."""
+        return mean_over_members(self.ctx.comm, stats, stop, 1, self._agree)
+
+    def evaluate(self) -> tuple[float, float]:
+        """The whole test set through the stages, ``EVAL_BATCH`` images a message; the last
+        stage's accuracy and loss on every rank (collective)."""
+        data, xp, dtype = self.ctx.data(), self.xp, self.dtype
+        loss_fn = SoftmaxCrossEntropy()
+        n = len(data.y_test)
+        correct, loss_sum = 0, 0.0
+        self.model.eval()
+        try:
+            for start in range(0, n, EVAL_BATCH):
+                count = min(EVAL_BATCH, n - start)
+                if self.first:
+                    x = xp.asarray(data.x_test[start : start + count], dtype=dtype)
+                else:
+                    x = xp.empty((count, *self.in_shape[1:]), dtype=dtype)
+                    self.comm.Recv(x, source=self.s - 1, tag=_EVAL)
+                y = self.model.forward(x)
+                if not self.last:
+                    self.comm.Send(np.ascontiguousarray(y), dest=self.s + 1, tag=_EVAL)
+                    continue
+                labels = xp.asarray(data.y_test[start : start + count])
+                loss_sum += loss_fn.forward(y, labels) * count
+                correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
+        finally:
+            self.model.train()
+        result = (correct / max(1, n), loss_sum / max(1, n)) if self.last else None
+        acc, loss = self.comm.bcast(result, root=self.p - 1)
+        return float(acc), float(loss)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state(self, pieces: bool) -> RankState:
+        """This stage's slice and optimizer state (its piece), BatchNorm statistics, streams, counters."""
+        part = RankState(
+            arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
+            meta={"random": self.ctx.random_state(), "sampler": self.sampler.state(),
+                  "pipeline": {"bytes_sent": self.bytes_sent, "balance": list(self.partition.balance)}},
+        )  # fmt: skip
+        if pieces:
+            opt = self.optimizer.state_dict() if self.optimizer is not None else {}
+            part.pieces[f"stage {self.s}"] = {
+                "params": {name: to_numpy(p.data).copy() for name, p in self.model.named_parameters()},
+                "optimizer": {k: v for k, v in opt.items() if isinstance(v, np.ndarray)},
+                "meta": {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}},
+            }
+        return part
+
+    def load_state(self, state: RankState) -> None:
+        """Put the stage, its optimizer, the sampler position, the streams and counters back.
+
+        Raises:
+            ConfigError: the checkpoint's stage holds other layers than this one.
+        """
+        self.check_state(state.pieces)
+        piece = state.pieces[f"stage {self.s}"]
+        self.model.load_state_dict({**piece["params"], **state.arrays})
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict({**piece["meta"]["optimizer"], **piece["optimizer"]})
+        self.sampler.load_state(state.meta["sampler"])
+        self.ctx.load_random_state(state.meta["random"])
+        self.bytes_sent = int(state.meta["pipeline"]["bytes_sent"])
+        self.batches.restart()
+
+    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
+        """Refuse a checkpoint whose stage holds other parameters (another partition or model).
+
+        Raises:
+            ConfigError: naming up to three parameters that differ.
+        """
+        mine = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        piece = pieces.get(f"stage {self.s}", {}).get("params", {})
+        theirs = {name: tuple(a.shape) for name, a in piece.items()}
+        if mine != theirs:
+            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise ConfigError(
+                f"its stage {self.s} holds other layers (another partition or model; parameters differ: "
+                f"{diff} ...)"
+            )
+
+    def close(self) -> None:
+        """Free the communicators it made (collective)."""
+        self.replicas.Free()
+        self.comm.Free()
+
+
+#: tag of evaluation messages (training's: 2k for microbatch k's activations, 2k + 1 for its gradient)
+_EVAL = 2**15 - 1
+
+
+class _StepRun:
+    """One step of one stage: the microbatches' caches, receives in flight, sends, the tallies."""
+
+    def __init__(self, pipe: Pipeline, parts: list[np.ndarray]) -> None:
+        self.pipe, self.parts = pipe, parts
+        self.caches: dict[int, tuple[dict[str, Any], int]] = {}  # microbatch -> (cache, bytes)
+        self.grads: dict[int, Any] = {}  # the last stage: the loss gradient of each microbatch
+        self.recvs: dict[tuple[str, int], tuple[Any, Any, float]] = {}  # (kind, k) -> request, buffer, posted
+        self.sends: list[tuple[Any, Any, float, int]] = []  # (request, buffer, posted, microbatch)
+        self.posted = 0  # operations whose receive is posted
+        self.loss, self.correct = 0.0, 0
+        self.busy_s = self.comm_s = 0.0
+        self.held_bytes = self.peak_bytes = self.held = self.peak_held = 0
+        self.xp, self.dtype = pipe.xp, pipe.dtype
+
+    def post(self, upto: int) -> None:
+        """Post the receives of the operations before index ``upto`` not yet posted."""
+        pipe = self.pipe
+        while self.posted < min(upto, len(pipe.ops)):
+            op = pipe.ops[self.posted]
+            self.posted += 1
+            if op.kind == "F" and not pipe.first:
+                buf = self.xp.empty(pipe.in_shape, dtype=self.dtype)
+                req = pipe.comm.Irecv(buf, source=pipe.s - 1, tag=2 * op.microbatch)
+            elif op.kind == "B" and not pipe.last:
+                buf = self.xp.empty(pipe.out_shape, dtype=self.dtype)
+                req = pipe.comm.Irecv(buf, source=pipe.s + 1, tag=2 * op.microbatch + 1)
+            else:
+                continue
+            self.recvs[(op.kind, op.microbatch)] = (req, buf, wtime())
+
+    def received(self, kind: str, k: int) -> Any:
+        """The buffer of a posted receive, once it has arrived (the wait is communication)."""
+        req, buf, posted = self.recvs.pop((kind, k))
+        t0 = wtime()
+        req.Wait()
+        t1 = wtime()
+        self.comm_s += t1 - t0
+        if self.pipe.tracing:
+            self.pipe.ctx.trace("recv", t0, t1, k)  # the part of the transfer it waited for
+        return buf
+
+    def send(self, y: Any, dest: int, tag: int, k: int) -> None:
+        buf = y if y.flags.c_contiguous else self.xp.ascontiguousarray(y)
+        self.sends.append((self.pipe.comm.Isend(buf, dest=dest, tag=tag), buf, wtime(), k))
+        self.pipe.bytes_sent += int(buf.nbytes)
+
+    def forward(self, k: int) -> None:
+        pipe = self.pipe
+        if pipe.first:
+            x = pipe.ctx.batch(self.parts[k])[0]
+        else:
+            x = self.received("F", k)
+        pipe._note["phase"] = f"forward {k}"
+        t0 = wtime()
+        y = pipe.model.forward(x)
+        if pipe.last:
+            labels = pipe.ctx.labels(self.parts[k])
+            self.loss += pipe.loss_fn.forward(y, labels)
+            self.correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
+            self.grads[k] = pipe.loss_fn.backward()
+        t1 = wtime()
+        self.busy_s += t1 - t0
+        if pipe.tracing:
+            pipe.ctx.trace("forward", t0, t1, k)
+        cache = pipe.model.save_cache()
+        size = _nbytes(cache)
+        self.caches[k] = (cache, size)
+        self.held += 1
+        self.held_bytes += size
+        self.peak_held = max(self.peak_held, self.held)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        if not pipe.last:
+            self.send(y, pipe.s + 1, 2 * k, k)
+
+    def backward(self, k: int, last: bool) -> None:
+        pipe = self.pipe
+        gy = self.grads.pop(k) if pipe.last else self.received("B", k)
+        cache, size = self.caches.pop(k)
+        pipe._note["phase"] = f"backward {k}"
+        t0 = wtime()
+        pipe.model.load_cache(cache)
+        gx = pipe.model.backward(gy)
+        t1 = wtime()
+        self.busy_s += t1 - t0
+        if pipe.tracing:
+            pipe.ctx.trace("backward", t0, t1, k)
+        self.held -= 1
+        self.held_bytes -= size
+        if not last:
+            pipe.exchange.accumulate()  # layers overwrite .grad: the sum is kept there
+        if not pipe.first:
+            self.send(gx, pipe.s - 1, 2 * k + 1, k)
+
+    def poll_sends(self) -> None:
+        """Trace the sends that have completed (``log.trace``)."""
+        pending = []
+        for req, buf, posted, k in self.sends:
+            if req.Test():
+                self.pipe.ctx.trace("send", posted, wtime(), k)
+            else:
+                pending.append((req, buf, posted, k))
+        self.sends = pending
+
+    def finish_sends(self) -> None:
+        t0 = wtime()
+        waitall([req for req, *_ in self.sends])
+        t1 = wtime()
+        self.comm_s += t1 - t0
+        if self.pipe.tracing:
+            for _, _, posted, k in self.sends:
+                self.pipe.ctx.trace("send", posted, t1, k)
+        self.sends = []
+
+
+def _nbytes(cache: Any) -> int:
+    """Bytes of the arrays a forward's cache holds (each buffer once: views count as their base)."""
+    seen: dict[int, int] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+        elif hasattr(value, "nbytes") and hasattr(value, "shape"):
+            base = value.base if getattr(value, "base", None) is not None else value
+            seen[id(base)] = int(base.nbytes)
+
+    walk(cache)
+    return sum(seen.values())
