@@ -14,10 +14,10 @@ m microbatches are summed, then averaged (as the accumulating exchange does), an
 stage updates its own slice. BatchNorm uses each microbatch's statistics, as under
 accumulation.
 
-Per step each stage records its bubble (the part of the schedule's span it spent not
-computing), the most activation bytes it held and the most microbatches in flight
-(``ranks/``); with ``log.trace`` every forward, backward, send and receive goes to
-``trace/``.
+Per step each stage records its bubble (the part of the step's makespan it spent not
+computing: GPipe's and 1F1B's ``(p - 1) / (m + p - 1)`` with equal stage costs), its compute
+time, the most activation bytes it held and the most microbatches in flight (``ranks/``);
+with ``log.trace`` every forward, backward, send and receive goes to ``trace/``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, get_array_module, to_numpy
 from hpcdl.comm import notes, waitall, wtime
 from hpcdl.errors import ConfigError
@@ -166,7 +167,7 @@ class Pipeline(Strategy):
     """
 
     name = "pipeline"
-    rank_series = ("bubble", "activation_bytes", "in_flight")
+    rank_series = ("bubble", "busy_time", "activation_bytes", "in_flight")
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
@@ -309,7 +310,8 @@ class Pipeline(Strategy):
             exposed_s=run.comm_s,
             bytes_sent=self.bytes_sent,
             series={
-                "bubble": 1.0 - run.busy_s / span if span > 0 else 0.0,
+                "span": span,  # the meeting turns it into the bubble
+                "busy_time": run.busy_s,
                 "activation_bytes": float(run.peak_bytes),
                 "in_flight": float(run.peak_held),
             },
@@ -317,7 +319,14 @@ class Pipeline(Strategy):
 
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
-        """The last stage's loss and batch accuracy, and the stop votes: one allreduce."""
+        """The last stage's loss and batch accuracy, and the stop votes: one allreduce; then each
+        stage's bubble, ``1 - busy / makespan``, the makespan being the longest stage's span
+        from the step's start to its last operation's end (a second, MAX, allreduce)."""
+        spans = np.array([s.series.pop("span") for s in stats])
+        makespans = np.empty_like(spans)
+        self.ctx.comm.Allreduce(spans, makespans, op=ops.MAX)
+        for s, makespan in zip(stats, makespans):
+            s.series["bubble"] = 1.0 - s.series["busy_time"] / makespan if makespan > 0 else 0.0
         return mean_over_members(self.ctx.comm, stats, stop, 1, self._agree)
 
     def evaluate(self) -> tuple[float, float]:
