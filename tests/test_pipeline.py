@@ -264,3 +264,15 @@ def test_the_command_line_exits_2_with_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "pipeline.split names 'nope'" in proc.stderr
+
+
+def test_a_profiled_pipeline_run_profiles_every_stage_and_feeds_the_time_balance(tmp_path: Path) -> None:
+    """``profile.layers``: each stage profiles its own layers; the run file holds them all, in order."""
+    out = tmp_path / "profiled.h5"
+    sim(3, pipe("train.steps=2", "profile.layers=true"), out=out, compute="measured")
+    with h5py.File(out) as f:
+        names = [n.decode() for n in f["profile/layer"][...]]
+    assert names == [str(i) for i in range(LAYERS)]
+    got = sim(3, pipe("train.steps=1", "pipeline.balance=time", f"pipeline.profile={out}"))
+    assert sum(got[0].strategy.partition.balance) == LAYERS
+    assert all(x.forward_s > 0 for x in got[0].strategy.partition.layers)

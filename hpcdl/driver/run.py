@@ -186,7 +186,7 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
     train_s = ctx.comm.allreduce(counters.train_s, op=ops.MAX)  # the slowest rank's: rank 0 may read no batch
     rate = ctx.placement.step_samples * trainer.step / train_s if train_s > 0 else math.nan
     runfile = trainer.log.runfile
-    profile = trainer.profiler.table() if trainer.profiler is not None else None
+    profile = _profile(ctx.comm, trainer.profiler)
     if runfile is not None and profile is not None:
         runfile.write_profile(profile)
     acc, loss = trainer.accuracy
@@ -207,6 +207,21 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
         profile=profile,
         run_file=run_path, checkpoint=ckpt_path, stopped_by=trainer.stopped_by,
     )  # fmt: skip
+
+
+def _profile(comm: Communicator, profiler: LayerProfiler | None) -> list[dict[str, Any]] | None:
+    """The per-layer profile: rank 0's rows, then the layers only other ranks ran (a pipeline's
+    later stages), in rank order (collective when profiling)."""
+    if profiler is None:
+        return None
+    tables = comm.gather(profiler.table(), root=0)
+    if tables is None:
+        return profiler.table()
+    rows: dict[str, dict[str, Any]] = {}
+    for table in tables:
+        for row in table:
+            rows.setdefault(row["layer"], row)
+    return list(rows.values())
 
 
 def _checkpoint(trainer: Trainer, run_path: Path | None, step: int) -> Path | None:
