@@ -59,8 +59,8 @@ class Key:
 
     @property
     def type_name(self) -> str:
-        """The type column of the README's table: ``str``, or ``str | list`` for ``or_list`` keys."""
-        return f"{self.type.__name__} | list" if self.or_list else self.type.__name__
+        """The type column of the README's table: ``str``, or ``str or list`` for ``or_list`` keys."""
+        return f"{self.type.__name__} or list" if self.or_list else self.type.__name__
 
     def bounds(self) -> str:
         """The allowed values in words, e.g. ``>= 2, or 0``, ``> 0``, ``>= 0, < 1``; '' if any."""

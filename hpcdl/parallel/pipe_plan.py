@@ -301,15 +301,13 @@ class Partition:
             f"{'sends bytes':>13}",
         ]
         stages = self.stages
+        timed = any(x.forward_s or x.backward_s for x in self.layers)  # else "-": not profiled
         for s, layers in enumerate(stages):
             names = layers[0].name if len(layers) == 1 else f"{layers[0].name} .. {layers[-1].name}"
             sent = layers[-1].output_bytes if s < len(stages) - 1 else 0
-            lines.append(
-                f"{s:<7}{names:<24}{sum(x.params for x in layers):>12,}"
-                f"{1e3 * sum(x.forward_s for x in layers):>12.3f}"
-                f"{1e3 * sum(x.backward_s for x in layers):>13.3f}"
-                f"{sent:>13,}"
-            )
+            fwd = f"{1e3 * sum(x.forward_s for x in layers):>12.3f}" if timed else f"{'-':>12}"
+            bwd = f"{1e3 * sum(x.backward_s for x in layers):>13.3f}" if timed else f"{'-':>13}"
+            lines.append(f"{s:<7}{names:<24}{sum(x.params for x in layers):>12,}{fwd}{bwd}{sent:>13,}")
         return "\n".join(lines)
 
 

@@ -96,7 +96,8 @@ def layer_infos(
 
 
 def profile_costs(model: Sequential, x: Any, y: Any, steps: int = PROFILE_STEPS) -> dict[str, Any]:
-    """Per top-level layer, the median forward and backward time over ``steps`` steps on ``(x, y)``.
+    """Per top-level layer, the median forward and backward time over ``steps`` steps on ``(x, y)``
+    after one warm-up step.
 
     Run on a model of its own (its gradients, BatchNorm statistics and dropout draws are
     spent): the costs ``balance = "time"`` partitions by when no profile is given.
@@ -105,6 +106,8 @@ def profile_costs(model: Sequential, x: Any, y: Any, steps: int = PROFILE_STEPS)
 
     profiler = LayerProfiler()
     loss_fn = SoftmaxCrossEntropy()
+    loss_fn.forward(model.forward(x), y)  # a warm-up step: first touches of memory, not timed
+    model.backward(loss_fn.backward())
     with observe(profiler):
         for _ in range(steps):
             loss_fn.forward(model.forward(x), y)
