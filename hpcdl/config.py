@@ -186,9 +186,16 @@ SCHEMA: dict[str, Key] = {
     "pipeline.schedule": Key(
         str,
         "1f1b",
-        "pipeline: gpipe (all forwards, then all backwards) or 1f1b (at most p - s microbatches held "
-        "on stage s)",
-        choices=("gpipe", "1f1b"),
+        "pipeline: gpipe (all forwards, then all backwards), 1f1b (at most p - s microbatches held "
+        "on stage s) or interleaved (1F1B over pipeline.virtual_stages chunks per stage)",
+        choices=("gpipe", "1f1b", "interleaved"),
+    ),
+    "pipeline.virtual_stages": Key(
+        int,
+        1,
+        "pipeline interleaved: model chunks per stage (v >= 2; stage s holds virtual stages s, s + p, ...; "
+        "pipeline.microbatches a multiple of p)",
+        minimum=1,
     ),
     "pipeline.balance": Key(
         str,

@@ -13,6 +13,7 @@ from hpcdl.parallel.pipe_plan import (
     balance_by_cost,
     bubble_fraction,
     gpipe,
+    interleaved,
     one_f_one_b,
     partition,
     schedule,
@@ -65,6 +66,45 @@ def test_equal_costs_give_the_closed_form_bubble_and_1f1b_holds_at_most_p_microb
     assert one_f_one_b(p, m).in_flight() == [min(p - s, m) for s in range(p)]
 
 
+def test_interleaved_goes_through_the_chunks_in_groups_of_p() -> None:
+    """Megatron-LM's order: forwards of chunk 0 for microbatches 0..p-1, then chunk 1 for them,
+    ...; backwards with the chunks reversed; stage s warms up with 2 (p - s - 1) + (v - 1) p."""
+    assert str(interleaved(2, 4, 2)) == (
+        "stage 0: F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0\n"
+        "stage 1: F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"
+    )
+    assert str(interleaved(2, 2, 2)) == (  # m = p: every forward first
+        "stage 0: F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0\nstage 1: F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0"
+    )
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (2, 6, 3), (3, 6, 2), (4, 4, 2), (4, 8, 2),
+                                           (4, 16, 4), (8, 8, 2), (8, 32, 3)])  # fmt: skip
+def test_interleaved_runs_every_chunk_and_microbatch_once_without_deadlock_and_shrinks_the_bubble(
+    p: int, m: int, v: int
+) -> None:
+    plan = interleaved(p, m, v)
+    for ops in plan.stages:
+        pairs = [(op.kind, op.chunk, op.microbatch) for op in ops]
+        assert sorted(pairs) == sorted((kind, c, k) for kind in "FB" for c in range(v) for k in range(m))
+        for c in range(v):
+            for k in range(m):
+                assert pairs.index(("F", c, k)) < pairs.index(("B", c, k))
+    timeline = simulate(plan, [1.0 / v] * (p * v), [2.0 / v] * (p * v))  # the same model cut finer
+    for s in range(p):
+        assert timeline.bubble(s) == pytest.approx(bubble_fraction(p, m, v), rel=1e-9)
+    assert bubble_fraction(p, m, v) < bubble_fraction(p, m)
+
+
+def test_interleaving_that_does_not_fit_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="a multiple of the 4 stages"):
+        schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ConfigError, match="virtual_stages >= 2"):
+        schedule("interleaved", 4, 8, 1)
+    with pytest.raises(ConfigError, match="needs pipeline.schedule = 'interleaved'"):
+        schedule("1f1b", 4, 8, 2)
+
+
 def test_the_slowest_stage_sets_the_pace_and_transfers_add_up() -> None:
     """Two stages, the second twice as slow: in steady state one microbatch per its cycle."""
     timeline = simulate(gpipe(2, 8), [1.0, 2.0], [1.0, 2.0], transfer=0.5)
@@ -82,7 +122,8 @@ def test_simulate_refuses_costs_of_another_stage_count() -> None:
 def test_schedule_names_and_bad_counts_are_one_line() -> None:
     assert schedule("1f1b", 2, 2) == one_f_one_b(2, 2)
     with pytest.raises(
-        ConfigError, match="pipeline.schedule = 'pipedream' is not a schedule; schedules: gpipe, 1f1b"
+        ConfigError,
+        match="pipeline.schedule = 'pipedream' is not a schedule; schedules: gpipe, 1f1b, interleaved",
     ):
         schedule("pipedream", 2, 2)
     with pytest.raises(ConfigError, match="at least 1 stage and 1 microbatch"):

@@ -107,6 +107,44 @@ def test_pipeline_ends_where_one_process_accumulating_m_microbatches_does(
         assert r.steps == 5
 
 
+@pytest.mark.parametrize(("stages", "chunks", "m"), [(2, 2, 2), (2, 2, 4), (3, 2, 6), (4, 3, 8), (2, 4, 6)])
+def test_interleaved_ends_where_one_process_accumulating_m_microbatches_does(
+    stages: int, chunks: int, m: int
+) -> None:
+    """Each rank holds ``chunks`` model chunks; gathered by name they are the one process's model."""
+    sets = ["train.steps=4", "train.eval_every=2"]
+    alone = train(cfg(*sets, f"exchange.accumulate={m}"))
+    got = sim(stages, pipe(*sets, f"pipeline.microbatches={m}", "pipeline.schedule=interleaved",
+                          f"pipeline.virtual_stages={chunks}"))  # fmt: skip
+    held = {name: p.data for r in got for name, p in r.strategy.model.named_parameters()}
+    ref = dict(alone.strategy.model.named_parameters())
+    assert set(held) == set(ref)
+    scale = max(np.abs(p.data).max() for p in ref.values())
+    for name, p in ref.items():
+        np.testing.assert_allclose(held[name], p.data, rtol=0, atol=1e-10 * scale, err_msg=name)
+    losses = [h["loss"] for h in got[0].history]
+    np.testing.assert_allclose(losses, [h["loss"] for h in alone.history], rtol=1e-10)
+    assert got[0].test_accuracy == alone.test_accuracy
+    assert len(got[0].strategy.partition.balance) == stages * chunks
+
+
+@pytest.mark.parametrize(("stages", "chunks", "m"), [(2, 2, 4), (4, 2, 8), (4, 4, 4)])
+def test_interleaved_stages_idle_for_their_smaller_bubble(
+    tmp_path: Path, stages: int, chunks: int, m: int
+) -> None:
+    """Equal virtual stages (16 equal layers): (p - 1) / (v m + p - 1), within 5%, and the
+    microbatches held are the schedule's."""
+    table = costs(tmp_path, [(1e-3, 2e-3)] * LAYERS)
+    out = tmp_path / "run.h5"
+    sim(stages, pipe("train.steps=3", f"pipeline.microbatches={m}", "pipeline.schedule=interleaved",
+                     f"pipeline.virtual_stages={chunks}"), out=out, compute=f"table:{table}")  # fmt: skip
+    bubble, held = rank_series(out, "bubble"), rank_series(out, "in_flight")
+    want = bubble_fraction(stages, m, chunks)
+    for s in range(stages):
+        assert abs(statistics.median(bubble[:, s]) - want) <= 0.05 * want, (s, bubble[:, s], want)
+    assert held[-1].tolist() == schedule("interleaved", stages, m, chunks).in_flight()
+
+
 def test_batchnorm_and_residual_blocks_follow_accumulation_with_per_microbatch_statistics() -> None:
     sets = ["model.name=resnet18", "model.width_mult=0.125", "data.name=synthetic", "data.shape=[3,8,8]",
             "data.train_size=256", "data.test_size=64", "data.batch_size=4", "train.steps=3"]  # fmt: skip
@@ -236,6 +274,11 @@ def test_plan_prints_the_partition_and_the_schedule(capsys: pytest.CaptureFixtur
         (["pipeline.split=['3', '9']", "pipeline.balance=params"], "both describe the partition"),
         (["model.depth=1"], "3 pipeline stages for a model of 2 top-level layers"),
         (["exchange.accumulate=2"], "set pipeline.microbatches instead"),
+        (
+            ["pipeline.schedule=interleaved", "pipeline.virtual_stages=2", "pipeline.microbatches=4"],
+            "a multiple of the 3 stages",
+        ),
+        (["pipeline.virtual_stages=2"], "needs pipeline.schedule = 'interleaved'"),
     ],
 )
 def test_a_partition_that_does_not_fit_is_one_line_naming_it(sets: list[str], says: str) -> None:

@@ -1,6 +1,6 @@
 """The pipeline strategy under mpiexec (-n 2, -n 3; -n 4 in the slow suite), against one process.
 
-* GPipe and 1F1B end with the parameters of one process with ``exchange.accumulate = m``
+* GPipe, 1F1B and interleaved 1F1B end with the parameters of one process with ``exchange.accumulate = m``
   on the same microbatches (float64, relative 1e-10), with the same losses and accuracy;
 * a stop at a checkpoint and ``--resume auto`` repeat the uninterrupted run bit for bit;
 * the run file holds each stage's bubble, activation bytes and microbatches in flight,
@@ -32,11 +32,11 @@ def cfg(*sets: str) -> Any:
     return load_config("digits-mlp", [*COMMON, *sets])
 
 
-def gathered(result: Any, comm: Any) -> np.ndarray | None:
-    """The stages' parameters in model order, on rank 0 (None elsewhere)."""
-    mine = [p.data.ravel() for p in result.strategy.model.parameters()]
-    parts = comm.gather(np.concatenate(mine) if mine else np.empty(0), root=0)
-    return np.concatenate(parts) if parts is not None else None
+def gathered(result: Any, comm: Any) -> dict[str, np.ndarray] | None:
+    """Every rank's parameters by name, on rank 0 (None elsewhere)."""
+    mine = {name: p.data.copy() for name, p in result.strategy.model.named_parameters()}
+    parts = comm.gather(mine, root=0)
+    return {name: a for part in parts for name, a in part.items()} if parts is not None else None
 
 
 def shared_path(comm: Any, tmp_path: Path, name: str) -> Path:
@@ -44,26 +44,30 @@ def shared_path(comm: Any, tmp_path: Path, name: str) -> Path:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
 def test_the_pipeline_ends_where_one_process_accumulating_m_microbatches_does(kind: str) -> None:
     comm = world()
-    m, sets = 5, ["train.steps=6", "train.eval_every=3"]
+    p = comm.Get_size()
+    m, chunks = (2 * p, 2) if kind == "interleaved" else (5, 1)
+    sets = ["train.steps=6", "train.eval_every=3"]
     piped = run(cfg(*sets, "parallel.strategy=pipeline", f"pipeline.microbatches={m}",
-                    f"pipeline.schedule={kind}"), comm)  # fmt: skip
+                    f"pipeline.schedule={kind}", f"pipeline.virtual_stages={chunks}"), comm)  # fmt: skip
     got = gathered(piped, comm)
     alone_comm = comm.Split(comm.Get_rank(), 0)
     try:
         alone = run(cfg(*sets, f"exchange.accumulate={m}"), alone_comm)
     finally:
         alone_comm.Free()
-    want = np.concatenate([p.data.ravel() for p in alone.strategy.model.parameters()])
     np.testing.assert_allclose(
         [r["loss"] for r in piped.history], [r["loss"] for r in alone.history], rtol=1e-10
     )
     assert piped.test_accuracy == alone.test_accuracy
     if comm.Get_rank() == 0:
-        assert got is not None
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-10 * np.abs(want).max())
+        want = dict(alone.strategy.model.named_parameters())
+        assert got is not None and set(got) == set(want)
+        scale = max(np.abs(p.data).max() for p in want.values())
+        for name, param in want.items():
+            np.testing.assert_allclose(got[name], param.data, rtol=0, atol=1e-10 * scale, err_msg=name)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -78,7 +82,9 @@ def test_a_stop_and_resume_at_a_checkpoint_repeat_the_run(tmp_path: Path) -> Non
     resumed = run(cfg(*sets), comm, out=part, resume="auto")
     a, b = gathered(whole, comm), gathered(resumed, comm)
     if comm.Get_rank() == 0:
-        np.testing.assert_array_equal(a, b)
+        assert a is not None and b is not None and set(a) == set(b)
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
         with h5py.File(part) as f, h5py.File(tmp_path / "whole.h5") as g:
             np.testing.assert_array_equal(f["metrics/loss"][...], g["metrics/loss"][...])
 

@@ -34,6 +34,7 @@ from hpcdl.errors import ConfigError
 
 __all__ = [
     "METHODS",
+    "SCHEDULES",
     "LayerInfo",
     "Op",
     "Partition",
@@ -42,6 +43,7 @@ __all__ = [
     "balance_by_cost",
     "bubble_fraction",
     "gpipe",
+    "interleaved",
     "one_f_one_b",
     "partition",
     "schedule",
@@ -51,10 +53,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Op:
-    """One operation of a stage: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of ``microbatch``."""
+    """One operation of a stage: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of ``microbatch``,
+    on the stage's model chunk ``chunk`` (0 unless the schedule is interleaved)."""
 
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}"
@@ -62,11 +66,21 @@ class Op:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Each stage's ordered operations (``stages[s]``) for ``microbatches`` microbatches."""
+    """Each stage's ordered operations (``stages[s]``) for ``microbatches`` microbatches.
+
+    With ``chunks = v > 1`` (interleaved) stage s holds the model chunks of virtual stages
+    ``s, s + p, ..., s + (v - 1) p`` (chunk c is virtual stage ``c p + s``), and an
+    operation names its chunk.
+    """
 
     name: str
     microbatches: int
     stages: tuple[tuple[Op, ...], ...]
+    chunks: int = 1
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        """The virtual stage of ``stage``'s chunk ``chunk``: its place in the model's order."""
+        return chunk * len(self.stages) + stage
 
     def in_flight(self) -> list[int]:
         """Per stage, the most microbatches whose forward ran and whose backward did not yet."""
@@ -80,10 +94,15 @@ class Schedule:
         return peaks
 
     def __str__(self) -> str:
-        """One line per stage, operations in columns (``--plan``)."""
-        width = max(len(str(op)) for ops in self.stages for op in ops)
+        """One line per stage, operations in columns (``--plan``); interleaved: ``F3.1`` is the
+        forward of microbatch 3 on chunk 1."""
+
+        def name(op: Op) -> str:
+            return f"{op}.{op.chunk}" if self.chunks > 1 else str(op)
+
+        width = max(len(name(op)) for ops in self.stages for op in ops)
         return "\n".join(
-            f"stage {s}: " + " ".join(f"{op!s:<{width}}" for op in ops).rstrip()
+            f"stage {s}: " + " ".join(f"{name(op):<{width}}" for op in ops).rstrip()
             for s, ops in enumerate(self.stages)
         )
 
@@ -122,16 +141,69 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return Schedule("1f1b", m, tuple(plan))
 
 
-def schedule(name: str, stages: int, microbatches: int) -> Schedule:
-    """The schedule ``name`` (``pipeline.schedule``): ``gpipe`` or ``1f1b``.
+def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): each stage holds ``v = chunks``
+    model chunks, and the microbatches go through the chunks in groups of p.
+
+    The j-th forward of stage s (0-based, of ``m v``) is of chunk ``(j mod p v) // p`` and
+    microbatch ``(j // p v) p + j mod p``; its j-th backward the same with the chunks in
+    reverse order. Stage s warms up with ``min(2 (p - s - 1) + (v - 1) p, m v)`` forwards
+    (all of them when m = p), then alternates one forward and one backward, then drains.
+    With equal stage costs the bubble is ``(p - 1) / (v m + p - 1)``: v times smaller than
+    1F1B's in time, for v times as many messages.
 
     Raises:
-        ConfigError: an unknown name, or fewer than one stage or microbatch.
+        ConfigError: fewer than 2 stages or chunks, or m not a multiple of p.
     """
-    makers = {"gpipe": gpipe, "1f1b": one_f_one_b}
-    if name not in makers:
-        raise ConfigError(f"pipeline.schedule = {name!r} is not a schedule; schedules: {', '.join(makers)}")
-    return makers[name](stages, microbatches)
+    _check(stages, microbatches)
+    p, m, v = stages, microbatches, chunks
+    if p < 2 or v < 2 or m % p:
+        raise ConfigError(
+            f"the interleaved schedule needs at least 2 stages, pipeline.virtual_stages >= 2 and "
+            f"pipeline.microbatches a multiple of the {p} stages (got {v} virtual stages, {m} microbatches)"
+        )
+
+    def op(kind: str, j: int) -> Op:
+        group, place = divmod(j, p * v)
+        chunk = place // p if kind == "F" else v - 1 - place // p
+        return Op(kind, group * p + place % p, chunk)
+
+    plan = []
+    total = m * v
+    for s in range(p):
+        warm = total if m == p else min(2 * (p - s - 1) + (v - 1) * p, total)
+        ops = [op("F", j) for j in range(warm)]
+        for j in range(total - warm):
+            ops += [op("F", warm + j), op("B", j)]
+        ops += [op("B", j) for j in range(total - warm, total)]
+        plan.append(tuple(ops))
+    return Schedule("interleaved", m, tuple(plan), v)
+
+
+#: ``pipeline.schedule`` names
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The schedule ``name`` (``pipeline.schedule``): ``gpipe``, ``1f1b``, or ``interleaved``
+    with ``chunks`` (``pipeline.virtual_stages``) model chunks per stage.
+
+    Raises:
+        ConfigError: an unknown name, fewer than one stage or microbatch, chunks given to a
+            schedule without them, or an interleaving that does not fit.
+    """
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"pipeline.schedule = {name!r} is not a schedule; schedules: {', '.join(SCHEDULES)}"
+        )
+    if name == "interleaved":
+        return interleaved(stages, microbatches, chunks)
+    if chunks != 1:
+        raise ConfigError(
+            f"pipeline.virtual_stages = {chunks} needs pipeline.schedule = 'interleaved' ({name!r} runs one "
+            "chunk per stage)"
+        )
+    return gpipe(stages, microbatches) if name == "gpipe" else one_f_one_b(stages, microbatches)
 
 
 @dataclass(frozen=True)
@@ -164,18 +236,20 @@ def simulate(
 
     Args:
         plan: the schedule.
-        forward: per stage, a forward's cost (one microbatch).
-        backward: per stage, a backward's cost.
-        transfer: the time an activation or its gradient takes to reach the neighbour.
+        forward: per virtual stage (per stage unless interleaved), a forward's cost (one
+            microbatch).
+        backward: per virtual stage, a backward's cost.
+        transfer: the time an activation or its gradient takes to reach another stage.
 
     Raises:
-        ValueError: the costs do not give one value per stage, or the schedule deadlocks
-            (an operation waits for one that waits for it).
+        ValueError: the costs do not give one value per virtual stage, or the schedule
+            deadlocks (an operation waits for one that waits for it).
     """
     p = len(plan.stages)
-    if len(forward) != p or len(backward) != p:
-        raise ValueError(f"costs for {len(forward)}/{len(backward)} stages, the schedule has {p}")
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end
+    n = p * plan.chunks  # virtual stages
+    if len(forward) != n or len(backward) != n:
+        raise ValueError(f"costs for {len(forward)}/{len(backward)} stages, the schedule has {n}")
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, microbatch) -> end
     nxt = [0] * p
     clock = [0.0] * p
     start: list[list[float]] = [[] for _ in range(p)]
@@ -186,20 +260,20 @@ def simulate(
         for s in range(p):
             while nxt[s] < len(plan.stages[s]):
                 op = plan.stages[s][nxt[s]]
-                k = op.microbatch
+                k, v = op.microbatch, plan.virtual(s, op.chunk)
                 if op.kind == "F":
-                    deps = [("F", s - 1, k)] if s > 0 else []
-                    cost = forward[s]
+                    deps = [("F", v - 1, k)] if v > 0 else []
+                    cost = forward[v]
                 else:
-                    deps = [("F", s, k)] + ([("B", s + 1, k)] if s < p - 1 else [])
-                    cost = backward[s]
+                    deps = [("F", v, k)] + ([("B", v + 1, k)] if v < n - 1 else [])
+                    cost = backward[v]
                 if any(d not in done for d in deps):
                     break
-                ready = max([clock[s], *(done[d] + (transfer if d[1] != s else 0.0) for d in deps)])
+                ready = max([clock[s], *(done[d] + (transfer if d[1] % p != s else 0.0) for d in deps)])
                 start[s].append(ready)
                 clock[s] = ready + cost
                 end[s].append(clock[s])
-                done[(op.kind, s, k)] = clock[s]
+                done[(op.kind, v, k)] = clock[s]
                 nxt[s] += 1
                 remaining -= 1
                 progressed = True
@@ -209,9 +283,10 @@ def simulate(
     return Timeline(plan, tuple(map(tuple, start)), tuple(map(tuple, end)))
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe's (and 1F1B's) idle fraction with equal stage costs: ``(p - 1) / (m + p - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """GPipe's and 1F1B's idle fraction with equal stage costs, ``(p - 1) / (m + p - 1)``;
+    interleaved with v chunks per stage (equal virtual stages), ``(p - 1) / (v m + p - 1)``."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
 def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:

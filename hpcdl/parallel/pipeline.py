@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -177,20 +178,31 @@ class Pipeline(Strategy):
         """Rank s is stage s and holds it; every stage follows the one stream of batches (member 0).
 
         Raises:
-            ConfigError: ``exchange.accumulate`` set (a pipeline's microbatches are its own).
+            ConfigError: ``exchange.accumulate`` set (a pipeline's microbatches are its own), or
+                a schedule that does not fit the stages and microbatches.
         """
         if cfg["exchange.accumulate"] != 1:
             raise ConfigError(
                 f"exchange.accumulate = {cfg['exchange.accumulate']} is sync's; a pipeline accumulates "
                 "over its microbatches: set pipeline.microbatches instead"
             )
-        m = cfg["pipeline.microbatches"]
-        sched = schedule(cfg["pipeline.schedule"], world, m)
+        m, v = cfg["pipeline.microbatches"], cfg["pipeline.virtual_stages"]
+        sched = schedule(cfg["pipeline.schedule"], world, m, v)
+        if 2 * (world * v + 1) * m >= _EVAL:
+            raise ConfigError(
+                f"{world * v} stages x {m} microbatches need more message tags than MPI promises (32767): "
+                "use fewer microbatches"
+            )
         ranks = tuple(RankPlace(f"stage {s}", f"stage {s}", 0) for s in range(world))
-        peaks = sched.in_flight()
+        chunks = (
+            f"; stage s holds chunks c = 0..{v - 1}, virtual stages c x {world} + s (Fk.c: microbatch k "
+            "on chunk c)"
+            if v > 1
+            else ""
+        )
         notes_ = (
             f"schedule {sched.name}, {m} microbatch{'es' * (m > 1)} of {cfg['data.batch_size']}; "
-            f"most microbatches held per stage: {peaks}",
+            f"most microbatches held per stage: {sched.in_flight()}{chunks}",
             str(sched),
         )
         return Placement(cls.name, ranks, cfg["data.batch_size"], m, notes=notes_)
@@ -208,36 +220,38 @@ class Pipeline(Strategy):
             x = np.asarray(data.x_train[:batch], dtype=cfg["dtype"])
             return model(), x, np.asarray(data.y_train[:batch])
 
-        return [stage_partition(cfg, whole, placement.world, data.input_shape, sample).table()]
+        stages = placement.world * cfg["pipeline.virtual_stages"]
+        return [stage_partition(cfg, whole, stages, data.input_shape, sample).table()]
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.comm = ctx.comm.Dup()  # its own messages: tags cannot meet the driver's collectives
         self.p, self.s = self.comm.Get_size(), self.comm.Get_rank()
         self.xp, self.dtype = array_module(ctx.cfg["device"]), np.dtype(ctx.cfg["dtype"])
-        self.first, self.last = self.s == 0, self.s == self.p - 1
+        self.first, self.last = self.s == 0, self.s == self.p - 1  # holds the first / last virtual stage
         self.m = ctx.placement.micro_steps
-        self.schedule: Schedule = schedule(ctx.cfg["pipeline.schedule"], self.p, self.m)
+        self.schedule: Schedule = schedule(
+            ctx.cfg["pipeline.schedule"], self.p, self.m, ctx.cfg["pipeline.virtual_stages"]
+        )
         self.ops: tuple[Op, ...] = self.schedule.stages[self.s]
+        self.batch = ctx.placement.batch_size
         whole: Sequential = ctx.build_model()
         self.partition = self._agree_partition(whole)
-        start = sum(self.partition.balance[: self.s])
-        self.model: Sequential = whole[start : start + self.partition.balance[self.s]]
-        self.batch = ctx.placement.batch_size
-        self.in_shape, self.out_shape = self._boundary_shapes(whole, start)
+        # sums the microbatches' gradients and averages them (the accumulating exchange's rule),
+        # one per chunk; over one rank here, over a stage's replicas when they come
+        self.replicas = self.comm.Split(self.s, 0)
+        self.chunks = self._chunks(whole)
         del whole  # the other stages' layers are freed
-        if not self.first:  # the model's first layers skip their input gradient: here one is sent back
-            for layer in self.model:
-                layer.needs_input_grad = True
+        layers = [
+            (name, layer) for c in self.chunks for name, layer in zip(c.model._children, c.model.layers)
+        ]
+        # what this rank holds, in the model's order of its chunks (parameters, buffers, checkpoints)
+        self.model: Sequential = self.chunks[0].model if len(self.chunks) == 1 else _holding(layers)
         self.sampler = ctx.sampler(0)
         self.batches = Batches(self.sampler)
         self.lr = ctx.schedule()
         params = self.model.parameters()
         self.optimizer = ctx.optimizer(params) if params else None  # a stage of ReLUs has nothing to update
-        # sums the microbatches' gradients and averages them (the accumulating exchange's rule);
-        # over one rank here, over a stage's replicas when they come
-        self.replicas = self.comm.Split(self.s, 0)  # the stage's replicas: itself alone here
-        self.exchange = make_exchange("allreduce", self.replicas, self.model.parameters())
         self.loss_fn = SoftmaxCrossEntropy()
         self.tracing = bool(ctx.cfg["log.trace"])
         self.bytes_sent = 0
@@ -258,8 +272,9 @@ class Pipeline(Strategy):
                 self.ctx.load_random_state(streams)
                 return model, x, y
 
+            stages = self.p * self.schedule.chunks
             try:
-                outcome = ("ok", stage_partition(cfg, whole, self.p, data.input_shape, sample))
+                outcome = ("ok", stage_partition(cfg, whole, stages, data.input_shape, sample))
             except ConfigError as err:
                 outcome = ("error", str(err))
         kind, value = self.comm.bcast(outcome, root=0)
@@ -267,18 +282,32 @@ class Pipeline(Strategy):
             raise ConfigError(value)
         return value
 
-    def _boundary_shapes(self, whole: Sequential, start: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The shapes of a microbatch's input to this stage and of its output (one sample forward)."""
+    def _chunks(self, whole: Sequential) -> list[_Chunk]:
+        """This rank's model chunks (virtual stages ``c p + s``), with the shapes they receive."""
         x = self.xp.zeros((1, *self.ctx.data().input_shape), dtype=self.dtype)
-        shapes = [tuple(x.shape[1:])]
+        shapes = [tuple(x.shape[1:])]  # the input of each top-level layer, then the output
         whole.eval()
         try:
-            for layer in whole.layers[: start + len(self.model)]:
+            for layer in whole.layers:
                 x = layer.forward(x)
                 shapes.append(tuple(x.shape[1:]))
         finally:
             whole.train()
-        return (self.batch, *shapes[start]), (self.batch, *shapes[-1])
+        bounds = np.cumsum([0, *self.partition.balance]).tolist()
+        count = len(self.partition.balance)
+        chunks = []
+        for c in range(self.schedule.chunks):
+            v = self.schedule.virtual(self.s, c)
+            a, b = bounds[v], bounds[v + 1]
+            model = whole[a:b]
+            if v > 0:  # the model's first layers skip their input gradient: here one is sent back
+                for layer in model:
+                    layer.needs_input_grad = True
+            chunks.append(_Chunk(
+                model, v, count, (self.batch, *shapes[a]), (self.batch, *shapes[b]),
+                make_exchange("allreduce", self.replicas, model.parameters()),
+            ))  # fmt: skip
+        return chunks
 
     # -- a step ------------------------------------------------------------------------------
     def step(self, step: int) -> StepStats:
@@ -291,15 +320,16 @@ class Pipeline(Strategy):
         for i, op in enumerate(self.ops):
             run.post(i + LOOKAHEAD)
             if op.kind == "F":
-                run.forward(op.microbatch)
+                run.forward(self.chunks[op.chunk], op.microbatch)
             else:
-                run.backward(op.microbatch, last=i == len(self.ops) - 1)
+                run.backward(self.chunks[op.chunk], op.microbatch)
             if self.tracing:
                 run.poll_sends()
         t_ops = wtime()
         run.finish_sends()
         self._note["phase"] = "update"
-        self.exchange.exchange()  # the sum over microbatches, averaged
+        for chunk in self.chunks:
+            chunk.exchange.exchange()  # the sum over microbatches, averaged
         if self.optimizer is not None:
             self.optimizer.lr = lr
             self.optimizer.step()
@@ -333,8 +363,8 @@ class Pipeline(Strategy):
         return mean_over_members(self.ctx.comm, stats, stop, 1, self._agree)
 
     def evaluate(self) -> tuple[float, float]:
-        """The whole test set through the stages, ``EVAL_BATCH`` images a message; the last
-        stage's accuracy and loss on every rank (collective)."""
+        """The whole test set through the (virtual) stages, ``EVAL_BATCH`` images a message; the
+        last stage's accuracy and loss on every rank (collective)."""
         data, xp, dtype = self.ctx.data(), self.xp, self.dtype
         loss_fn = SoftmaxCrossEntropy()
         n = len(data.y_test)
@@ -343,18 +373,19 @@ class Pipeline(Strategy):
         try:
             for start in range(0, n, EVAL_BATCH):
                 count = min(EVAL_BATCH, n - start)
-                if self.first:
-                    x = xp.asarray(data.x_test[start : start + count], dtype=dtype)
-                else:
-                    x = xp.empty((count, *self.in_shape[1:]), dtype=dtype)
-                    self.comm.Recv(x, source=self.s - 1, tag=_EVAL)
-                y = self.model.forward(x)
-                if not self.last:
-                    self.comm.Send(np.ascontiguousarray(y), dest=self.s + 1, tag=_EVAL)
-                    continue
-                labels = xp.asarray(data.y_test[start : start + count])
-                loss_sum += loss_fn.forward(y, labels) * count
-                correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
+                for chunk in self.chunks:
+                    if chunk.first:
+                        x = xp.asarray(data.x_test[start : start + count], dtype=dtype)
+                    else:
+                        x = xp.empty((count, *chunk.in_shape[1:]), dtype=dtype)
+                        self.comm.Recv(x, source=(self.s - 1) % self.p, tag=_EVAL)
+                    y = chunk.model.forward(x)
+                    if not chunk.last:
+                        self.comm.Send(np.ascontiguousarray(y), dest=(self.s + 1) % self.p, tag=_EVAL)
+                        continue
+                    labels = xp.asarray(data.y_test[start : start + count])
+                    loss_sum += loss_fn.forward(y, labels) * count
+                    correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
         finally:
             self.model.train()
         result = (correct / max(1, n), loss_sum / max(1, n)) if self.last else None
@@ -416,8 +447,46 @@ class Pipeline(Strategy):
         self.comm.Free()
 
 
-#: tag of evaluation messages (training's: 2k for microbatch k's activations, 2k + 1 for its gradient)
+#: tag of evaluation messages (training's: 2 (v m + k) for the activations of microbatch k into
+#: virtual stage v, 2 (v m + k) + 1 for the gradient coming back into it)
 _EVAL = 2**15 - 1
+
+
+@dataclass
+class _Chunk:
+    """A model chunk a rank holds: virtual stage ``index`` of ``count``, with its own exchange.
+
+    Attributes:
+        model: its layers.
+        index: its virtual stage (its place in the model's order).
+        count: the virtual stages of the pipeline.
+        in_shape: a microbatch's input to it.
+        out_shape: its output for a microbatch.
+        exchange: sums its microbatches' gradients (a backward overwrites ``.grad`` of its
+            layers only, so each chunk keeps its own sum).
+    """
+
+    model: Sequential
+    index: int
+    count: int
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    exchange: Any
+    backwards: int = 0  # this step's backwards so far
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+
+def _holding(layers: list[tuple[str, Any]]) -> Sequential:
+    """A container of a rank's chunks' layers under their own names (never run as a whole)."""
+    names, modules = zip(*layers)
+    return Sequential(list(modules), names=list(names))
 
 
 class _StepRun:
@@ -425,15 +494,18 @@ class _StepRun:
 
     def __init__(self, pipe: Pipeline, parts: list[np.ndarray]) -> None:
         self.pipe, self.parts = pipe, parts
-        self.caches: dict[int, tuple[dict[str, Any], int]] = {}  # microbatch -> (cache, bytes)
+        self.caches: dict[tuple[int, int], tuple[dict[str, Any], int]] = {}  # (chunk, k) -> (cache, bytes)
         self.grads: dict[int, Any] = {}  # the last stage: the loss gradient of each microbatch
-        self.recvs: dict[tuple[str, int], tuple[Any, Any, float]] = {}  # (kind, k) -> request, buffer, posted
+        self.recvs: dict[tuple[str, int, int], tuple[Any, Any]] = {}  # (kind, chunk, k) -> request, buffer
         self.sends: list[tuple[Any, Any, float, int]] = []  # (request, buffer, posted, microbatch)
         self.posted = 0  # operations whose receive is posted
         self.loss, self.correct = 0.0, 0
         self.busy_s = self.comm_s = 0.0
         self.held_bytes = self.peak_bytes = self.held = self.peak_held = 0
         self.xp, self.dtype = pipe.xp, pipe.dtype
+        self.m, self.prev, self.next = pipe.m, (pipe.s - 1) % pipe.p, (pipe.s + 1) % pipe.p
+        for chunk in pipe.chunks:
+            chunk.backwards = 0
 
     def post(self, upto: int) -> None:
         """Post the receives of the operations before index ``upto`` not yet posted."""
@@ -441,19 +513,21 @@ class _StepRun:
         while self.posted < min(upto, len(pipe.ops)):
             op = pipe.ops[self.posted]
             self.posted += 1
-            if op.kind == "F" and not pipe.first:
-                buf = self.xp.empty(pipe.in_shape, dtype=self.dtype)
-                req = pipe.comm.Irecv(buf, source=pipe.s - 1, tag=2 * op.microbatch)
-            elif op.kind == "B" and not pipe.last:
-                buf = self.xp.empty(pipe.out_shape, dtype=self.dtype)
-                req = pipe.comm.Irecv(buf, source=pipe.s + 1, tag=2 * op.microbatch + 1)
+            chunk, k = pipe.chunks[op.chunk], op.microbatch
+            tag = 2 * (chunk.index * self.m + k)
+            if op.kind == "F" and not chunk.first:
+                buf = self.xp.empty(chunk.in_shape, dtype=self.dtype)
+                req = pipe.comm.Irecv(buf, source=self.prev, tag=tag)
+            elif op.kind == "B" and not chunk.last:
+                buf = self.xp.empty(chunk.out_shape, dtype=self.dtype)
+                req = pipe.comm.Irecv(buf, source=self.next, tag=tag + 1)
             else:
                 continue
-            self.recvs[(op.kind, op.microbatch)] = (req, buf, wtime())
+            self.recvs[(op.kind, op.chunk, k)] = (req, buf)
 
-    def received(self, kind: str, k: int) -> Any:
+    def received(self, kind: str, chunk: int, k: int) -> Any:
         """The buffer of a posted receive, once it has arrived (the wait is communication)."""
-        req, buf, posted = self.recvs.pop((kind, k))
+        req, buf = self.recvs.pop((kind, chunk, k))
         t0 = wtime()
         req.Wait()
         t1 = wtime()
@@ -467,16 +541,17 @@ class _StepRun:
         self.sends.append((self.pipe.comm.Isend(buf, dest=dest, tag=tag), buf, wtime(), k))
         self.pipe.bytes_sent += int(buf.nbytes)
 
-    def forward(self, k: int) -> None:
+    def forward(self, chunk: _Chunk, k: int) -> None:
         pipe = self.pipe
-        if pipe.first:
+        c = chunk.index // pipe.p
+        if chunk.first:
             x = pipe.ctx.batch(self.parts[k])[0]
         else:
-            x = self.received("F", k)
+            x = self.received("F", c, k)
         pipe._note["phase"] = f"forward {k}"
         t0 = wtime()
-        y = pipe.model.forward(x)
-        if pipe.last:
+        y = chunk.model.forward(x)
+        if chunk.last:
             labels = pipe.ctx.labels(self.parts[k])
             self.loss += pipe.loss_fn.forward(y, labels)
             self.correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
@@ -485,34 +560,36 @@ class _StepRun:
         self.busy_s += t1 - t0
         if pipe.tracing:
             pipe.ctx.trace("forward", t0, t1, k)
-        cache = pipe.model.save_cache()
+        cache = chunk.model.save_cache()
         size = _nbytes(cache)
-        self.caches[k] = (cache, size)
+        self.caches[(c, k)] = (cache, size)
         self.held += 1
         self.held_bytes += size
         self.peak_held = max(self.peak_held, self.held)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        if not pipe.last:
-            self.send(y, pipe.s + 1, 2 * k, k)
+        if not chunk.last:
+            self.send(y, self.next, 2 * ((chunk.index + 1) * self.m + k), k)
 
-    def backward(self, k: int, last: bool) -> None:
+    def backward(self, chunk: _Chunk, k: int) -> None:
         pipe = self.pipe
-        gy = self.grads.pop(k) if pipe.last else self.received("B", k)
-        cache, size = self.caches.pop(k)
+        c = chunk.index // pipe.p
+        gy = self.grads.pop(k) if chunk.last else self.received("B", c, k)
+        cache, size = self.caches.pop((c, k))
         pipe._note["phase"] = f"backward {k}"
         t0 = wtime()
-        pipe.model.load_cache(cache)
-        gx = pipe.model.backward(gy)
+        chunk.model.load_cache(cache)
+        gx = chunk.model.backward(gy)
         t1 = wtime()
         self.busy_s += t1 - t0
         if pipe.tracing:
             pipe.ctx.trace("backward", t0, t1, k)
         self.held -= 1
         self.held_bytes -= size
-        if not last:
-            pipe.exchange.accumulate()  # layers overwrite .grad: the sum is kept there
-        if not pipe.first:
-            self.send(gx, pipe.s - 1, 2 * k + 1, k)
+        chunk.backwards += 1
+        if chunk.backwards < self.m:
+            chunk.exchange.accumulate()  # layers overwrite .grad: the sum is kept there
+        if not chunk.first:
+            self.send(gx, self.prev, 2 * ((chunk.index - 1) * self.m + k) + 1, k)
 
     def poll_sends(self) -> None:
         """Trace the sends that have completed (``log.trace``)."""
