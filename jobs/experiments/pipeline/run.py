@@ -1,0 +1,316 @@
+"""The microbatch study of "Evaluation of an Implementation Method for Pipeline Parallelism
+Distributed Deep Learning" (Takizawa, Yazaki, Ishihata; IPSJ 2022), on the pipeline strategy.
+
+Every run is ``python -m hpcdl.train`` with ``parallel.strategy = "pipeline"`` (or its one-process
+reference with ``exchange.accumulate = m``), simulated (``python -m hpcdl.simulate``, ``ib-edr``,
+compute from a cost table profiled here from real single-process runs) or real (``mpiexec``).
+
+* ``profile``: single-process runs with ``profile.layers = true`` (one BLAS thread): mlp32 at
+  its microbatch of 128 rows, VGG16 and ResNet-50 on 3x32x32 inputs at width 0.25, microbatch
+  32. Their ``profile/`` groups are the cost tables of the simulated parts.
+* ``real``: mlp32 at 2 stages under ``mpiexec -n 2``, m in {1, 2, 4, 8, 16, 32} microbatches
+  of 128: ``python -m hpcdl.bench pipeline`` (samples/s of the pipelined step beside one
+  process's on the same batches, and torch.distributed.pipelining's when PyTorch is here;
+  medians of alternating repetitions).
+* ``sim``: mlp32 at 2, 4 and 8 stages (time-balanced) and 1 (the one-process reference on
+  the same table), the same m: speed-up = the one stage's step time / the p stages', beside
+  the closed form p m / (m + p - 1) of equal stages and the analytic timeline of the
+  partition's own stage costs (:func:`hpcdl.parallel.pipe_plan.simulate`).
+* ``cnn``: VGG16 and ResNet-50 at 2, 4 and 8 stages, m = 8: ``uniform`` against ``time``
+  partitions; the slowest stage's profiled time and the simulated step time of each.
+* ``trace``: one traced real run (2 stages, 1F1B, m = 8) and one simulated (4 stages,
+  GPipe and 1F1B, m = 8) for the Gantt charts (``python -m hpcdl.report``).
+
+    python jobs/experiments/pipeline/run.py --work /tmp/pipeline            # everything
+    python jobs/experiments/pipeline/run.py --work /tmp/pipeline --parts sim cnn
+
+Rows go to ``results.json`` beside this script (each part replaces its own entry), the
+figures to ``*.png`` beside it; run files stay in ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+PYTHON = sys.executable
+MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
+PARTS = ("profile", "real", "sim", "cnn", "trace")
+MICROBATCHES = (1, 2, 4, 8, 16, 32)
+STAGES = (2, 4, 8)
+NETWORK = "ib-edr"
+#: model -> the settings of its runs (on the mlp32-synthetic preset: synthetic data)
+MODELS: dict[str, list[str]] = {
+    "mlp32": [],
+    "vgg16": ["model.name=vgg16", "model.width_mult=0.25", "data.shape=[3,32,32]", "data.batch_size=32"],
+    "resnet50": [
+        "model.name=resnet50",
+        "model.width_mult=0.25",
+        "data.shape=[3,32,32]",
+        "data.batch_size=32",
+    ],
+}
+BASE = ["checkpoint.every=0", "train.log_every=100000", "data.test_size=128", "train.eval_every=100000"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(cmd, env=env(), capture_output=True, text=True, check=False)
+    if done.returncode:
+        sys.stderr.write(done.stderr[-2000:])
+        raise SystemExit(f"failed ({done.returncode}): {' '.join(cmd)}")
+    return done
+
+
+def train(work: Path, name: str, settings: list[str], ranks: int = 1, sim: list[str] | None = None) -> Path:
+    """One run of ``hpcdl.train`` (simulated on ``ranks`` virtual ranks when ``sim`` is given)."""
+    out = work / f"{name}.h5"
+    for old in work.glob(f"{name}.*h5"):
+        old.unlink()
+    args = ["-m", "hpcdl.train", "--config", "mlp32-synthetic", *sets([*BASE, *settings]),
+            "--progress", "none", "--out", str(out)]  # fmt: skip
+    if sim is not None:
+        cmd = [PYTHON, "-m", "hpcdl.simulate", "-n", str(ranks), *sim, *args]
+    elif ranks > 1:
+        cmd = [MPIEXEC, "-n", str(ranks), PYTHON, *args]
+    else:
+        cmd = [PYTHON, *args]
+    run(cmd)
+    return out
+
+
+def step_times(path: Path) -> np.ndarray:
+    with h5py.File(path, "r") as f:
+        return f["metrics/step_time"][...]
+
+
+def series(path: Path, name: str) -> np.ndarray:
+    with h5py.File(path, "r") as f:
+        return f["ranks"][name][...]
+
+
+def stage_costs(settings: list[str], stages: int) -> tuple[Any, list[float], list[float], float]:
+    """The partition ``settings`` describe for ``stages`` stages, each stage's forward and
+    backward seconds per microbatch from the profile, and one transfer's seconds on the
+    network (the largest activation between stages)."""
+    from hpcdl.config import load_config
+    from hpcdl.driver.factory import build, load_data
+    from hpcdl.parallel.pipeline import stage_partition
+    from hpcdl.sim.network import load_network
+    from hpcdl.sim.ticks import TICKS_PER_SECOND
+
+    cfg = load_config("mlp32-synthetic", [*BASE, *settings])
+    data = load_data(cfg)
+    whole = build(cfg, data, 0, np.dtype(cfg["dtype"]), np, None)
+    part = stage_partition(cfg, whole, stages, data.input_shape, None)
+    fwd = [sum(x.forward_s for x in layers) for layers in part.stages]
+    bwd = [sum(x.backward_s for x in layers) for layers in part.stages]
+    sent = max([layers[-1].output_bytes for layers in part.stages[:-1]], default=0)
+    link = load_network(NETWORK, 2).inter
+    return part, fwd, bwd, (link.alpha + link.transfer(sent)) / TICKS_PER_SECOND
+
+
+def table(work: Path, model: str) -> str:
+    return f"table:{work / f'profile-{model}.h5'}"
+
+
+# -- parts ----------------------------------------------------------------------------------------
+
+
+def part_profile(work: Path) -> dict[str, Any]:
+    rows = {}
+    for model, settings in MODELS.items():
+        t0 = time.monotonic()
+        out = train(work, f"profile-{model}", [*settings, "train.steps=6", "profile.layers=true"])
+        with h5py.File(out, "r") as f:
+            fwd, bwd = f["profile/forward_s"][...], f["profile/backward_s"][...]
+        rows[model] = {
+            "layers": len(fwd),
+            "forward_ms": 1e3 * float(fwd.sum()),
+            "backward_ms": 1e3 * float(bwd.sum()),
+            "wall_s": round(time.monotonic() - t0, 1),
+        }
+    return rows
+
+
+def part_real(work: Path) -> list[dict[str, Any]]:
+    rows = []
+    for m in MICROBATCHES:
+        out = work / f"bench-m{m}.json"
+        cmd = [MPIEXEC, "-n", "2", PYTHON, "-m", "hpcdl.bench", "pipeline", "--microbatches", str(m),
+               "--schedule", "both", "--reps", "5", "--vs", "torch", "--json", str(out)]  # fmt: skip
+        done = run(cmd)
+        print(done.stdout, flush=True)
+        for row in json.loads(out.read_text()):
+            rows.append({"m": m, **row})
+    return rows
+
+
+def part_sim(work: Path) -> list[dict[str, Any]]:
+    from hpcdl.parallel.pipe_plan import schedule, simulate
+
+    rows = []
+    sim = ["--network", NETWORK, "--compute", table(work, "mlp32")]
+    base = ["train.steps=3", "parallel.strategy=pipeline", "pipeline.balance=time",
+            f"pipeline.profile={work / 'profile-mlp32.h5'}", "pipeline.schedule=1f1b"]  # fmt: skip
+    for m in MICROBATCHES:
+        one = train(work, f"sim-mlp32-p1-m{m}", [*base, f"pipeline.microbatches={m}"], 1, sim)
+        t1 = statistics.median(step_times(one))
+        for p in STAGES:
+            settings = [*base, f"pipeline.microbatches={m}"]
+            out = train(work, f"sim-mlp32-p{p}-m{m}", settings, p, sim)
+            tp = statistics.median(step_times(out))
+            part, fwd, bwd, transfer = stage_costs(settings, p)
+            analytic = simulate(schedule("1f1b", p, m), fwd, bwd, transfer).makespan
+            rows.append({
+                "p": p, "m": m, "balance": list(part.balance), "step_s": tp, "one_stage_s": t1,
+                "speedup": t1 / tp, "equal_stages": p * m / (m + p - 1),
+                "analytic_speedup": m * (sum(fwd) + sum(bwd)) / analytic, "analytic_step_s": analytic,
+                "bubble": float(np.median(series(out, "bubble")[-1])),
+                "slowest_over_mean": float(np.max(np.add(fwd, bwd)) / np.mean(np.add(fwd, bwd))),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
+def part_cnn(work: Path) -> list[dict[str, Any]]:
+    rows = []
+    m = 8
+    for model in ("vgg16", "resnet50"):
+        profile = work / f"profile-{model}.h5"
+        sim = ["--network", NETWORK, "--compute", table(work, model)]
+        pipe = [*MODELS[model], "train.steps=2", "parallel.strategy=pipeline", f"pipeline.microbatches={m}"]
+        one = train(work, f"sim-{model}-p1", pipe, 1, sim)
+        t1 = statistics.median(step_times(one))
+        for p in STAGES:
+            for method in ("uniform", "time"):
+                settings = [*pipe, f"pipeline.balance={method}", f"pipeline.profile={profile}"]
+                part, fwd, bwd, _ = stage_costs(settings, p)
+                stage_s = np.add(fwd, bwd)
+                out = train(work, f"sim-{model}-p{p}-{method}", settings, p, sim)
+                tp = statistics.median(step_times(out))
+                rows.append({
+                    "model": model, "p": p, "method": method, "balance": list(part.balance),
+                    "slowest_stage_ms": 1e3 * float(stage_s.max()),
+                    "mean_stage_ms": 1e3 * float(stage_s.mean()),
+                    "step_s": tp, "one_stage_s": t1, "speedup": t1 / tp,
+                    "bubble": [round(float(b), 4) for b in series(out, "bubble")[-1]],
+                })  # fmt: skip
+                print(rows[-1], flush=True)
+    return rows
+
+
+def part_trace(work: Path) -> dict[str, Any]:
+    traced = ["train.steps=3", "parallel.strategy=pipeline", "pipeline.microbatches=8", "log.trace=true"]
+    real = train(work, "trace-real-1f1b", [*traced, "pipeline.schedule=1f1b"], 2)
+    sim = ["--network", NETWORK, "--compute", table(work, "mlp32")]
+    out = {"real": str(real)}
+    for kind in ("gpipe", "1f1b"):
+        timed = [*traced, f"pipeline.schedule={kind}", "pipeline.balance=time",
+                 f"pipeline.profile={work / 'profile-mlp32.h5'}"]  # fmt: skip
+        path = train(work, f"trace-sim-{kind}", timed, 4, sim)
+        out[f"sim-{kind}"] = str(path)
+    for name, path in out.items():
+        run([PYTHON, "-m", "hpcdl.report", path, "--out", str(HERE / f"gantt-{name}"),
+             "--trace", str(Path(path).with_suffix(".json"))])  # fmt: skip
+    return out
+
+
+# -- figures and the table --------------------------------------------------------------------------
+
+
+def figures(results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sim = results.get("sim", [])
+    for p in STAGES:
+        rows = sorted((r for r in sim if r["p"] == p), key=lambda r: r["m"])
+        if rows:
+            ms = [r["m"] for r in rows]
+            ax.plot(ms, [r["speedup"] for r in rows], "o-", label=f"simulated, {p} stages")
+            ax.plot(ms, [r["equal_stages"] for r in rows], ":", color=ax.lines[-1].get_color(),
+                    label=f"p m / (m + p - 1), p = {p}")  # fmt: skip
+    real = [r for r in results.get("real", []) if r.get("schedule") == "1f1b"]
+    if real:
+        real = sorted(real, key=lambda r: r["m"])
+        ax.plot(
+            [r["m"] for r in real], [r["speedup"] for r in real], "s-k", label="real, 2 stages (hpcdl 1F1B)"
+        )
+        torch = [r for r in real if r.get("torch_speedup") is not None]
+        if torch:
+            ax.plot([r["m"] for r in torch], [r["torch_speedup"] for r in torch], "^--", color="grey",
+                    label="real, 2 stages (torch pipelining 1F1B)")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("microbatches m (of 128 samples)")
+    ax.set_ylabel("speed-up over one process (same samples)")
+    ax.set_title("mlp32: pipeline speed-up against the number of microbatches")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(HERE / "speedup.png", dpi=120)
+    plt.close(fig)
+
+    cnn = results.get("cnn", [])
+    if cnn:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+        for ax, model in zip(axes, ("vgg16", "resnet50")):
+            for k, method in enumerate(("uniform", "time")):
+                rows = sorted(
+                    (r for r in cnn if r["model"] == model and r["method"] == method), key=lambda r: r["p"]
+                )
+                ps = np.array([r["p"] for r in rows], dtype=float)
+                ax.bar(np.log2(ps) + (k - 0.5) * 0.35, [r["speedup"] for r in rows], width=0.35, label=method)
+            ax.set_xticks(np.log2(np.array(STAGES, dtype=float)), [str(p) for p in STAGES])
+            ax.set_xlabel("stages")
+            ax.set_ylabel("simulated speed-up (m = 8)")
+            ax.set_title(model)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(HERE / "cnn-balance.png", dpi=120)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True, help="directory for run files")
+    parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--figures-only", action="store_true", help="redraw from results.json")
+    args = parser.parse_args(argv)
+    results_path = HERE / "results.json"
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if not args.figures_only:
+        args.work.mkdir(parents=True, exist_ok=True)
+        for name in args.parts:
+            t0 = time.monotonic()
+            results[name] = globals()[f"part_{name}"](args.work)
+            results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
+            results_path.write_text(json.dumps(results, indent=1) + "\n")
+            print(f"== {name}: {time.monotonic() - t0:.0f} s", flush=True)
+    figures(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
