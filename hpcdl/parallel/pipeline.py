@@ -6,12 +6,13 @@ automatic balance). A step is ``pipeline.microbatches = m`` microbatches of
 ``data.batch_size`` each — the samples one process takes with ``exchange.accumulate = m``,
 its reference. Stage 0 reads the inputs, the last stage the labels and the loss; each
 stage runs its operations in the order the schedule gives (:mod:`hpcdl.parallel.pipe_plan`:
-GPipe or 1F1B), receiving a forward's input from stage s - 1 and a backward's output
-gradient from stage s + 1. Receives are posted two operations ahead and sends are
+GPipe, 1F1B, or interleaved 1F1B, where rank s holds the chunks of virtual stages s, s + p,
+...), receiving a forward's input from the stage before and a backward's output gradient
+from the stage after. Receives are posted two operations ahead and sends are
 nonblocking, so transfers overlap compute. Each forward keeps its layers' cache (the
 call's state, :meth:`hpcdl.nn.Layer.save_cache`) until its backward. The gradients of the
-m microbatches are summed, then averaged (as the accumulating exchange does), and each
-stage updates its own slice. BatchNorm uses each microbatch's statistics, as under
+m microbatches are summed per chunk, then averaged (as the accumulating exchange does), and
+each stage updates its own slice. BatchNorm uses each microbatch's statistics, as under
 accumulation.
 
 Per step each stage records its bubble (the part of the step's makespan it spent not
@@ -45,6 +46,9 @@ from hpcdl.parallel.strategy import (
     RunContext,
     StepStats,
     Strategy,
+    differing_parameters,
+    load_model_piece,
+    model_piece,
 )
 from hpcdl.parallel.sync import mean_over_members
 
@@ -54,7 +58,7 @@ __all__ = ["Pipeline", "layer_infos", "profile_costs", "stage_partition"]
 PROFILE_STEPS = 3
 #: receives are posted for the operations this many ahead of the one running
 LOOKAHEAD = 2
-#: test images per evaluation message (the driver's evaluation batch)
+#: test images per evaluation message
 EVAL_BATCH = 512
 
 
@@ -401,12 +405,7 @@ class Pipeline(Strategy):
                   "pipeline": {"bytes_sent": self.bytes_sent, "balance": list(self.partition.balance)}},
         )  # fmt: skip
         if pieces:
-            opt = self.optimizer.state_dict() if self.optimizer is not None else {}
-            part.pieces[f"stage {self.s}"] = {
-                "params": {name: to_numpy(p.data).copy() for name, p in self.model.named_parameters()},
-                "optimizer": {k: v for k, v in opt.items() if isinstance(v, np.ndarray)},
-                "meta": {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}},
-            }
+            part.pieces[f"stage {self.s}"] = model_piece(self.model, self.optimizer)
         return part
 
     def load_state(self, state: RankState) -> None:
@@ -416,10 +415,7 @@ class Pipeline(Strategy):
             ConfigError: the checkpoint's stage holds other layers than this one.
         """
         self.check_state(state.pieces)
-        piece = state.pieces[f"stage {self.s}"]
-        self.model.load_state_dict({**piece["params"], **state.arrays})
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict({**piece["meta"]["optimizer"], **piece["optimizer"]})
+        load_model_piece(self.model, self.optimizer, state.pieces[f"stage {self.s}"], state.arrays)
         self.sampler.load_state(state.meta["sampler"])
         self.ctx.load_random_state(state.meta["random"])
         self.bytes_sent = int(state.meta["pipeline"]["bytes_sent"])
@@ -431,11 +427,8 @@ class Pipeline(Strategy):
         Raises:
             ConfigError: naming up to three parameters that differ.
         """
-        mine = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        piece = pieces.get(f"stage {self.s}", {}).get("params", {})
-        theirs = {name: tuple(a.shape) for name, a in piece.items()}
-        if mine != theirs:
-            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        diff = differing_parameters(self.model, pieces.get(f"stage {self.s}", {}).get("params", {}))
+        if diff:
             raise ConfigError(
                 f"its stage {self.s} holds other layers (another partition or model; parameters differ: "
                 f"{diff} ...)"

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
+
 from hpcdl.comm import Communicator
 from hpcdl.errors import ConfigError
 
@@ -41,6 +43,9 @@ __all__ = [
     "StepStats",
     "Strategy",
     "crossed",
+    "differing_parameters",
+    "load_model_piece",
+    "model_piece",
     "strategy_class",
 ]
 
@@ -55,6 +60,34 @@ STRATEGIES: dict[str, str] = {
 def crossed(before: int, now: int, period: int) -> bool:
     """True when a multiple of ``period`` lies in ``(before, now]`` (a checkpoint, an evaluation due)."""
     return period > 0 and now // period > before // period
+
+
+def model_piece(model: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
+    """A checkpoint piece holding ``model``'s parameters and ``optimizer``'s state (None: none):
+    ``params`` and ``optimizer`` arrays, the optimizer's small values under ``meta``."""
+    from hpcdl.backend import to_numpy  # noqa: PLC0415 (the seam imports no array code at load)
+
+    opt = optimizer.state_dict() if optimizer is not None else {}
+    arrays = {k: v for k, v in opt.items() if isinstance(v, np.ndarray)}
+    return {
+        "params": {name: to_numpy(p.data).copy() for name, p in model.named_parameters()},
+        "optimizer": arrays,
+        "meta": {"optimizer": {k: v for k, v in opt.items() if k not in arrays}},
+    }
+
+
+def load_model_piece(model: Any, optimizer: Any, piece: dict[str, Any], arrays: dict[str, Any]) -> None:
+    """Put back what :func:`model_piece` took, with the rank's own ``arrays`` (BatchNorm statistics)."""
+    model.load_state_dict({**piece["params"], **arrays})
+    if optimizer is not None:
+        optimizer.load_state_dict({**piece["meta"]["optimizer"], **piece["optimizer"]})
+
+
+def differing_parameters(model: Any, params: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Up to three (name, shape) pairs in which ``model``'s parameters and a piece's differ."""
+    mine = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    theirs = {name: tuple(a.shape) for name, a in params.items()}
+    return sorted(set(mine.items()) ^ set(theirs.items()))[:3]
 
 
 def strategy_class(name: str) -> type[Strategy]:

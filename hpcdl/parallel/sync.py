@@ -31,6 +31,9 @@ from hpcdl.parallel.strategy import (
     RunContext,
     StepStats,
     Strategy,
+    differing_parameters,
+    load_model_piece,
+    model_piece,
 )
 
 __all__ = ["SyncDataParallel", "exchange_for", "forward_backward", "mean_over_members"]
@@ -119,12 +122,7 @@ class SyncDataParallel(Strategy):
             },
         )  # fmt: skip
         if pieces:
-            opt = self.optimizer.state_dict()
-            part.pieces["model"] = {
-                "params": {name: to_numpy(p.data).copy() for name, p in self.model.named_parameters()},
-                "optimizer": {k: v for k, v in opt.items() if isinstance(v, np.ndarray)},
-                "meta": {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}},
-            }
+            part.pieces["model"] = model_piece(self.model, self.optimizer)
         return part
 
     def load_state(self, state: RankState) -> None:
@@ -133,10 +131,8 @@ class SyncDataParallel(Strategy):
         Raises:
             ConfigError: the checkpoint's model has other parameters than this one.
         """
-        model = state.pieces["model"]
         self.check_state(state.pieces)
-        self.model.load_state_dict({**model["params"], **state.arrays})
-        self.optimizer.load_state_dict({**model["meta"]["optimizer"], **model["optimizer"]})
+        load_model_piece(self.model, self.optimizer, state.pieces["model"], state.arrays)
         self.sampler.load_state(state.meta["sampler"])
         self.ctx.load_random_state(state.meta["random"])
         counters = state.meta["exchange"]
@@ -151,10 +147,8 @@ class SyncDataParallel(Strategy):
         Raises:
             ConfigError: naming up to three parameters that differ.
         """
-        mine = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        theirs = {name: tuple(a.shape) for name, a in pieces.get("model", {}).get("params", {}).items()}
-        if mine != theirs:
-            diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        diff = differing_parameters(self.model, pieces.get("model", {}).get("params", {}))
+        if diff:
             raise ConfigError(f"it holds another model (parameters differ: {diff} ...)")
 
     def close(self) -> None:
