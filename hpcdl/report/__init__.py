@@ -2,7 +2,7 @@
 
 One table row per run (its status told from the writer's heartbeat when the file says
 ``running``: :mod:`hpcdl.report.liveness`), and PNGs named after the runs
-(:mod:`hpcdl.report.plots`).
+(:mod:`hpcdl.report.plots`; the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.errors import file_error
+from hpcdl.report.gantt import STEPS as GANTT_STEPS
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.strategy import samples_per_step, samples_processed
@@ -59,7 +60,8 @@ _TEXT = {"run", "name", "world", "status"}
 NOT_FINAL = "*"
 
 DESCRIPTION = (
-    "Print a table of run files and plot their loss, accuracy, per-rank times and staleness as PNGs."
+    "Print a table of run files and plot their loss, accuracy, per-rank times, staleness and "
+    "timeline as PNGs."
 )
 _EPILOG = """\
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
@@ -82,16 +84,25 @@ by + for several runs), all runs on one figure:
                   pushes at each tau (log axis), labelled with its mode
                   (a: async, b: ssp s=1), ssp's bound dashed; only when some
                   run has staleness/ rows
+  gantt           the timeline (trace/, recorded with log.trace = true) of each
+                  run's last --gantt-steps steps: a row per rank, forward and
+                  backward bars labelled with their microbatch (F3, B3), sync's
+                  pack, wait and unpack; waiting (recv, wait) as thinner bars,
+                  sends in a thin lane under the row; dotted lines at rank 0's
+                  step ends. The steps are told apart by metrics/time (rank 0's
+                  step ends): every event after the end of the step before the
+                  window is drawn. Only when some run has trace/ events
 
   python -m hpcdl.report runs/cnn.h5                          # runs/cnn-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/     # plots/a+b-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/cmp  # plots/cmp-loss.png, ...
-  python -m hpcdl.report runs/a.h5 --trace a.json              # the timeline for Perfetto"""
+  python -m hpcdl.report runs/a.h5 --trace a.json              # the timeline for Perfetto
+  python -m hpcdl.report runs/pipe.h5 --gantt-steps 1          # runs/pipe-gantt.png: the last step"""
 
 
 @dataclass
 class Run:
-    """A run file read into memory: root attributes, ``metrics/``, ``ranks/`` and ``staleness/``.
+    """A run file read into memory: root attributes, ``metrics/``, ``ranks/``, ``staleness/`` and ``trace/``.
 
     Attributes:
         path: the run file.
@@ -100,6 +111,8 @@ class Run:
         ranks: ``ranks/`` series, each (steps, ranks).
         staleness: ``staleness/`` columns (``update``, ``worker``, ``server``, ``tau``,
             ``time``), one row per applied push and server; empty when the run has none.
+        trace: ``trace/`` columns (``rank``, ``kind`` as str, ``start``, ``end``,
+            ``microbatch``), one row per timeline event; empty when the run has none.
         samples: training samples processed up to each metrics row (see
             :func:`samples_processed`); None when the file cannot tell.
     """
@@ -110,6 +123,7 @@ class Run:
     ranks: dict[str, np.ndarray] = field(default_factory=dict)
     staleness: dict[str, np.ndarray] = field(default_factory=dict)
     samples: np.ndarray | None = None
+    trace: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -131,7 +145,7 @@ def _open(path: Path) -> h5py.File:
 
 
 def load(path: str | Path) -> Run:
-    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/`` and ``staleness/``).
+    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, ``staleness/``, ``trace/``).
 
     Series of one group of unequal length (a crash between two appends) are cut to the
     shortest. ``Run.samples`` is the recorded ``metrics/samples`` or, for older files,
@@ -173,8 +187,13 @@ def load(path: str | Path) -> Run:
         metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
         ranks = _series(h5.get("ranks"))
         staleness = _series(h5.get("staleness"))
+        trace = _series(h5.get("trace"))
     metrics = _cut(metrics)
-    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs))
+    trace = _cut(trace)
+    if "kind" in trace:
+        trace["kind"] = np.array([k.decode() if isinstance(k, bytes) else str(k) for k in trace["kind"]])
+    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs),
+               trace)  # fmt: skip
 
 
 def _series(group: h5py.Group | None) -> dict[str, np.ndarray]:
@@ -332,7 +351,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the runs' timelines (trace/) as Chrome trace JSON for Perfetto or "
         "chrome://tracing (default: none)",
     )
+    parser.add_argument(
+        "--gantt-steps",
+        default=GANTT_STEPS,
+        type=_steps,
+        metavar="N",
+        help="the Gantt chart (gantt.png, from trace/) draws each run's last N steps; 0 for every step",
+    )
     return parser
+
+
+def _steps(text: str) -> int:
+    """``--gantt-steps``: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, 0 or more (got {text!r})")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,6 +395,6 @@ def main(argv: list[str] | None = None) -> int:
         print("plots need matplotlib: pip install hpcdl[plot]")
         return 0
     directory, prefix = output_prefix(args.out, runs)
-    for path in plot(runs, names, directory, prefix):
+    for path in plot(runs, names, directory, prefix, gantt_steps=args.gantt_steps):
         print(path)
     return 0
