@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hpcdl.errors import ConfigError
-from hpcdl.report import load, main
+from hpcdl.report import load, main, stage_stats
 from hpcdl.report.gantt import Bar, timeline
 from hpcdl.store import RunFile
 
@@ -297,3 +297,5 @@ def test_a_simulated_1f1b_run_draws_each_stage_in_schedule_order_for_the_tabled_
     (ax,) = figures["gantt"].axes
     labels = {t.get_text() for t in ax.texts}
     assert {f"{k}{m}" for k in "FB" for m in range(4)} <= labels  # 5 ms bars at one step's width: labelled
+    st = stage_stats(run)  # the report reads the same run's stages
+    assert st is not None and st.in_flight.tolist() == plan.in_flight() and np.isfinite(st.bubble).all()

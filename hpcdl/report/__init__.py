@@ -1,8 +1,9 @@
 """``python -m hpcdl.report RUN.h5 [RUN2.h5 ...] [--out DIR_OR_PREFIX]``: summarize and plot run files.
 
 One table row per run (its status told from the writer's heartbeat when the file says
-``running``: :mod:`hpcdl.report.liveness`), and PNGs named after the runs
-(:mod:`hpcdl.report.plots`; the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
+``running``: :mod:`hpcdl.report.liveness`), the pipeline runs' stages under it
+(:mod:`hpcdl.report.stages`), and PNGs named after the runs (:mod:`hpcdl.report.plots`,
+the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hpcdl.errors import file_error
 from hpcdl.report.gantt import STEPS as GANTT_STEPS
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
+from hpcdl.report.stages import format_stages, stage_stats
 from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.report.trace import write_chrome_trace
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
@@ -32,6 +34,8 @@ __all__ = [
     "samples_processed",
     "summarize",
     "format_table",
+    "format_stages",
+    "stage_stats",
     "labels",
     "plot",
     "output_prefix",
@@ -60,8 +64,8 @@ _TEXT = {"run", "name", "world", "status"}
 NOT_FINAL = "*"
 
 DESCRIPTION = (
-    "Print a table of run files and plot their loss, accuracy, per-rank times, staleness and "
-    "timeline as PNGs."
+    "Print a table of run files and plot their loss, accuracy, per-rank times, staleness, pipeline "
+    "stages and timeline as PNGs."
 )
 _EPILOG = """\
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
@@ -84,6 +88,11 @@ by + for several runs), all runs on one figure:
                   pushes at each tau (log axis), labelled with its mode
                   (a: async, b: ssp s=1), ssp's bound dashed; only when some
                   run has staleness/ rows
+  stages          each pipeline stage's bubble (the idle part of a step: the
+                  median over the steps, whiskers least to most, against
+                  (p-1)/(m+p-1) for equal stages) and its peak activation
+                  memory; only when some run has ranks/bubble. The same
+                  numbers are printed under the table
   gantt           the timeline (trace/, recorded with log.trace = true) of each
                   run's last --gantt-steps steps: a row per rank, forward and
                   backward bars labelled with their microbatch (F3, B3), sync's
@@ -239,7 +248,11 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
         ``interrupted`` when the writer is known to be gone), ``status`` (as shown:
         ``running, last written 12 min ago`` when it cannot be told), ``tau_median`` and
-        ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows).
+        ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows),
+        ``stage_bubble`` (per pipeline stage, the median over the steps of its bubble, a
+        fraction of the step) and ``stage_activation_bytes`` (per stage, the most
+        activation bytes held in a step): None without ``ranks/bubble``
+        (:func:`stage_stats`).
 
     Raises:
         RunFileError: as :func:`load`.
@@ -262,6 +275,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
     state, status = run_status(a, run.path, now=now)
     tau = run.staleness.get("tau")
     has_tau = tau is not None and len(tau) > 0
+    stages = stage_stats(run)
+    act = None if stages is None or stages.activation_bytes is None else stages.activation_bytes.tolist()
     return {
         "run": run.path.stem,
         "name": a.get("name"),
@@ -277,6 +292,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         "status": status,
         "tau_median": float(np.median(tau)) if has_tau else None,
         "tau_max": int(np.max(tau)) if has_tau else None,
+        "stage_bubble": None if stages is None else stages.bubble.tolist(),
+        "stage_activation_bytes": act,
     }
 
 
@@ -386,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     names = labels(runs)
     rows = [summarize(run) | {"run": name} for run, name in zip(runs, names)]
     print(format_table(rows))
+    staged = [(name, st) for run, name in zip(runs, names) if (st := stage_stats(run)) is not None]
+    if staged:
+        print()
+        print(format_stages(staged))
     if args.trace is not None:
         count = write_chrome_trace(args.runs, args.trace)
         print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")

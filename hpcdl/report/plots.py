@@ -1,4 +1,4 @@
-"""The report's figures (loss, accuracy, per-rank times, staleness, timeline), PNGs named after the runs.
+"""The report's figures (loss, accuracy, per-rank times, staleness, stages, timeline), named after the runs.
 
 ``loss.png`` and ``accuracy.png`` draw every run against steps, samples processed and
 time: runs of different strategies compare at equal samples and equal time, not at
@@ -16,8 +16,9 @@ step, so the bars are equally high: a rank that does more outside the step (rank
 writes the run file) makes the others wait. Below, per step, the median over the ranks
 and the band from the fastest to the slowest rank: readable at 2 and at 1,024 ranks.
 
-``gantt.png`` (runs with ``trace/`` events) has the timeline of each run's last steps, a
-row per rank (:mod:`hpcdl.report.gantt`).
+``stages.png`` (pipeline runs: ``ranks/bubble``) has each stage's bubble and peak
+activation memory (:mod:`hpcdl.report.stages`); ``gantt.png`` (runs with ``trace/``
+events) the timeline of each run's last steps, a row per rank (:mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 
 from hpcdl.atomic import write_atomic
 from hpcdl.errors import file_error
-from hpcdl.report import gantt
+from hpcdl.report import gantt, stages
 from hpcdl.report.strategy import config_value, mode_label, roles, tau_histogram, workers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
-FIGURES = ("loss", "accuracy", "ranks", "staleness", "gantt")
+FIGURES = ("loss", "accuracy", "ranks", "staleness", "stages", "gantt")
 #: above this many ranks the per-rank panel is an area, not bars
 _BARS_UP_TO = 64
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
@@ -155,9 +156,9 @@ def plot(
     """Write ``<prefix>-<figure>.png`` into ``directory`` for each of :data:`FIGURES` with something to show.
 
     Runs without rows are left out; a figure with nothing to show (no rows, no evaluated
-    step, no per-rank times, no ``staleness/`` rows, no ``trace/`` events) is not
-    written. Each file is written atomically: a plot that cannot be written leaves the
-    file of an earlier report as it was.
+    step, no per-rank times, no ``staleness/`` rows, no ``ranks/bubble``, no ``trace/``
+    events) is not written. Each file is written atomically: a plot that cannot be
+    written leaves the file of an earlier report as it was.
 
     Args:
         runs, names: the runs and their labels.
@@ -241,6 +242,12 @@ def plot(
         fig, ax = plt.subplots(figsize=(7, 4.5))
         _staleness(ax, stale)
         save(fig, "staleness")
+
+    staged = [(st, n) for st, n in ((stages.stage_stats(r), n) for r, n in pairs) if st is not None]
+    if staged:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        stages.draw(axes, staged)
+        save(fig, "stages")
 
     timed_events = [(tl, r, n) for r, n in pairs if (tl := gantt.timeline(r.trace, r.metrics, gantt_steps))]
     if timed_events:

@@ -20,6 +20,7 @@ __all__ = [
     "config_value",
     "workers",
     "roles",
+    "micro_steps",
     "mode_label",
     "tau_histogram",
 ]
@@ -101,6 +102,15 @@ def roles(attrs: dict[str, Any]) -> list[str]:
         return [str(r["role"]) for r in json.loads(attrs.get("placement") or "null")["ranks"]]
     except (ValueError, TypeError, KeyError):
         return []
+
+
+def micro_steps(attrs: dict[str, Any]) -> int | None:
+    """The placement's microbatches (or accumulated batches) per step; None when unknown."""
+    try:
+        m = json.loads(attrs.get("placement") or "null")["micro_steps"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return m if isinstance(m, int) and m > 0 else None
 
 
 def mode_label(attrs: dict[str, Any]) -> str:
