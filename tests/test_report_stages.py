@@ -14,17 +14,12 @@ from hpcdl.store import RunFile
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(path: Path, series: dict[str, np.ndarray], ranks: int = 3, m: int = 4) -> Path:
+def _write(path: Path, series: dict[str, np.ndarray], ranks: int = 3, m: int = 4, config: str = "") -> Path:
     """A finished pipeline run of three steps with ``series`` (steps, ranks) in ``ranks/``."""
     places = [{"role": f"stage {s}", "holds": f"stage {s}", "member": 0} for s in range(ranks)]
     placement = json.dumps({"strategy": "pipeline", "batch_size": 8, "micro_steps": m, "ranks": places})
-    attrs = {
-        "name": path.stem,
-        "world": "sim",
-        "ranks": ranks,
-        "strategy": "pipeline",
-        "placement": placement,
-    }
+    attrs = {"name": path.stem, "world": "sim", "ranks": ranks, "strategy": "pipeline"}
+    attrs |= {"placement": placement, "config": config}
     with RunFile.create(path, attrs, ranks=ranks) as run:
         run.append_metrics([{"step": k, "time": 0.01 * k, "loss": 1.0 / k} for k in (1, 2, 3)])
         run.append_ranks({s: np.full((3, ranks), 1e-3) for s in run.h5["ranks"]})
@@ -112,3 +107,16 @@ def test_the_report_prints_and_plots_the_stages(tmp_path: Path, figures, capsys)
     assert [t.get_text() for t in act.texts] == ["3 held", "2 held", "1 held"]
     (equal,) = [ln for ln in bub.get_lines() if ln.get_label().startswith("equal stages")]
     assert equal.get_ydata()[0] == pytest.approx(100 / 3)  # (p - 1) / (m + p - 1), dashed
+
+
+def test_interleaved_stages_are_held_to_the_bubble_of_v_chunks(tmp_path: Path) -> None:
+    """pipeline.schedule = "interleaved" with v chunks per stage: equal stages idle (p-1)/(vm+p-1)."""
+    config = '[parallel]\nstrategy = "pipeline"\n[pipeline]\nschedule = "interleaved"\nvirtual_stages = 2\n'
+    st = stage_stats(load(_write(tmp_path / "v.h5", {"bubble": BUBBLE}, m=6, config=config)))
+    assert st is not None and st.chunks == 2 and st.equal_stages == pytest.approx(2 / 14)
+    assert "(p-1)/(vm+p-1), v=2 = 14.3%" in format_stages([("v", st)])
+    one = config.replace('"interleaved"', '"1f1b"')  # virtual_stages is the interleaved schedule's only
+    st = stage_stats(load(_write(tmp_path / "o.h5", {"bubble": BUBBLE}, m=6, config=one)))
+    assert st is not None and st.chunks == 1 and st.equal_stages == pytest.approx(2 / 8)
+    assert st.activation_bytes is None and st.in_flight is None  # not recorded: "-" in the table
+    assert format_stages([("o", st)]).splitlines()[3].split()[-2:] == ["-", "-"]

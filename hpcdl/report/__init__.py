@@ -90,7 +90,8 @@ by + for several runs), all runs on one figure:
                   run has staleness/ rows
   stages          each pipeline stage's bubble (the idle part of a step: the
                   median over the steps, whiskers least to most, against
-                  (p-1)/(m+p-1) for equal stages) and its peak activation
+                  (p-1)/(m+p-1) for equal stages, (p-1)/(vm+p-1) with v
+                  interleaved chunks) and its peak activation
                   memory; only when some run has ranks/bubble. The same
                   numbers are printed under the table
   gantt           the timeline (trace/, recorded with log.trace = true) of each

@@ -5,7 +5,8 @@ step's makespan), ``ranks/activation_bytes`` (the most bytes of forward caches h
 during the step) and ``ranks/in_flight`` (the most microbatches held). The report shows
 each stage's bubble as the median over the steps (the range from the least to the most
 as whiskers), against ``(p - 1) / (m + p - 1)``, GPipe's and 1F1B's bubble when the p
-stages cost the same; and each stage's activations as the most over the steps.
+stages cost the same (``(p - 1) / (v m + p - 1)`` for the interleaved schedule's v chunks
+per stage); and each stage's activations as the most over the steps.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcdl.report.strategy import micro_steps, roles
+from hpcdl.report.strategy import config_value, micro_steps, roles
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.report import Run
@@ -36,7 +37,9 @@ class StageStats:
         bubble_low, bubble_high: its least and most over the steps.
         activation_bytes: the most activation bytes held in a step; None if not recorded.
         in_flight: the most microbatches held in a step; None if not recorded.
-        equal_stages: ``(p - 1) / (m + p - 1)``; None when m is unknown.
+        equal_stages: ``(p - 1) / (v m + p - 1)``; None when m is unknown.
+        chunks: v, the model chunks per stage (``pipeline.virtual_stages`` of an
+            ``interleaved`` schedule; 1 otherwise).
     """
 
     names: list[str]
@@ -46,10 +49,16 @@ class StageStats:
     activation_bytes: np.ndarray | None
     in_flight: np.ndarray | None
     equal_stages: float | None
+    chunks: int = 1
 
     @property
     def stages(self) -> int:
         return len(self.names)
+
+    @property
+    def formula(self) -> str:
+        """How :attr:`equal_stages` is worked out, for labels."""
+        return "(p-1)/(m+p-1)" if self.chunks == 1 else f"(p-1)/(vm+p-1), v={self.chunks}"
 
 
 def _over_steps(series: np.ndarray, how: str) -> np.ndarray:
@@ -69,6 +78,10 @@ def stage_stats(run: Run) -> StageStats | None:
     named = roles(run.attrs)
     names = named if len(named) == p and len(set(named)) == p else [f"rank {r}" for r in range(p)]
     m = micro_steps(run.attrs)
+    v = 1
+    if config_value(run.attrs, "pipeline.schedule") == "interleaved":
+        v = config_value(run.attrs, "pipeline.virtual_stages", 1)
+        v = v if isinstance(v, int) and v >= 1 else 1
     extra = {}
     for key in ("activation_bytes", "in_flight"):
         series = run.ranks.get(key)
@@ -81,7 +94,8 @@ def stage_stats(run: Run) -> StageStats | None:
         bubble_high=_over_steps(bubble, "nanmax"),
         activation_bytes=extra["activation_bytes"],
         in_flight=extra["in_flight"],
-        equal_stages=None if m is None else (p - 1) / (m + p - 1),
+        equal_stages=None if m is None else (p - 1) / (v * m + p - 1),
+        chunks=v,
     )
 
 
@@ -119,7 +133,7 @@ def format_stages(rows: list[tuple[str, StageStats]]) -> str:
     out += [line(c).rstrip() for c in cells[1:]]
     for name, st in rows:
         if st.equal_stages is not None:
-            out.append(f"{name}: equal stages would idle (p-1)/(m+p-1) = {100 * st.equal_stages:.1f}%")
+            out.append(f"{name}: equal stages would idle {st.formula} = {100 * st.equal_stages:.1f}%")
     return "\n".join(out)
 
 
@@ -144,14 +158,14 @@ def draw(axes: Any, pairs: list[tuple[StageStats, str]]) -> None:
             if st.in_flight is not None:
                 texts = [f"{n:.0f} held" for n in st.in_flight]
                 act.bar_label(bars, labels=texts, fontsize="x-small", padding=2)
-    equal: dict[float, list[str]] = {}  # one dashed line per value: runs of the same p and m share it
+    equal: dict[tuple[float, str], list[str]] = {}  # a dashed line per value: runs alike share it
     for st, name in pairs:
         if st.equal_stages is not None:
-            equal.setdefault(round(st.equal_stages, 12), []).append(name)
-    for value, runs in equal.items():
+            equal.setdefault((round(st.equal_stages, 12), st.formula), []).append(name)
+    for (value, formula), runs in equal.items():
         which = f" ({', '.join(runs)})" if len(equal) > 1 else ""
         bub.axhline(100 * value, color="0.2", ls="--", lw=1,
-                    label=f"equal stages{which}: (p-1)/(m+p-1) = {100 * value:.1f}%")  # fmt: skip
+                    label=f"equal stages{which}: {formula} = {100 * value:.1f}%")  # fmt: skip
     names = max((st.names for st, _ in pairs), key=len)
     for ax in axes:
         ax.set_xticks(np.arange(most))
