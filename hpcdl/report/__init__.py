@@ -1,8 +1,9 @@
 """``python -m hpcdl.report RUN.h5 [RUN2.h5 ...] [--out DIR_OR_PREFIX]``: summarize and plot run files.
 
 One table row per run (its status told from the writer's heartbeat when the file says
-``running``: :mod:`hpcdl.report.liveness`), and PNGs named after the runs
-(:mod:`hpcdl.report.plots`).
+``running``: :mod:`hpcdl.report.liveness`), the pipeline runs' stages under it
+(:mod:`hpcdl.report.stages`), and PNGs named after the runs (:mod:`hpcdl.report.plots`,
+the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import numpy as np
 
 from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.errors import file_error
+from hpcdl.report.gantt import STEPS as GANTT_STEPS
 from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
+from hpcdl.report.stages import format_stages, stage_stats
 from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.report.trace import write_chrome_trace
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
@@ -31,6 +34,8 @@ __all__ = [
     "samples_processed",
     "summarize",
     "format_table",
+    "format_stages",
+    "stage_stats",
     "labels",
     "plot",
     "output_prefix",
@@ -59,7 +64,8 @@ _TEXT = {"run", "name", "world", "status"}
 NOT_FINAL = "*"
 
 DESCRIPTION = (
-    "Print a table of run files and plot their loss, accuracy, per-rank times and staleness as PNGs."
+    "Print a table of run files and plot their loss, accuracy, per-rank times, staleness, pipeline "
+    "stages and timeline as PNGs."
 )
 _EPILOG = """\
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
@@ -82,16 +88,31 @@ by + for several runs), all runs on one figure:
                   pushes at each tau (log axis), labelled with its mode
                   (a: async, b: ssp s=1), ssp's bound dashed; only when some
                   run has staleness/ rows
+  stages          each pipeline stage's bubble (the idle part of a step: the
+                  median over the steps, whiskers least to most, against
+                  (p-1)/(m+p-1) for equal stages, (p-1)/(vm+p-1) with v
+                  interleaved chunks) and its peak activation
+                  memory; only when some run has ranks/bubble. The same
+                  numbers are printed under the table
+  gantt           the timeline (trace/, recorded with log.trace = true) of each
+                  run's last --gantt-steps steps: a row per rank, forward and
+                  backward bars labelled with their microbatch (F3, B3), sync's
+                  pack, wait and unpack; waiting (recv, wait) as thinner bars,
+                  sends in a thin lane under the row; dotted lines at rank 0's
+                  step ends. The steps are told apart by metrics/time (rank 0's
+                  step ends): every event after the end of the step before the
+                  window is drawn. Only when some run has trace/ events
 
   python -m hpcdl.report runs/cnn.h5                          # runs/cnn-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/     # plots/a+b-loss.png, ...
   python -m hpcdl.report runs/a.h5 runs/b.h5 --out plots/cmp  # plots/cmp-loss.png, ...
-  python -m hpcdl.report runs/a.h5 --trace a.json              # the timeline for Perfetto"""
+  python -m hpcdl.report runs/a.h5 --trace a.json              # the timeline for Perfetto
+  python -m hpcdl.report runs/pipe.h5 --gantt-steps 1          # runs/pipe-gantt.png: the last step"""
 
 
 @dataclass
 class Run:
-    """A run file read into memory: root attributes, ``metrics/``, ``ranks/`` and ``staleness/``.
+    """A run file read into memory: root attributes, ``metrics/``, ``ranks/``, ``staleness/`` and ``trace/``.
 
     Attributes:
         path: the run file.
@@ -100,6 +121,8 @@ class Run:
         ranks: ``ranks/`` series, each (steps, ranks).
         staleness: ``staleness/`` columns (``update``, ``worker``, ``server``, ``tau``,
             ``time``), one row per applied push and server; empty when the run has none.
+        trace: ``trace/`` columns (``rank``, ``kind`` as str, ``start``, ``end``,
+            ``microbatch``), one row per timeline event; empty when the run has none.
         samples: training samples processed up to each metrics row (see
             :func:`samples_processed`); None when the file cannot tell.
     """
@@ -110,6 +133,7 @@ class Run:
     ranks: dict[str, np.ndarray] = field(default_factory=dict)
     staleness: dict[str, np.ndarray] = field(default_factory=dict)
     samples: np.ndarray | None = None
+    trace: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -131,7 +155,7 @@ def _open(path: Path) -> h5py.File:
 
 
 def load(path: str | Path) -> Run:
-    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/`` and ``staleness/``).
+    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, ``staleness/``, ``trace/``).
 
     Series of one group of unequal length (a crash between two appends) are cut to the
     shortest. ``Run.samples`` is the recorded ``metrics/samples`` or, for older files,
@@ -173,8 +197,13 @@ def load(path: str | Path) -> Run:
         metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
         ranks = _series(h5.get("ranks"))
         staleness = _series(h5.get("staleness"))
+        trace = _series(h5.get("trace"))
     metrics = _cut(metrics)
-    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs))
+    trace = _cut(trace)
+    if "kind" in trace:
+        trace["kind"] = np.array([k.decode() if isinstance(k, bytes) else str(k) for k in trace["kind"]])
+    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs),
+               trace)  # fmt: skip
 
 
 def _series(group: h5py.Group | None) -> dict[str, np.ndarray]:
@@ -220,7 +249,11 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
         ``interrupted`` when the writer is known to be gone), ``status`` (as shown:
         ``running, last written 12 min ago`` when it cannot be told), ``tau_median`` and
-        ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows).
+        ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows),
+        ``stage_bubble`` (per pipeline stage, the median over the steps of its bubble, a
+        fraction of the step) and ``stage_activation_bytes`` (per stage, the most
+        activation bytes held in a step): None without ``ranks/bubble``
+        (:func:`stage_stats`).
 
     Raises:
         RunFileError: as :func:`load`.
@@ -243,6 +276,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
     state, status = run_status(a, run.path, now=now)
     tau = run.staleness.get("tau")
     has_tau = tau is not None and len(tau) > 0
+    stages = stage_stats(run)
+    act = None if stages is None or stages.activation_bytes is None else stages.activation_bytes.tolist()
     return {
         "run": run.path.stem,
         "name": a.get("name"),
@@ -258,6 +293,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         "status": status,
         "tau_median": float(np.median(tau)) if has_tau else None,
         "tau_max": int(np.max(tau)) if has_tau else None,
+        "stage_bubble": None if stages is None else stages.bubble.tolist(),
+        "stage_activation_bytes": act,
     }
 
 
@@ -332,7 +369,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write the runs' timelines (trace/) as Chrome trace JSON for Perfetto or "
         "chrome://tracing (default: none)",
     )
+    parser.add_argument(
+        "--gantt-steps",
+        default=GANTT_STEPS,
+        type=_steps,
+        metavar="N",
+        help="the Gantt chart (gantt.png, from trace/) draws each run's last N steps; 0 for every step",
+    )
     return parser
+
+
+def _steps(text: str) -> int:
+    """``--gantt-steps``: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, 0 or more (got {text!r})")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     names = labels(runs)
     rows = [summarize(run) | {"run": name} for run, name in zip(runs, names)]
     print(format_table(rows))
+    staged = [(name, st) for run, name in zip(runs, names) if (st := stage_stats(run)) is not None]
+    if staged:
+        print()
+        print(format_stages(staged))
     if args.trace is not None:
         count = write_chrome_trace(args.runs, args.trace)
         print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")
@@ -358,6 +417,6 @@ def main(argv: list[str] | None = None) -> int:
         print("plots need matplotlib: pip install hpcdl[plot]")
         return 0
     directory, prefix = output_prefix(args.out, runs)
-    for path in plot(runs, names, directory, prefix):
+    for path in plot(runs, names, directory, prefix, gantt_steps=args.gantt_steps):
         print(path)
     return 0

@@ -1,4 +1,4 @@
-"""The report's figures: loss, accuracy, per-rank times and staleness, written as PNGs named after the runs.
+"""The report's figures (loss, accuracy, per-rank times, staleness, stages, timeline), named after the runs.
 
 ``loss.png`` and ``accuracy.png`` draw every run against steps, samples processed and
 time: runs of different strategies compare at equal samples and equal time, not at
@@ -15,6 +15,10 @@ communication. Every rank of a run that meets every step spends the same wall ti
 step, so the bars are equally high: a rank that does more outside the step (rank 0
 writes the run file) makes the others wait. Below, per step, the median over the ranks
 and the band from the fastest to the slowest rank: readable at 2 and at 1,024 ranks.
+
+``stages.png`` (pipeline runs: ``ranks/bubble``) has each stage's bubble and peak
+activation memory (:mod:`hpcdl.report.stages`); ``gantt.png`` (runs with ``trace/``
+events) the timeline of each run's last steps, a row per rank (:mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import numpy as np
 
 from hpcdl.atomic import write_atomic
 from hpcdl.errors import file_error
-from hpcdl.report.strategy import config_value, mode_label, tau_histogram, workers
+from hpcdl.report import gantt, stages
+from hpcdl.report.strategy import config_value, mode_label, roles, tau_histogram, workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.report import Run
@@ -37,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
-FIGURES = ("loss", "accuracy", "ranks", "staleness")
+FIGURES = ("loss", "accuracy", "ranks", "staleness", "stages", "gantt")
 #: above this many ranks the per-rank panel is an area, not bars
 _BARS_UP_TO = 64
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
@@ -145,12 +150,20 @@ def output_prefix(out: str | os.PathLike[str] | None, runs: list[Run]) -> tuple[
     return path.parent, name or named
 
 
-def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> list[Path]:
-    """Write ``<prefix>-loss.png``, ``-accuracy.png``, ``-ranks.png``, ``-staleness.png`` into ``directory``.
+def plot(
+    runs: list[Run], names: list[str], directory: Path, prefix: str, *, gantt_steps: int = gantt.STEPS
+) -> list[Path]:
+    """Write ``<prefix>-<figure>.png`` into ``directory`` for each of :data:`FIGURES` with something to show.
 
     Runs without rows are left out; a figure with nothing to show (no rows, no evaluated
-    step, no per-rank times, no ``staleness/`` rows) is not written. Each file is written
-    atomically: a plot that cannot be written leaves the file of an earlier report as it was.
+    step, no per-rank times, no ``staleness/`` rows, no ``ranks/bubble``, no ``trace/``
+    events) is not written. Each file is written atomically: a plot that cannot be
+    written leaves the file of an earlier report as it was.
+
+    Args:
+        runs, names: the runs and their labels.
+        directory, prefix: where the files go (:func:`output_prefix`).
+        gantt_steps: the Gantt chart's last steps (0: every step with events).
 
     Returns:
         The paths written.
@@ -229,7 +242,50 @@ def plot(runs: list[Run], names: list[str], directory: Path, prefix: str) -> lis
         fig, ax = plt.subplots(figsize=(7, 4.5))
         _staleness(ax, stale)
         save(fig, "staleness")
+
+    staged = [(st, n) for st, n in ((stages.stage_stats(r), n) for r, n in pairs) if st is not None]
+    if staged:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        stages.draw(axes, staged)
+        save(fig, "stages")
+
+    timed_events = [(tl, r, n) for r, n in pairs if (tl := gantt.timeline(r.trace, r.metrics, gantt_steps))]
+    if timed_events:
+        _gantt(timed_events, save)
     return written
+
+
+def _gantt(timelines: list[tuple[gantt.Timeline, Run, str]], save: Any) -> None:
+    """One panel per run, stacked; the caption says what the lanes are (and under MPI, whose clock)."""
+    import matplotlib.pyplot as plt
+
+    heights = [gantt.height(tl.ranks) for tl, _, _ in timelines]
+    caption = _gantt_caption(timelines)
+    foot = 0.18 * (1 + caption.count("\n"))  # inches for the caption
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(13, sum(heights) + foot),
+                             height_ratios=heights, squeeze=False)  # fmt: skip
+    for ax, (tl, run, name) in zip(axes[:, 0], timelines):
+        gantt.draw(ax, tl, name, roles(run.attrs))
+    fig.tight_layout(rect=(0, foot / fig.get_figheight(), 1, 1))
+    fig.text(0.01, 0.01, caption, fontsize="x-small", va="bottom")
+    for ax, (tl, _, _) in zip(axes[:, 0], timelines):
+        gantt.label(ax, tl)
+    save(fig, "gantt", layout=False)
+
+
+def _gantt_caption(timelines: list[tuple[gantt.Timeline, Run, str]]) -> str:
+    kinds = {b.kind for tl, _, _ in timelines if tl.ranks <= gantt.DENSE for b in tl.bars}  # in lanes
+    parts = []
+    if kinds & {"recv", "wait"}:
+        parts.append("thin bars in a row: the rank waiting")
+    if "send" in kinds:
+        parts.append("the lane under a row: sends in flight, from posted to seen complete")
+    parts.append("dotted: rank 0's step ends")
+    lines = ["; ".join(parts)]
+    if any(r.attrs.get("world") == "mpi" for _, r, _ in timelines):
+        lines.append("under mpiexec each rank's times count from its own start: rows may be shifted "
+                     "against each other by as much as the ranks' start-up differs")  # fmt: skip
+    return "\n".join(lines)
 
 
 def x_axes(pairs: list[tuple[Run, str]]) -> list[tuple[str, dict[str, np.ndarray | None]]]:

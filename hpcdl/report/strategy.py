@@ -19,6 +19,8 @@ __all__ = [
     "samples_processed",
     "config_value",
     "workers",
+    "roles",
+    "micro_steps",
     "mode_label",
     "tau_histogram",
 ]
@@ -92,6 +94,23 @@ def workers(attrs: dict[str, Any]) -> int | None:
         return sum(1 for r in ranks if r["role"] == "worker") or None
     except (ValueError, TypeError, KeyError):
         return None
+
+
+def roles(attrs: dict[str, Any]) -> list[str]:
+    """Each rank's role in the ``placement`` attribute (``stage 0``, ``worker``, ...); empty when unknown."""
+    try:
+        return [str(r["role"]) for r in json.loads(attrs.get("placement") or "null")["ranks"]]
+    except (ValueError, TypeError, KeyError):
+        return []
+
+
+def micro_steps(attrs: dict[str, Any]) -> int | None:
+    """The placement's microbatches (or accumulated batches) per step; None when unknown."""
+    try:
+        m = json.loads(attrs.get("placement") or "null")["micro_steps"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return m if isinstance(m, int) and m > 0 else None
 
 
 def mode_label(attrs: dict[str, Any]) -> str:
