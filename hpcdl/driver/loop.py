@@ -105,6 +105,7 @@ class Trainer:
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
         total = self.ctx.total_steps
+        self.ctx.comm.Barrier()  # every rank's clock starts together: run times (trace/) line up across ranks
         self._met, self._t_segment = self.step, wtime()
         self.ctx.elapsed = self.elapsed  # type: ignore[method-assign]  (the run's time, every segment)
         while self.step < total and not self.stopped_by:

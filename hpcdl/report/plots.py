@@ -283,8 +283,8 @@ def _gantt_caption(timelines: list[tuple[gantt.Timeline, Run, str]]) -> str:
     parts.append("dotted: rank 0's step ends")
     lines = ["; ".join(parts)]
     if any(r.attrs.get("world") == "mpi" for _, r, _ in timelines):
-        lines.append("under mpiexec each rank's times count from its own start: rows may be shifted "
-                     "against each other by as much as the ranks' start-up differs")  # fmt: skip
+        lines.append("under mpiexec the ranks' clocks start at a common barrier: rows agree to within its "
+                     "skew (microseconds on one node; clock drift across nodes adds to it)")  # fmt: skip
     return "\n".join(lines)
 
 
