@@ -265,6 +265,7 @@ def _rows(
                 "step_s": step_s,
                 "step_s_min": min(times),
                 "step_s_max": max(times),
+                # rank 0's (stage 0's) split of its step: time waiting on receives and sends is comm_s
                 "compute_s": statistics.median(r["compute_s"] for r in c.reps),
                 "comm_s": statistics.median(r["comm_s"] for r in c.reps),
                 "steps": c.steps_done,  # warm-up and timed
