@@ -68,3 +68,10 @@ def test_train_rows_in_one_process(tmp_path: Path) -> None:
     assert row["impl"] == "hpcdl" and row["ranks"] == 1 and row["batch_per_rank"] == 32
     assert row["samples_per_s"] == pytest.approx(32 / row["step_s"])
     assert {"compute_s", "comm_s", "exposed_comm_s", "compression"} <= set(row)
+
+
+def test_pipeline_in_one_process_says_to_run_under_mpiexec() -> None:
+    with pytest.raises(ConfigError, match="mpiexec -n P"):
+        main(["pipeline", "--reps", "1", "--steps", "1"])
+    with pytest.raises(ConfigError, match="positive"):
+        main(["pipeline", "--reps", "0"])

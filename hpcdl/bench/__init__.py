@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from hpcdl.atomic import check_writable, write_text_atomic
-from hpcdl.bench import allreduce, calibrate, pack, step, train
+from hpcdl.bench import allreduce, calibrate, pack, pipeline, step, train
 from hpcdl.comm import on_root, world
 from hpcdl.driver.cli import ArgumentParser, parse_args
 
@@ -26,6 +26,7 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS", "DESCRIPTION"]
 SUBCOMMANDS: dict[str, ModuleType] = {
     "step": step,
     "train": train,
+    "pipeline": pipeline,
     "pack": pack,
     "allreduce": allreduce,
     "calibrate": calibrate,

@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import numpy as np
 
+from hpcdl.comm import Communicator
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential
 
-__all__ = ["torch_twin"]
+__all__ = ["init_gloo", "torch_twin"]
+
+
+def init_gloo(comm: Communicator) -> None:
+    """Start ``torch.distributed`` over gloo on ``comm``'s ranks (once; the rendezvous port sent over MPI)."""
+    import torch.distributed as dist
+
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    else:
+        port = None
+    port = comm.bcast(port, root=0)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(), world_size=comm.Get_size()
+        )
 
 
 def torch_twin(model: Sequential, flag: str) -> Any:

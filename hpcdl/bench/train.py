@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops
-from hpcdl.bench.torchref import torch_twin
+from hpcdl.bench.torchref import init_gloo, torch_twin
 from hpcdl.comm import Communicator, use_world, watch, world, wtime
 from hpcdl.config import add_set_argument, load_config
 from hpcdl.driver.run import build
@@ -51,20 +50,9 @@ def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Strategy, Callable[[],
 def _torch_ddp_stepper(model: Sequential, batch: Any, comm: Communicator, cfg: Any) -> Callable[[], dict]:
     """The same network, weights and batch under PyTorch DDP (gloo), rendezvous address sent over MPI."""
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    else:
-        port = None
-    port = comm.bcast(port, root=0)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.Get_rank(), world_size=comm.Get_size()
-        )
+    init_gloo(comm)
     net = torch.nn.parallel.DistributedDataParallel(torch_twin(model, "--vs torch-ddp"))
     opt = torch.optim.SGD(net.parameters(), lr=cfg["optimizer.lr"], momentum=cfg["optimizer.momentum"])
     loss_fn = torch.nn.CrossEntropyLoss()
