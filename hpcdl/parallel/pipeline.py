@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
-from hpcdl.backend import array_module, get_array_module, to_numpy
+from hpcdl.backend import array_module, get_array_module, synchronize, to_numpy
 from hpcdl.comm import notes, waitall, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
@@ -385,7 +385,9 @@ class Pipeline(Strategy):
                         self.comm.Recv(x, source=(self.s - 1) % self.p, tag=_EVAL)
                     y = chunk.model.forward(x)
                     if not chunk.last:
-                        self.comm.Send(np.ascontiguousarray(y), dest=(self.s + 1) % self.p, tag=_EVAL)
+                        y = xp.ascontiguousarray(y)
+                        synchronize(y)  # a GPU buffer must be ready before MPI reads it
+                        self.comm.Send(y, dest=(self.s + 1) % self.p, tag=_EVAL)
                         continue
                     labels = xp.asarray(data.y_test[start : start + count])
                     loss_sum += loss_fn.forward(y, labels) * count
@@ -531,6 +533,7 @@ class _StepRun:
 
     def send(self, y: Any, dest: int, tag: int, k: int) -> None:
         buf = y if y.flags.c_contiguous else self.xp.ascontiguousarray(y)
+        synchronize(buf)  # a GPU buffer must be ready before MPI reads it
         self.sends.append((self.pipe.comm.Isend(buf, dest=dest, tag=tag), buf, wtime(), k))
         self.pipe.bytes_sent += int(buf.nbytes)
 
