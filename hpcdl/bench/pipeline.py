@@ -105,8 +105,8 @@ def _torch_pipe_stepper(
         pipe.s,
         pipe.p,
         torch.device("cpu"),
-        input_args=torch.empty(pipe.in_shape, dtype=dtype, requires_grad=not pipe.first),
-        output_args=torch.empty(pipe.out_shape, dtype=dtype, requires_grad=True),
+        input_args=torch.empty(pipe.chunks[0].in_shape, dtype=dtype, requires_grad=not pipe.first),
+        output_args=torch.empty(pipe.chunks[0].out_shape, dtype=dtype, requires_grad=True),
     )
     kind = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
     # the mean loss of each microbatch, gradients averaged over the m (scale_grads): hpcdl's rule
