@@ -203,7 +203,11 @@ def _bench(
         contenders.append(_Contender(PIPELINE, schedule, step, comm, pipe))
         one, one_step = _hpcdl_stepper(one_cfg, alone)[:2] if alone is not None else (None, None)
         contenders.append(_Contender(ONE, schedule, one_step, alone, one, alone=True))
-        if with_torch:
+        if with_torch and pipe.m < pipe.p:
+            if rank == 0:  # torch's schedules refuse it (ValueError on every rank)
+                print(f"bench pipeline: torch pipelining skipped at {schedule}: it needs at least as many "
+                      f"microbatches as stages ({pipe.m} < {pipe.p})")  # fmt: skip
+        elif with_torch:
             torch_step = _torch_pipe_stepper(pipe, batch, comm, cfg, schedule)
             contenders.append(_Contender(TORCH, schedule, torch_step, comm))
     if warmup:

@@ -252,16 +252,15 @@ def figures(results: dict[str, Any]) -> None:
             ax.plot(ms, [r["speedup"] for r in rows], "o-", label=f"simulated, {p} stages")
             ax.plot(ms, [r["equal_stages"] for r in rows], ":", color=ax.lines[-1].get_color(),
                     label=f"p m / (m + p - 1), p = {p}")  # fmt: skip
-    real = [r for r in results.get("real", []) if r.get("schedule") == "1f1b"]
-    if real:
-        real = sorted(real, key=lambda r: r["m"])
-        ax.plot(
-            [r["m"] for r in real], [r["speedup"] for r in real], "s-k", label="real, 2 stages (hpcdl 1F1B)"
-        )
-        torch = [r for r in real if r.get("torch_speedup") is not None]
-        if torch:
-            ax.plot([r["m"] for r in torch], [r["torch_speedup"] for r in torch], "^--", color="grey",
-                    label="real, 2 stages (torch pipelining 1F1B)")  # fmt: skip
+    for kind, style in (("1f1b", "s-k"), ("gpipe", "s--k")):
+        real = real_speedups(results.get("real", []), kind)
+        if real:
+            ms = sorted(real)
+            ax.plot(ms, [real[m]["hpcdl"] for m in ms], style, label=f"real, 2 stages, hpcdl {kind}")
+            torch = [m for m in ms if real[m].get("torch") is not None]
+            if torch and kind == "1f1b":
+                ax.plot(torch, [real[m]["torch"] for m in torch], "^-", color="grey",
+                        label="real, 2 stages, torch pipelining 1f1b")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("microbatches m (of 128 samples)")
     ax.set_ylabel("speed-up over one process (same samples)")
@@ -290,6 +289,23 @@ def figures(results: dict[str, Any]) -> None:
         fig.tight_layout()
         fig.savefig(HERE / "cnn-balance.png", dpi=120)
         plt.close(fig)
+
+
+def real_speedups(rows: list[dict[str, Any]], kind: str) -> dict[int, dict[str, float]]:
+    """Per m, the real runs' samples/s over one process's: hpcdl's pipeline and torch's."""
+    out: dict[int, dict[str, float]] = {}
+    for m in sorted({r["m"] for r in rows}):
+        by = {r["impl"]: r for r in rows if r["m"] == m and r["schedule"] == kind}
+        one = by.get("one-process")
+        if one is None or "hpcdl-pipeline" not in by:
+            continue
+        out[m] = {"hpcdl": by["hpcdl-pipeline"]["samples_per_s"] / one["samples_per_s"],
+                  "one_process_per_s": one["samples_per_s"],
+                  "hpcdl_per_s": by["hpcdl-pipeline"]["samples_per_s"]}  # fmt: skip
+        if "torch-pipelining" in by:
+            out[m]["torch"] = by["torch-pipelining"]["samples_per_s"] / one["samples_per_s"]
+            out[m]["torch_per_s"] = by["torch-pipelining"]["samples_per_s"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
