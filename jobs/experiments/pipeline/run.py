@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -228,9 +229,11 @@ def part_trace(work: Path) -> dict[str, Any]:
                  f"pipeline.profile={work / 'profile-mlp32.h5'}"]  # fmt: skip
         path = train(work, f"trace-sim-{kind}", timed, 4, sim)
         out[f"sim-{kind}"] = str(path)
-    for name, path in out.items():
-        run([PYTHON, "-m", "hpcdl.report", path, "--out", str(HERE / f"gantt-{name}"),
+    for name, path in out.items():  # the Gantt chart and the stages' bubbles kept beside this script
+        run([PYTHON, "-m", "hpcdl.report", path, "--out", str(work / f"report-{name}"),
              "--trace", str(Path(path).with_suffix(".json"))])  # fmt: skip
+        for figure in ("gantt", "stages"):
+            shutil.copyfile(work / f"report-{name}-{figure}.png", HERE / f"{figure}-{name}.png")
     return out
 
 
