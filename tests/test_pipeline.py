@@ -28,6 +28,7 @@ from hpcdl.config import load_config
 from hpcdl.driver.run import train
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.pipe_plan import balance_by_cost, bubble_fraction, schedule, simulate
+from hpcdl.report.trace import chrome_trace
 from hpcdl.sim.compute import make_compute
 from hpcdl.sim.engine import simulate as sim_run
 from hpcdl.sim.network import load_network
@@ -251,6 +252,12 @@ def test_the_trace_has_every_forward_and_backward_of_every_microbatch(tmp_path: 
     sends = (kind == "send") & (rank < stages - 1)  # activations forward (and gradients back)
     assert sends.sum() >= m * steps
     assert ((kind == "recv") & (rank == 0)).sum() == m * steps  # stage 0 receives only gradients
+    # as Chrome trace events: a complete event per trace row, on the track of its rank
+    spans = [e for e in chrome_trace([out])["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(kind)
+    for e in spans:
+        assert set(e) >= {"name", "cat", "ph", "pid", "tid", "ts", "dur"}
+        assert e["tid"] in range(stages) and isinstance(e["ts"], float) and e["dur"] >= 0
 
 
 def test_plan_prints_the_partition_and_the_schedule(capsys: pytest.CaptureFixture[str]) -> None:
