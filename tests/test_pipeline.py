@@ -326,3 +326,40 @@ def test_a_profiled_pipeline_run_profiles_every_stage_and_feeds_the_time_balance
     got = sim(3, pipe("train.steps=1", "pipeline.balance=time", f"pipeline.profile={out}"))
     assert sum(got[0].strategy.partition.balance) == LAYERS
     assert all(x.forward_s > 0 for x in got[0].strategy.partition.layers)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "says"),
+    [
+        (
+            ["pipeline.balance=[4,6,6]"],
+            ["pipeline.balance=[4,5,7]"],
+            "resume with pipeline.balance = [4, 6, 6",
+        ),
+        (["pipeline.schedule=gpipe"], ["pipeline.schedule=1f1b"], "pipeline.schedule = 'gpipe'"),
+        (["pipeline.microbatches=2"], ["pipeline.microbatches=4"], "pipeline.microbatches = 2"),
+    ],
+)
+def test_a_resume_cut_or_scheduled_otherwise_is_refused_before_anything_is_written(
+    tmp_path: Path, before: list[str], after: list[str], says: str
+) -> None:
+    """Stage 0 holds the same layers in both cuts: rank 0 checks every stage's piece, not its own."""
+    out = tmp_path / "run.h5"
+    sim(3, pipe("train.steps=4", "checkpoint.every=2", "train.stop_at=2", *before), out=out)
+    with h5py.File(out) as f:
+        rows, attrs = len(f["metrics/step"]), dict(f.attrs)
+    with pytest.raises(Exception, match="none of them|does not fit|was written|cut as") as raised:
+        sim(3, pipe("train.steps=4", "checkpoint.every=2", *after), out=out, resume="auto")
+    assert says in str(raised.value)
+    with h5py.File(out) as f:
+        assert len(f["metrics/step"]) == rows
+        assert {k: str(v) for k, v in f.attrs.items()} == {k: str(v) for k, v in attrs.items()}  # untouched
+
+
+def test_profiling_for_the_time_balance_leaves_the_runs_dropout_draws_alone() -> None:
+    """One stage holds the dropout layer: profiling on a model of its own must not draw its masks."""
+    sets = ["train.steps=3", "model.dropout=0.3"]
+    profiled = sim(1, pipe(*sets, "pipeline.balance=time"))
+    given = sim(1, pipe(*sets, f"pipeline.balance=[{LAYERS + 1}]"))
+    assert profiled[0].strategy.partition.balance == (LAYERS + 1,)
+    np.testing.assert_array_equal(stage_params(profiled), stage_params(given))

@@ -28,6 +28,7 @@ FIT_KEYS = (
     "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
     "data.train_size", "data.test_size", "exchange.accumulate", "parallel.strategy",
     "parallel.servers", "parallel.mode", "parallel.staleness", "parallel.compensation", "parallel.dc_lambda",
+    "pipeline.microbatches", "pipeline.schedule", "pipeline.virtual_stages",
 )  # fmt: skip
 
 #: the key of the driver's counters in each rank's meta (the strategy's part holds the rest)

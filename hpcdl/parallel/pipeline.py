@@ -33,7 +33,7 @@ import numpy as np
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, get_array_module, synchronize, to_numpy
 from hpcdl.comm import notes, waitall, wtime
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import make_exchange
 from hpcdl.parallel.pipe_plan import LayerInfo, Op, Partition, Schedule, partition, schedule
@@ -240,7 +240,11 @@ class Pipeline(Strategy):
         self.ops: tuple[Op, ...] = self.schedule.stages[self.s]
         self.batch = ctx.placement.batch_size
         whole: Sequential = ctx.build_model()
-        self.partition = self._agree_partition(whole)
+        try:
+            self.partition = self._agree_partition(whole)
+        except ConfigError:  # on every rank alike: the duplicated communicator goes with it
+            self.comm.Free()
+            raise
         # sums the microbatches' gradients and averages them (the accumulating exchange's rule),
         # one per chunk; over one rank here, over a stage's replicas when they come
         self.replicas = self.comm.Split(self.s, 0)
@@ -271,16 +275,16 @@ class Pipeline(Strategy):
 
             def sample() -> tuple[Sequential, Any, Any]:
                 x, y = self.ctx.batch(np.arange(self.ctx.placement.batch_size))
-                streams = self.ctx.random_state()  # a model of its own: the run's dropout draws stay
-                model = self.ctx.build_model()
-                self.ctx.load_random_state(streams)
-                return model, x, y
+                return self.ctx.build_model(), x, y  # a model of its own to profile
 
             stages = self.p * self.schedule.chunks
+            streams = self.ctx.random_state()  # profiling draws dropout masks: the run's draws stay
             try:
                 outcome = ("ok", stage_partition(cfg, whole, stages, data.input_shape, sample))
-            except ConfigError as err:
+            except (HpcdlError, OSError) as err:  # a bad description or profile: every rank says so
                 outcome = ("error", str(err))
+            finally:
+                self.ctx.load_random_state(streams)
         kind, value = self.comm.bcast(outcome, root=0)
         if kind == "error":
             raise ConfigError(value)
@@ -327,8 +331,7 @@ class Pipeline(Strategy):
                 run.forward(self.chunks[op.chunk], op.microbatch)
             else:
                 run.backward(self.chunks[op.chunk], op.microbatch)
-            if self.tracing:
-                run.poll_sends()
+            run.poll_sends()  # completed sends let their buffers go (and MPI progresses them)
         t_ops = wtime()
         run.finish_sends()
         self._note["phase"] = "update"
@@ -339,7 +342,7 @@ class Pipeline(Strategy):
             self.optimizer.step()
         span = t_ops - t_start
         return StepStats(
-            loss=run.loss / self.m if self.last else math.nan,
+            loss=run.loss if self.last else math.nan,
             correct=run.correct,
             samples=len(indices) if self.last else 0,
             lr=lr,
@@ -407,8 +410,14 @@ class Pipeline(Strategy):
                   "pipeline": {"bytes_sent": self.bytes_sent, "balance": list(self.partition.balance)}},
         )  # fmt: skip
         if pieces:
-            part.pieces[f"stage {self.s}"] = model_piece(self.model, self.optimizer)
+            piece = model_piece(self.model, self.optimizer)
+            piece["meta"]["partition"] = self._cut()  # checked on resume by rank 0, for every stage
+            part.pieces[f"stage {self.s}"] = piece
         return part
+
+    def _cut(self) -> dict[str, Any]:
+        """How the model is cut and scheduled: what a checkpoint's stages must agree with."""
+        return {"balance": list(self.partition.balance), "chunks": self.schedule.chunks}
 
     def load_state(self, state: RankState) -> None:
         """Put the stage, its optimizer, the sampler position, the streams and counters back.
@@ -424,11 +433,25 @@ class Pipeline(Strategy):
         self.batches.restart()
 
     def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
-        """Refuse a checkpoint whose stage holds other parameters (another partition or model).
+        """Refuse a checkpoint cut otherwise (another partition, chunks per stage or model).
+
+        Rank 0 sees every stage's piece (before anything is loaded), the others their own.
+        A partition worked out by profiling (``balance = "time"`` without ``pipeline.profile``)
+        may cut otherwise after a restart: the message names the cut to resume with.
 
         Raises:
-            ConfigError: naming up to three parameters that differ.
+            ConfigError: naming the two cuts, or up to three parameters that differ.
         """
+        mine = self._cut()
+        for piece in pieces.values():
+            theirs = piece.get("meta", {}).get("partition")
+            if theirs is not None and theirs != mine:
+                v = theirs["chunks"]
+                chunks = "" if v == 1 else f" with pipeline.virtual_stages = {v}"
+                raise ConfigError(
+                    f"it was cut as pipeline.balance = {theirs['balance']}{chunks}; this run cuts "
+                    f"{mine['balance']}: resume with pipeline.balance = {theirs['balance']}"
+                )
         diff = differing_parameters(self.model, pieces.get(f"stage {self.s}", {}).get("params", {}))
         if diff:
             raise ConfigError(
@@ -549,7 +572,7 @@ class _StepRun:
         y = chunk.model.forward(x)
         if chunk.last:
             labels = pipe.ctx.labels(self.parts[k])
-            self.loss += pipe.loss_fn.forward(y, labels)
+            self.loss += pipe.loss_fn.forward(y, labels) / self.m  # as sync's accumulation sums it
             self.correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
             self.grads[k] = pipe.loss_fn.backward()
         t1 = wtime()
@@ -588,11 +611,12 @@ class _StepRun:
             self.send(gx, self.prev, 2 * ((chunk.index - 1) * self.m + k) + 1, k)
 
     def poll_sends(self) -> None:
-        """Trace the sends that have completed (``log.trace``)."""
+        """Let the sends that have completed go (traced with ``log.trace``)."""
         pending = []
         for req, buf, posted, k in self.sends:
             if req.Test():
-                self.pipe.ctx.trace("send", posted, wtime(), k)
+                if self.pipe.tracing:
+                    self.pipe.ctx.trace("send", posted, wtime(), k)
             else:
                 pending.append((req, buf, posted, k))
         self.sends = pending
