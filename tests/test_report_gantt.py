@@ -13,6 +13,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from report_figures import written_plots
 
 from hpcdl.errors import ConfigError
 from hpcdl.report import load, main, stage_stats
@@ -144,34 +145,10 @@ def test_bar_labels_name_the_microbatch_of_what_occupies_the_rank() -> None:
 # -- the figures -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The figures the report saves, by figure name (``gantt``, ``stages``, ...)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    saved: dict = {}
-    original = Figure.savefig
-
-    def savefig(self, fname, *args, **kwargs):  # noqa: ANN001, ANN202
-        name = Path(getattr(fname, "name", str(fname))).name  # a temporary .<prefix>-<figure>.png...
-        saved[name.split(".png")[0].rsplit("-", 1)[-1]] = self
-        return original(self, fname, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", savefig)
-    return saved
-
-
-def _written(out: str) -> list[str]:
-    return sorted(Path(line).name for line in out.splitlines() if line.startswith("/"))
-
-
 def test_the_report_draws_the_gantt_chart_of_the_last_steps(tmp_path: Path, figures, capsys) -> None:
     run = _write(tmp_path / "pipe.h5", EVENTS)
     assert main([str(run), "--out", f"{tmp_path}/p/"]) == 0
-    assert "pipe-gantt.png" in _written(capsys.readouterr().out)
+    assert "pipe-gantt.png" in written_plots(capsys.readouterr().out)
     png = (tmp_path / "p" / "pipe-gantt.png").read_bytes()
     assert png[:8] == PNG_MAGIC and len(png) > 10_000
     (ax,) = figures["gantt"].axes
@@ -212,11 +189,11 @@ def test_a_run_without_trace_events_has_no_gantt_chart(tmp_path: Path, capsys, h
     assert load(run).trace == {} or len(load(run).trace["start"]) == 0
     traced = _write(tmp_path / "traced.h5", EVENTS)
     assert main([str(run), "--out", f"{tmp_path}/p/"]) == 0
-    written = _written(capsys.readouterr().out)
+    written = written_plots(capsys.readouterr().out)
     assert written == ["plain-loss.png", "plain-ranks.png"]  # absent plots are not listed (nor written)
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == written
     assert main([str(run), str(traced), "--out", f"{tmp_path}/q/"]) == 0  # beside a traced run: its panel
-    assert "plain+traced-gantt.png" in _written(capsys.readouterr().out)
+    assert "plain+traced-gantt.png" in written_plots(capsys.readouterr().out)
 
 
 def test_several_runs_get_a_panel_each(tmp_path: Path, figures, capsys) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from report_figures import written_plots
 
 from hpcdl.report import format_stages, load, main, stage_stats, summarize
 from hpcdl.store import RunFile
@@ -27,30 +28,6 @@ def _write(path: Path, series: dict[str, np.ndarray], ranks: int = 3, m: int = 4
             run.h5["ranks"].create_dataset(name, data=data)
         run.set_attrs(status="finished")
     return path
-
-
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The figures the report saves, by figure name (``stages``, ...)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    saved: dict = {}
-    original = Figure.savefig
-
-    def savefig(self, fname, *args, **kwargs):  # noqa: ANN001, ANN202
-        name = Path(getattr(fname, "name", str(fname))).name  # a temporary .<prefix>-<figure>.png...
-        saved[name.split(".png")[0].rsplit("-", 1)[-1]] = self
-        return original(self, fname, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", savefig)
-    return saved
-
-
-def _written(out: str) -> list[str]:
-    return sorted(Path(line).name for line in out.splitlines() if line.startswith("/"))
 
 
 #: per step (rows) and stage (columns): bubble fractions, activation bytes, microbatches held
@@ -85,7 +62,7 @@ def test_stages_without_bubble_rows(tmp_path: Path, capsys) -> None:
     assert format_stages([]) == ""
     assert main([str(plain), "--out", f"{tmp_path}/p/"]) == 0
     out = capsys.readouterr().out
-    assert "per pipeline stage" not in out and "plain-stages.png" not in _written(out)
+    assert "per pipeline stage" not in out and "plain-stages.png" not in written_plots(out)
 
 
 def test_the_report_prints_and_plots_the_stages(tmp_path: Path, figures, capsys) -> None:
@@ -99,7 +76,7 @@ def test_the_report_prints_and_plots_the_stages(tmp_path: Path, figures, capsys)
     assert rows[1][:6] == ["stage", "1", "25.0", "(20.0-90.0)", "2.50", "2"]
     assert rows[2][:6] == ["stage", "2", "42.5", "(40.0-45.0)", "1.00", "1"]
     assert "(p-1)/(m+p-1) = 33.3%" in out
-    assert "pipe-stages.png" in _written(out)
+    assert "pipe-stages.png" in written_plots(out)
     assert (tmp_path / "p" / "pipe-stages.png").read_bytes()[:8] == PNG_MAGIC
     bub, act = figures["stages"].axes
     np.testing.assert_allclose([p.get_height() for p in bub.patches], [40.0, 25.0, 42.5])
