@@ -1,5 +1,5 @@
 """Shared fixtures: ``comm`` is the current world communicator (MPI's, or a world of one);
-``figures`` the figures the report saves, by figure name."""
+``figures`` the figures the report saves."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def comm() -> hc.Communicator:
 
 @pytest.fixture
 def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The figures the report saves, by figure name (``gantt``, ``stages``, ...)."""
+    """The figures the report saves, by file stem (``a+b-staleness``) and by figure name
+    (``staleness``: the last run's of that name)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -28,8 +29,8 @@ def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
     original = Figure.savefig
 
     def savefig(self, fname, *args, **kwargs):  # noqa: ANN001, ANN202
-        name = Path(getattr(fname, "name", str(fname))).name  # a temporary .<prefix>-<figure>.png...
-        saved[name.split(".png")[0].rsplit("-", 1)[-1]] = self
+        stem = Path(getattr(fname, "name", str(fname))).name.split(".png")[0].lstrip(".")  # .<stem>.png...
+        saved[stem] = saved[stem.rsplit("-", 1)[-1]] = self
         return original(self, fname, *args, **kwargs)
 
     monkeypatch.setattr(Figure, "savefig", savefig)

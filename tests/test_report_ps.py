@@ -114,30 +114,6 @@ def _known_tau(seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).permutation(tau)
 
 
-@pytest.fixture
-def figures(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The figures the report saves, by file name (``a+b-staleness.png`` -> Figure)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    saved: dict = {}
-    original = Figure.savefig
-
-    def savefig(self, fname, *args, **kwargs):  # noqa: ANN001, ANN202
-        saved[getattr(fname, "name", str(fname))] = self
-        return original(self, fname, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", savefig)
-    return saved
-
-
-def _figure(figures: dict, name: str):  # noqa: ANN202
-    (fig,) = [f for path, f in figures.items() if Path(path).name.startswith(f".{name}.png")]  # temporary
-    return fig
-
-
 # -- loading ----------------------------------------------------------------------------------
 
 
@@ -185,13 +161,13 @@ def test_accuracy_by_samples_puts_strategies_on_one_axis(tmp_path: Path, figures
     a = _ps(tmp_path / "a.h5", _known_tau())
     b = _sync(tmp_path / "b.h5")
     assert main([str(a), str(b), "--out", f"{tmp_path}/p/"]) == 0
-    fig = _figure(figures, "a+b-accuracy")
+    fig = figures["a+b-accuracy"]
     assert [ax.get_xlabel() for ax in fig.axes] == ["step", "samples processed", "time (s)"]
     by_samples = fig.axes[1]
     tests = {ln.get_label(): ln.get_xdata() for ln in by_samples.get_lines()}
     np.testing.assert_array_equal(tests["a test"], [8 * 5, 8 * 10])  # evaluated at steps 5 and 10
     np.testing.assert_array_equal(tests["b test"], [32 * 5, 32 * 10])
-    loss = _figure(figures, "a+b-loss")
+    loss = figures["a+b-loss"]
     assert [ax.get_xlabel() for ax in loss.axes] == ["step", "samples processed", "time (s)"]
 
 
@@ -200,11 +176,11 @@ def test_a_run_without_placement_is_named_as_not_shown(tmp_path: Path, figures, 
     old = _write(tmp_path / "old.h5", strategy="sync", placement=None, workers=2)
     assert load(old).samples is None
     assert main([str(a), str(old), "--out", f"{tmp_path}/p/"]) == 0
-    by_samples = _figure(figures, "a+old-accuracy").axes[1]
+    by_samples = figures["a+old-accuracy"].axes[1]
     assert [ln.get_label() for ln in by_samples.get_lines()] == ["a test"]
     assert "not shown (unknown): old" in [t.get_text() for t in by_samples.texts]
     assert main([str(old), "--out", f"{tmp_path}/q/"]) == 0  # nothing to show by samples: no such panel
-    assert [ax.get_xlabel() for ax in _figure(figures, "old-accuracy").axes] == ["step", "time (s)"]
+    assert [ax.get_xlabel() for ax in figures["old-accuracy"].axes] == ["step", "time (s)"]
 
 
 # -- the staleness histogram -----------------------------------------------------------------
@@ -228,7 +204,7 @@ def test_runs_of_different_lengths_compare(tmp_path: Path, figures, capsys) -> N
     a = _ps(tmp_path / "a.h5", _known_tau(1))
     b = _ps(tmp_path / "b.h5", np.concatenate([_known_tau(2), _known_tau(3)]), mode="ssp", staleness=1)
     assert main([str(a), str(b), "--out", f"{tmp_path}/p/"]) == 0
-    (ax,) = _figure(figures, "a+b-staleness").axes
+    (ax,) = figures["a+b-staleness"].axes
     assert ax.get_yscale() == "log"
     drawn = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
     assert list(drawn) == ["a: async", "b: ssp s=1 (SSP allows τ <= 6)"]  # 3 workers: (3 - 1)(2 + 1)
@@ -248,7 +224,7 @@ def test_a_ps_run_beside_a_sync_run_has_one_histogram(tmp_path: Path, figures, c
     written = sorted(Path(ln).name for ln in out.splitlines() if ln.startswith("/"))
     assert written == [f"a+b-{f}.png" for f in ("accuracy", "loss", "ranks", "staleness")]
     assert (tmp_path / "p" / "a+b-staleness.png").read_bytes()[:8] == PNG_MAGIC
-    (ax,) = _figure(figures, "a+b-staleness").axes
+    (ax,) = figures["a+b-staleness"].axes
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a: async"]
 
 
