@@ -22,15 +22,13 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from simulated import sim
 
-from hpcdl.comm import world
 from hpcdl.config import load_config
 from hpcdl.driver.run import train
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.pipe_plan import balance_by_cost, bubble_fraction, schedule, simulate
 from hpcdl.report.trace import chrome_trace
-from hpcdl.sim.compute import make_compute
-from hpcdl.sim.engine import simulate as sim_run
 from hpcdl.sim.network import load_network
 from hpcdl.sim.ticks import TICKS_PER_SECOND
 from hpcdl.train import main as train_main
@@ -49,18 +47,6 @@ def cfg(*sets: str) -> Any:
 
 def pipe(*sets: str) -> Any:
     return cfg("parallel.strategy=pipeline", *sets)
-
-
-def sim(
-    n: int, config: Any, out: Path | None = None, compute: str = "none", resume: str | None = None
-) -> list[Any]:
-    result = sim_run(
-        n,
-        lambda: train(config, world(), out=out, resume=resume),
-        network=load_network("eth10g", n),
-        compute=make_compute(compute),
-    )
-    return result.results
 
 
 def stage_params(results: list) -> np.ndarray:

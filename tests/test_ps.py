@@ -20,15 +20,12 @@ import h5py
 import numpy as np
 import pytest
 from ps_config import cfg
+from simulated import sim
 
-from hpcdl.comm import world
 from hpcdl.driver.run import train
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.ps import compensated_lr, dc_gradient
 from hpcdl.parallel.ps_plan import max_staleness
-from hpcdl.sim.compute import make_compute
-from hpcdl.sim.engine import simulate
-from hpcdl.sim.network import load_network
 
 
 def equal_costs(tmp_path: Path) -> str:
@@ -37,19 +34,6 @@ def equal_costs(tmp_path: Path) -> str:
     rows = "".join(f'[[layers]]\nlayer = "{i}"\nforward_s = 1e-4\nbackward_s = 2e-4\n' for i in range(6))
     table.write_text(rows)
     return f"table:{table}"
-
-
-def sim(
-    n: int, config: Any, out: Path | None = None, compute: str = "none", resume: str | None = None
-) -> list[Any]:
-    """Train ``config`` on ``n`` virtual ranks (eth10g); each rank's result."""
-    result = simulate(
-        n,
-        lambda: train(config, world(), out=out, resume=resume),
-        network=load_network("eth10g", n),
-        compute=make_compute(compute),
-    )
-    return result.results
 
 
 def flat(result: Any) -> np.ndarray:
