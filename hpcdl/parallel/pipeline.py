@@ -52,7 +52,7 @@ from hpcdl.parallel.strategy import (
 )
 from hpcdl.parallel.sync import mean_over_members
 
-__all__ = ["Pipeline", "layer_infos", "profile_costs", "stage_partition"]
+__all__ = ["Pipeline", "layer_infos", "profile_costs", "sample_shapes", "stage_partition"]
 
 #: steps rank 0 profiles for ``balance = "time"`` when ``pipeline.profile`` is empty
 PROFILE_STEPS = 3
@@ -65,6 +65,21 @@ EVAL_BATCH = 512
 # -- the partition: what each stage holds ------------------------------------------------------
 
 
+def sample_shapes(model: Sequential, x: Any) -> list[tuple[int, ...]]:
+    """One sample's shape into the model and out of each top-level layer (a forward of the
+    one-sample ``x`` in evaluation mode: BatchNorm statistics and dropout streams untouched)."""
+    shapes = [tuple(x.shape[1:])]
+    training = model.training
+    model.eval()
+    try:
+        for layer in model.layers:
+            x = layer.forward(x)
+            shapes.append(tuple(x.shape[1:]))
+    finally:
+        model.train(training)
+    return shapes
+
+
 def layer_infos(
     model: Sequential,
     input_shape: Sequence[int],
@@ -72,7 +87,7 @@ def layer_infos(
     costs: dict[str, Any] | None = None,
 ) -> list[LayerInfo]:
     """What the partitioner knows of each top-level layer: parameters, output bytes at ``batch``
-    samples (one sample forward, in evaluation mode), and ``costs``' times scaled to ``batch``.
+    samples (:func:`sample_shapes`), and ``costs``' times scaled to ``batch``.
 
     Args:
         model: the whole model.
@@ -81,22 +96,17 @@ def layer_infos(
         costs: layer name -> :class:`hpcdl.sim.compute.LayerCost` (a cost table), or None.
     """
     first = model.parameters()[0].data  # a model has parameters; a stage may not
-    x = get_array_module(first).zeros((1, *input_shape), dtype=first.dtype)
-    training = model.training
-    model.eval()
+    shapes = sample_shapes(model, get_array_module(first).zeros((1, *input_shape), dtype=first.dtype))
     infos = []
-    try:
-        for name, layer in zip(model._children, model.layers, strict=True):
-            x = layer.forward(x)
-            fwd = bwd = 0.0
-            cost = (costs or {}).get(name)
-            if cost is not None:
-                scale = batch / cost.batch if cost.batch else 1.0
-                fwd, bwd = cost.forward_s * scale, cost.backward_s * scale
-            params = sum(int(p.size) for p in layer.parameters())
-            infos.append(LayerInfo(name, params, fwd, bwd, int(x.nbytes) * batch))
-    finally:
-        model.train(training)
+    for name, layer, shape in zip(model._children, model.layers, shapes[1:], strict=True):
+        fwd = bwd = 0.0
+        cost = (costs or {}).get(name)
+        if cost is not None:
+            scale = batch / cost.batch if cost.batch else 1.0
+            fwd, bwd = cost.forward_s * scale, cost.backward_s * scale
+        params = sum(int(p.size) for p in layer.parameters())
+        out_bytes = math.prod(shape) * first.dtype.itemsize * batch
+        infos.append(LayerInfo(name, params, fwd, bwd, out_bytes))
     return infos
 
 
@@ -292,15 +302,7 @@ class Pipeline(Strategy):
 
     def _chunks(self, whole: Sequential) -> list[_Chunk]:
         """This rank's model chunks (virtual stages ``c p + s``), with the shapes they receive."""
-        x = self.xp.zeros((1, *self.ctx.data().input_shape), dtype=self.dtype)
-        shapes = [tuple(x.shape[1:])]  # the input of each top-level layer, then the output
-        whole.eval()
-        try:
-            for layer in whole.layers:
-                x = layer.forward(x)
-                shapes.append(tuple(x.shape[1:]))
-        finally:
-            whole.train()
+        shapes = sample_shapes(whole, self.xp.zeros((1, *self.ctx.data().input_shape), dtype=self.dtype))
         bounds = np.cumsum([0, *self.partition.balance]).tolist()
         count = len(self.partition.balance)
         chunks = []
@@ -407,7 +409,7 @@ class Pipeline(Strategy):
         part = RankState(
             arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
             meta={"random": self.ctx.random_state(), "sampler": self.sampler.state(),
-                  "pipeline": {"bytes_sent": self.bytes_sent, "balance": list(self.partition.balance)}},
+                  "pipeline": {"bytes_sent": self.bytes_sent}},
         )  # fmt: skip
         if pieces:
             piece = model_piece(self.model, self.optimizer)
@@ -532,16 +534,20 @@ class _StepRun:
             op = pipe.ops[self.posted]
             self.posted += 1
             chunk, k = pipe.chunks[op.chunk], op.microbatch
-            tag = 2 * (chunk.index * self.m + k)
             if op.kind == "F" and not chunk.first:
                 buf = self.xp.empty(chunk.in_shape, dtype=self.dtype)
-                req = pipe.comm.Irecv(buf, source=self.prev, tag=tag)
+                req = pipe.comm.Irecv(buf, source=self.prev, tag=self.tag(chunk.index, k, grad=False))
             elif op.kind == "B" and not chunk.last:
                 buf = self.xp.empty(chunk.out_shape, dtype=self.dtype)
-                req = pipe.comm.Irecv(buf, source=self.next, tag=tag + 1)
+                req = pipe.comm.Irecv(buf, source=self.next, tag=self.tag(chunk.index, k, grad=True))
             else:
                 continue
             self.recvs[(op.kind, op.chunk, k)] = (req, buf)
+
+    def tag(self, virtual: int, k: int, grad: bool) -> int:
+        """The tag of microbatch k's activations into virtual stage ``virtual`` (``grad``: of the
+        gradient coming back into it), unique within a step and below :data:`_EVAL`."""
+        return 2 * (virtual * self.m + k) + int(grad)
 
     def received(self, kind: str, chunk: int, k: int) -> Any:
         """The buffer of a posted receive, once it has arrived (the wait is communication)."""
@@ -587,7 +593,7 @@ class _StepRun:
         self.peak_held = max(self.peak_held, self.held)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         if not chunk.last:
-            self.send(y, self.next, 2 * ((chunk.index + 1) * self.m + k), k)
+            self.send(y, self.next, self.tag(chunk.index + 1, k, grad=False), k)
 
     def backward(self, chunk: _Chunk, k: int) -> None:
         pipe = self.pipe
@@ -608,7 +614,7 @@ class _StepRun:
         if chunk.backwards < self.m:
             chunk.exchange.accumulate()  # layers overwrite .grad: the sum is kept there
         if not chunk.first:
-            self.send(gx, self.prev, 2 * ((chunk.index - 1) * self.m + k) + 1, k)
+            self.send(gx, self.prev, self.tag(chunk.index - 1, k, grad=True), k)
 
     def poll_sends(self) -> None:
         """Let the sends that have completed go (traced with ``log.trace``)."""
