@@ -214,9 +214,10 @@ def _profile(comm: Communicator, profiler: LayerProfiler | None) -> list[dict[st
     later stages), in rank order (collective when profiling)."""
     if profiler is None:
         return None
-    tables = comm.gather(profiler.table(), root=0)
+    own = profiler.table()
+    tables = comm.gather(own, root=0)
     if tables is None:
-        return profiler.table()
+        return own
     rows: dict[str, dict[str, Any]] = {}
     for table in tables:
         for row in table:
