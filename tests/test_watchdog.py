@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import pytest
 
 BIN = Path(sys.executable).parent
@@ -73,46 +74,77 @@ def _rank_pids(launcher: int) -> dict[int, int]:
     return found
 
 
+#: (id, settings, the ranks stopped in turn): every strategy and role under mpiexec -n 3
+STOPPED = [
+    ("sync", [], (0, 1, 2)),
+    ("pipeline-1f1b", ["parallel.strategy=pipeline", "pipeline.schedule=1f1b"], (0, 1, 2)),
+    ("pipeline-gpipe", ["parallel.strategy=pipeline", "pipeline.schedule=gpipe"], (1,)),
+    ("ps-async", ["parallel.strategy=ps"], (0, 1, 2)),
+    ("ps-ssp", ["parallel.strategy=ps", "parallel.mode=ssp", "parallel.staleness=1"], (0, 2)),
+    ("ps-sync", ["parallel.strategy=ps", "parallel.mode=sync", "train.steps=1000000"], (1,)),
+    ("ps-2-servers", ["parallel.strategy=ps", "parallel.servers=2"], (1, 2)),
+]
+
+
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks through /proc")
-def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("settings", "stopped"),
+    [pytest.param(sets, r, id=f"{name}-rank{r}") for name, sets, ranks in STOPPED for r in ranks],
+)
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path: Path, settings: list[str], stopped: int) -> None:
+    """SIGSTOP of one rank of a training job: the report names exactly that rank, lists what
+    the others wait for, the job ends with status 3 within stall_s + 10 s, and the run file
+    records it (``stalled`` and the report, when rank 0 can write; when rank 0 is the one
+    stopped nobody can, and the report tells the run from its dead writer)."""
+    from hpcdl.report import load, summarize
+
     stall_s = 4
+    out, ready = tmp_path / "r.h5", tmp_path / "ready"
+    sets = ["debug.stall_s=4", "train.steps=1000000", "checkpoint.every=0", *settings]
     cmd = [str(BIN / "mpiexec"), "-n", "3", sys.executable, "-m", "hpcdl.train", "--config", "digits-mlp",
-           "--set", f"debug.stall_s={stall_s}", "--set", "train.steps=1000000", "--progress", "none",
-           "--out", str(tmp_path / "r.h5")]  # fmt: skip
+           *(a for kv in sets for a in ("--set", kv)), "--progress", "none", "--out", str(out)]  # fmt: skip
     tag = str(os.getpid())
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**_env(), "HPCDL_TEST_LAUNCHER": tag})  # fmt: skip
-    stopped = None
+    env = {**_env(), "HPCDL_TEST_LAUNCHER": tag, "HPCDL_READY_FILE": str(ready)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    pid = None
     try:
         deadline = time.monotonic() + 60
-        pids: dict[int, int] = {}
-        while len(pids) < 3 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-            pids = _rank_pids(int(tag))
-        assert len(pids) == 3, f"ranks not found: {pids}"
-        time.sleep(4.0)  # training is under way (the run starts in about 2 s here)
+        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        pids = _rank_pids(int(tag))
+        assert len(pids) == 3 and ready.exists(), f"ranks not found: {pids}; {proc.poll()}"
+        time.sleep(3.0)  # the data, the model and the run file: training is under way
         assert proc.poll() is None, proc.communicate()
-        stopped = pids[1]
-        os.kill(stopped, signal.SIGSTOP)
+        pid = pids[stopped]
+        os.kill(pid, signal.SIGSTOP)
         t_stop = time.monotonic()
         _, err = proc.communicate(timeout=stall_s + 40)
         ended = time.monotonic() - t_stop
-        print(f"SIGSTOP of rank 1: the job ended {ended:.1f} s later (stall_s = {stall_s})")
+        print(f"SIGSTOP of rank {stopped} ({' '.join(settings) or 'sync'}): the job ended {ended:.1f} s "
+              f"later (stall_s = {stall_s})")  # fmt: skip
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        if stopped is not None:
+        if pid is not None:
             for sig in (signal.SIGKILL, signal.SIGCONT):
                 try:
-                    os.kill(stopped, sig)
+                    os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
     assert proc.returncode == 3, err
-    assert "stall: rank 1 did not respond" in err, err
-    waits = re.findall(r"rank (\d) waits [0-9.]+ s in (\S+)", err)
-    assert sorted(int(r) for r, _ in waits) == [0, 2], err  # the others, each with its operation
-    assert "(step " in err, err
+    assert f"stall: rank {stopped} did not respond" in err, err
+    waits = re.findall(r"rank (\d) waits [0-9.]+ s in ", err)
+    assert sorted(int(r) for r in waits) == [r for r in range(3) if r != stopped], err  # each with its wait
+    assert err.count("stall: ") == 1, err  # one report
+    assert ended <= stall_s + 10, f"the report came {ended:.1f} s after the stop"
+    row = summarize(load(out))
+    if stopped == 0:
+        assert row["state"] == "interrupted", row  # its writer is gone
+    else:
+        assert row["state"] == "stalled", row
+        with h5py.File(out) as f:
+            assert f"stall: rank {stopped} did not respond" in f.attrs["error"]
 
 
 WITHDRAWN = """

@@ -13,6 +13,7 @@ from hpcdl.comm.contract import Status as StatusLike
 
 __all__ = [
     "Status",
+    "due",
     "long_wait",
     "notes",
     "reset_world",
@@ -172,6 +173,19 @@ def long_wait(reason: str, limit_s: float | None = None) -> contextlib.AbstractC
     """
     hook = _world_hook("long_wait")
     return hook(reason, limit_s) if hook is not None else contextlib.nullcontext()
+
+
+def due(req: Request, since: float) -> None:
+    """Tell the stall watchdog that ``req`` has been due since ``since`` (a :func:`wtime`).
+
+    Waits for it then count from ``since``, however many waits it outlives: a parameter
+    server serving other workers' pushes still stalls when one worker's push, due since its
+    pull was answered, has not come for ``debug.stall_s``. Does nothing in a world without
+    a watchdog, or for a request that is not the world's own.
+    """
+    hook = _world_hook("due")
+    if hook is not None:
+        hook(req, since)
 
 
 def _active(reqs: Sequence[Request | None]) -> list[int]:

@@ -202,10 +202,11 @@ class WorldHooks(Protocol):
     * ``slow_down(factor) -> bool``: make the rank's compute ``factor`` times as slow, used
       by :func:`hpcdl.comm.slow_down` for ``debug.slowdown`` (a simulated world scales
       its compute model's costs for the rank);
-    * ``notes() -> dict`` and ``long_wait(reason)``: the stall watchdog's notes of what the
-      rank is doing and its mark for waits that are long by design, used by
-      :func:`hpcdl.comm.notes`/:func:`hpcdl.comm.long_wait` (MPI's world under
-      :func:`hpcdl.comm.watch`);
+    * ``notes() -> dict``, ``long_wait(reason)`` and ``due(req, since)``: the stall
+      watchdog's notes of what the rank is doing, its mark for waits that are long by
+      design, and a request's time since it is due, used by :func:`hpcdl.comm.notes`,
+      :func:`hpcdl.comm.long_wait` and :func:`hpcdl.comm.due` (MPI's world under
+      :func:`hpcdl.comm.watch`, whose requests' ``Wait()`` is watched too);
     * ``run_rounds(schedule, pending)``: wait for each round of a collective schedule and
       advance it until it ends, used by ``CollRequest.Wait``
       (:mod:`hpcdl.comm.collectives.schedule`) instead of its own loop.

@@ -29,6 +29,7 @@ __all__ = [
     "MIN",
     "PROC_NULL",
     "SUM",
+    "WatchedRequest",
     "all_requests",
     "is_null",
     "world_ranks",
@@ -48,6 +49,36 @@ PROC_NULL: int = MPI.PROC_NULL
 SUM: MPI.Op = MPI.SUM
 MAX: MPI.Op = MPI.MAX
 MIN: MPI.Op = MPI.MIN
+
+
+class WatchedRequest(MPI.Request):
+    """An MPI request whose ``Wait()`` is a watched wait (:class:`hpcdl.comm.watched.WatchedComm`'s).
+
+    So code that writes mpi4py's ``req.Wait()`` is watched as one that calls
+    :func:`hpcdl.comm.waitall` is. Otherwise it is the MPI request (``Test``,
+    ``Request.Waitall`` and the rest are MPI's). ``what`` says what it is, for stall
+    reports; ``due`` is the time it became due, when the caller said so
+    (:func:`hpcdl.comm.due`).
+
+    Args:
+        req: the MPI request (its handle is taken over: use only the new object).
+        wait: ``wait(req, status)`` blocks until ``req`` completes (the watchdog's).
+        what: ``(operation, peer, tag, communicator name)``, e.g. ``("Irecv from", 1, 7, "world")``.
+    """
+
+    __slots__ = ("_wait", "due", "what")
+
+    def __new__(cls, req: MPI.Request, wait: Any, what: tuple[Any, ...]) -> WatchedRequest:  # noqa: D102
+        self = super().__new__(cls, req)
+        self._wait = wait
+        self.what = what
+        self.due: float | None = None
+        return self
+
+    def Wait(self, status: MPI.Status | None = None) -> bool:  # noqa: N802  (MPI's name)
+        """Wait for completion through the watchdog (``status``: filled as MPI's would be)."""
+        self._wait(self, status)
+        return True
 
 
 def comm_world() -> MPI.Intracomm:

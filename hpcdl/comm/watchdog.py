@@ -16,7 +16,16 @@ The first rank to stall reports; ranks that stall while another rank's question 
 recent leave the report to it (when two ask at once, the lower rank reports), and ask
 and report themselves if the job is still alive :data:`FALLBACK_S` after that. A wait that
 completes while its rank is asking was slow, not hung: it withdraws its question, prints
-one warning line and goes on. Waits a strategy means to be long are wrapped in
+one warning line and goes on. When the rank that reports is not rank 0 and rank 0 answered,
+it hands the report to rank 0 (which writes the run file: its status becomes ``stalled``,
+the report recorded) and rank 0 raises it and ends the job; if the job is still alive
+:data:`FALLBACK_S` later, the reporting rank raises it itself.
+
+A wait counts from when it began, or from when one of its requests became *due*, if the
+caller said so (:func:`hpcdl.comm.due`: a parameter server's receive of a push is due once
+the worker's pull was answered, however many other pushes it serves meanwhile); a
+``waitany`` stalls when one of its requests has been waited for ``stall_s``, even while
+others complete. Waits a strategy means to be long are wrapped in
 :meth:`Watchdog.long_wait` (an idle parameter server, a worker held back by a staleness
 bound, ranks waiting while rank 0 writes a checkpoint): they answer questions ("waits by
 design") and stall only after their own limit, if they have one.
@@ -27,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections import deque
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
@@ -47,9 +56,9 @@ SPIN_POLLS = 64
 LISTED = 8
 
 # tags on the watchdog's private communicator: a question, an answer, a question withdrawn,
-# and the members-only barrier of a sub-communicator being created
-_ASK, _REPLY, _WITHDRAW, _SYNC = 1, 2, 3, 4
-_NOTE_TAGS = (_ASK, _REPLY, _WITHDRAW)
+# the members-only barrier of a sub-communicator being created, and a report handed to rank 0
+_ASK, _REPLY, _WITHDRAW, _SYNC, _REPORT = 1, 2, 3, 4, 5
+_NOTE_TAGS = (_ASK, _REPLY, _WITHDRAW, _REPORT)
 
 
 class StallError(HpcdlError):
@@ -97,7 +106,7 @@ class Watchdog:
         self._stream = stream
         #: what the caller is doing (step, phase, buckets): shown in reports
         self.context: dict[str, Any] = {}
-        self._posted: deque[tuple[int, str, int, int, str]] = deque(maxlen=1024)
+        self._check_at = 0.0  # when waits next look at the clock's deadline and the questions
         self._patient: list[tuple[str, float]] = []  # (reason, limit in seconds)
         self._seq = 0
         self._asked: tuple[int, float] | None = None  # (lowest recent asker, when)
@@ -107,10 +116,6 @@ class Watchdog:
         self._received = [0] * self.size  # free() drains what is still in flight
 
     # -- what the program tells the watchdog -----------------------------------------------
-    def posted(self, req: Any, op: str, peer: int, tag: int, comm: str) -> None:
-        """Remember what a nonblocking point-to-point request is, for reports."""
-        self._posted.append((id(req), op, peer, tag, comm))
-
     @contextlib.contextmanager
     def long_wait(self, reason: str, limit_s: float | None = None) -> Iterator[None]:
         """Waits inside are long by design: they answer questions, and stall only after ``limit_s``."""
@@ -143,10 +148,17 @@ class Watchdog:
         if not pending:
             return
         clock = self._clock
-        t0 = clock()
-        check = t0 + CHECK_S
+        now = clock()
+        t0 = min(_since(r, now) for r in pending)
+        limit = self._limit()
         polls = 0
         while True:
+            if now >= self._check_at:
+                self._check_at = now + CHECK_S
+                self._serve(what, pending, now - t0)
+                if now - t0 >= limit:
+                    self._stalled(_AllOf(pending, status, first), what, t0)
+                    return
             pending = _test(pending, status, first)
             if not pending:
                 return
@@ -154,40 +166,46 @@ class Watchdog:
             if polls > SPIN_POLLS:  # give the core to a rank that shares it (as MPICH's waits do)
                 _yield()
             now = clock()
-            if now >= check:
-                check = now + CHECK_S
-                self._serve(what, pending, now - t0)
-                if now - t0 >= self._limit():
-                    self._stalled(_AllOf(pending, status, first), what, t0)
-                    return
+
+    def wait_one(self, req: Any, status: Any = None) -> None:
+        """``req.Wait(status)`` of a :class:`~hpcdl.comm.mpi.WatchedRequest`: :meth:`wait` for it alone."""
+        self.wait([req], "wait", status)
 
     def wait_any(self, reqs: Sequence[Any], what: Any, status: Any = None) -> int | None:
         """Wait until one request of ``reqs`` completes; its index (None: none is active).
 
+        Each request is waited for since the wait began or since it became due, whichever
+        is earlier: the wait stalls when one of them has been waited for ``stall_s``, and
+        then only those can end the stall (the others are left untested, so that the
+        caller sees each completion).
+
         Raises:
-            StallError: the wait lasted ``stall_s`` and the rank reported it.
+            StallError: a request was waited for ``stall_s`` and the rank reported it.
         """
         active = [i for i, r in enumerate(reqs) if r is not None and r]
         if not active:
             return None
         clock = self._clock
-        t0 = clock()
-        check = t0 + CHECK_S
+        now = clock()
+        since = [_since(reqs[i], now) for i in active]
+        t0 = min(since)
+        limit = self._limit()
         waiting = _AnyOf(reqs, active, status)
         polls = 0
         while True:
+            if now >= self._check_at:
+                self._check_at = now + CHECK_S
+                self._serve(what, waiting.pending(), now - t0)
+            if now - t0 >= limit:  # checked on every call: a server's short waits outlive a late push
+                late = _AnyOf(reqs, [i for i, t in zip(active, since) if now - t >= limit], status)
+                self._stalled(late, what, t0)
+                return late.found
             if waiting.poll():
                 return waiting.found
             polls += 1
             if polls > SPIN_POLLS:
                 _yield()
             now = clock()
-            if now >= check:
-                check = now + CHECK_S
-                self._serve(what, waiting.pending(), now - t0)
-                if now - t0 >= self._limit():
-                    self._stalled(waiting, what, t0)
-                    return waiting.found
 
     # -- a stall ---------------------------------------------------------------------------
     def _stalled(self, waiting: _AllOf | _AnyOf, what: Any, t0: float) -> None:
@@ -239,9 +257,28 @@ class Watchdog:
                     reporting, deadline = True, now + self.grace_s
             waited = clock() - t0
             mine = self._describe(what, waiting.pending(), waited)
-            raise StallError(self._report(mine, self._replies or {}, waited), waiting.pending())
+            replies = self._replies or {}
+            report = self._report(mine, replies, waited)
+            if self.rank != 0 and 0 in replies:
+                self._hand_off(report, what, waiting.pending(), waited)
+            raise StallError(report, waiting.pending())
         finally:
             self._replies = None
+
+    def _hand_off(self, report: str, what: Any, pending: Sequence[Any], waited: float) -> None:
+        """Give rank 0 the report to record and raise; return if the job outlives :data:`FALLBACK_S`.
+
+        Rank 0 answered, so it is alive and waiting: it raises the report from its wait, its
+        driver records it in the run file (status ``stalled``), and it ends the job. Meanwhile
+        this rank goes on answering questions.
+        """
+        self._outbox.append(self._notes.isend((self._seq, report), 0, _REPORT))
+        self._sent[0] += 1
+        clock = self._clock
+        deadline = clock() + FALLBACK_S
+        while clock() < deadline:
+            time.sleep(CHECK_S)
+            self._serve(what, pending, waited + FALLBACK_S - (deadline - clock()))
 
     def _ask(self, what: Any, pending: Sequence[Any], waited: float) -> None:
         """Send every other rank this rank's question; answers are collected in ``_replies``."""
@@ -275,6 +312,8 @@ class Watchdog:
             source, tag = st.Get_source(), st.Get_tag()
             seq, text = notes.recv(source=source, tag=tag)
             self._received[source] += 1
+            if tag == _REPORT:  # (rank 0) another rank's report, to record and raise here
+                raise StallError(text, pending)
             if tag == _WITHDRAW:
                 if self._asked is not None and self._asked[0] == source:
                     self._asked = None
@@ -315,11 +354,8 @@ class Watchdog:
         if inner is not None:  # one of hpcdl's collectives: its name and its round's requests
             rounds = ", ".join(filter(None, (self._request_text(r) for r in inner)))
             return f"{req.name}" + (f" ({rounds})" if rounds else "")
-        key = id(req)
-        for ident, op, peer, tag, comm in reversed(self._posted):  # the newest with this id is it
-            if ident == key:
-                return self._what_text((op, peer, tag, comm))
-        return ""
+        what = getattr(req, "what", None)  # a watched request's (hpcdl.comm.mpi.WatchedRequest)
+        return "" if what is None else self._what_text(what)
 
     def _what_text(self, what: Any) -> str:
         """``Recv from rank 1 tag 7 on world``, ``Barrier on world.dup1``, or ``what`` itself."""
@@ -406,6 +442,12 @@ class Watchdog:
             req.Wait()
         self._outbox = []
         notes.Free()
+
+
+def _since(req: Any, now: float) -> float:
+    """When a wait for ``req`` began: ``now``, or earlier if it was due before (``req.due``)."""
+    due = getattr(req, "due", None)
+    return now if due is None or due > now else due
 
 
 def _test(reqs: Sequence[Any], status: Any, first: Any) -> list[Any]:

@@ -2,7 +2,9 @@
 
 :class:`WatchedComm` satisfies the communicator contract over an ``mpi4py``
 intracommunicator: nonblocking calls are MPI's own (point-to-point ones are remembered for
-the watchdog's reports); every blocking call is its nonblocking form waited on by the
+the watchdog's reports), and the requests they return wait through the watchdog in
+``Wait()`` (:class:`~hpcdl.comm.mpi.WatchedRequest`), so that mpi4py's ``req.Wait()`` is
+watched as :func:`hpcdl.comm.waitall` is; every blocking call is its nonblocking form waited on by the
 :class:`~hpcdl.comm.watchdog.Watchdog` — ``Send`` is ``Isend``, ``Allreduce`` is
 ``Iallreduce``, ``Barrier`` is ``Ibarrier`` — and the object collectives (``bcast``,
 ``gather``, ``allgather``, ``allreduce``) are pickles moved by nonblocking buffer
@@ -49,9 +51,10 @@ class WatchedComm:
         self.size = comm.Get_size()
         self._children = 0
         self._sum, self._any_source, self._any_tag = mpi.SUM, mpi.ANY_SOURCE, mpi.ANY_TAG
-        # nonblocking and local calls are MPI's own, bound once
+        self._request = mpi.WatchedRequest
+        self._wait_one = watchdog.wait_one
+        # local calls are MPI's own, bound once
         self.Iprobe = comm.Iprobe
-        self.Iallreduce = comm.Iallreduce
         self.Abort = comm.Abort
 
     def __getattr__(self, name: str) -> Any:
@@ -74,18 +77,20 @@ class WatchedComm:
         """The MPI communicator underneath."""
         return self._comm
 
-    # -- point-to-point -------------------------------------------------------------------
+    # -- nonblocking: MPI's requests, whose Wait() is watched --------------------------------
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> Any:  # noqa: N802
-        req = self._comm.Isend(buf, dest, tag)
-        self._dog.posted(req, "Isend to", dest, tag, self.name)
-        return req
+        what = ("Isend to", dest, tag, self.name)
+        return self._request(self._comm.Isend(buf, dest, tag), self._wait_one, what)
 
     def Irecv(self, buf: Any, source: int | None = None, tag: int | None = None) -> Any:  # noqa: N802
         source = self._any_source if source is None else source
         tag = self._any_tag if tag is None else tag
-        req = self._comm.Irecv(buf, source, tag)
-        self._dog.posted(req, "Irecv from", source, tag, self.name)
-        return req
+        what = ("Irecv from", source, tag, self.name)
+        return self._request(self._comm.Irecv(buf, source, tag), self._wait_one, what)
+
+    def Iallreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> Any:  # noqa: N802
+        req = self._comm.Iallreduce(sendbuf, recvbuf, self._sum if op is None else op)
+        return self._request(req, self._wait_one, ("Iallreduce", None, None, self.name))
 
     def Send(self, buf: Any, dest: int, tag: int = 0) -> None:  # noqa: N802
         self._dog.wait([self._comm.Isend(buf, dest, tag)], ("Send to", dest, tag, self.name))
@@ -223,6 +228,11 @@ class WatchedComm:
     def waitany(self, reqs: Sequence[Any], status: Any = None) -> tuple[bool, int | None]:
         """:func:`hpcdl.comm.waitany` in this world: a watched wait."""
         return True, self._dog.wait_any(reqs, "waitany", status)
+
+    def due(self, req: Any, since: float) -> None:
+        """:func:`hpcdl.comm.due` in this world: waits for ``req`` count from ``since``."""
+        if isinstance(req, self._request):
+            req.due = since
 
     def notes(self) -> dict[str, Any]:
         """The watchdog's notes (step, phase, ...): what reports say the rank was doing."""

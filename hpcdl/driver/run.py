@@ -168,10 +168,22 @@ def _run(
         trainer.run()
         return _finish(trainer, run_path, t_start)
     except BaseException as exc:
-        trainer.log.abandon("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+        trainer.log.abandon(*_ending(exc))
         raise
     finally:
         trainer.bar.close()
+
+
+def _ending(exc: BaseException) -> tuple[str, str]:
+    """The status a run ended by ``exc`` records, and why: ``interrupted`` (a second Ctrl-C),
+    ``stalled`` (the stall watchdog's report) or ``failed`` (the error's line)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted", ""
+    if isinstance(exc, StallError):
+        return "stalled", str(exc)
+    if isinstance(exc, HpcdlError):
+        return "failed", str(exc)
+    return "failed", f"{type(exc).__name__}: {exc}"
 
 
 def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResult:

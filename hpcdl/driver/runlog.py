@@ -176,17 +176,22 @@ class RunLog:
             self.runfile.close()
             self.runfile = None
 
-    def abandon(self, status: str) -> None:
+    def abandon(self, status: str, error: str = "") -> None:
         """After a failure on this rank: mark the file and close it, without collectives.
 
         Rows still buffered are dropped (their per-rank timings cannot be gathered);
         what was flushed stays. After a failed write (a full disk) nothing more is
         written: the status stays ``running`` and the heartbeat tells it is over.
+
+        Args:
+            status: ``failed``, ``stalled``, ``interrupted``.
+            error: why (the error's message, the stall report), kept as attribute ``error``.
         """
         if self.runfile is not None:
             if self.runfile.failed is None:
                 try:
-                    self.runfile.set_attrs(status=status, end_time=heartbeat_now())
+                    extra = {"error": error} if error else {}
+                    self.runfile.set_attrs(status=status, end_time=heartbeat_now(), **extra)
                     self.runfile.flush()
                 except HpcdlError:
                     pass

@@ -58,13 +58,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Generator, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 
 from hpcdl.backend import to_numpy
-from hpcdl.comm import long_wait, notes, waitall, waitany, wtime
+from hpcdl.comm import due, long_wait, notes, waitall, waitany, wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
@@ -289,8 +288,7 @@ class ParameterServer(Strategy):
             ]
             reqs = recvs + [snap["recvs"][j] for snap, j in pending]
             t0 = wtime()
-            with long_wait("a parameter server waits for pushes", self._wait_limit()):
-                i = waitany(reqs) if any(r is not None for r in reqs) else None
+            i = waitany(reqs) if any(r is not None for r in reqs) else None  # each push due since its pull
             waited += wtime() - t0
             if i is None or i >= workers:  # a shard of a snapshot came (or only evaluating is left)
                 if i is not None:
@@ -384,13 +382,19 @@ class ParameterServer(Strategy):
             self._reply_or_stop(ph, w, not over, recvs)
 
     def _reply_or_stop(self, ph: _Phase, w: int, go: bool, recvs: list[Any]) -> None:
-        """Answer w's pull; server 0 then expects w's push, or counts w out of the phase."""
+        """Answer w's pull; server 0 then expects w's push, or counts w out of the phase.
+
+        A push is due once its pull is answered (the worker computes one batch): the stall
+        watchdog counts the wait for it from then, whatever the server serves meanwhile.
+        """
         self._reply(w, go)
         if self.rank == 0:
             if go:
                 recvs[w] = self._expect(w)
             else:
                 ph.active -= 1
+        if go and recvs[w] is not None:
+            due(recvs[w], wtime())
 
     def _expect(self, w: int) -> Any:
         """The receive of worker w's next message (a push; or a done, on servers k > 0)."""
@@ -444,6 +448,7 @@ class ParameterServer(Strategy):
         self._boundary(self.version - len(round_))
 
     def _step(self, grad: np.ndarray, lr: float) -> None:
+        self._note["step"] = self.version + 1  # stall reports: the push being applied
         self._lr_used = lr
         self.shard.grad = grad
         self.optimizer.lr = lr
@@ -584,22 +589,22 @@ class ParameterServer(Strategy):
         t_begin = wtime()
         comm_s = 0.0
         comm.Send(np.zeros(1, dtype=np.float64), dest=0, tag=_READY)
-        by_design = self.mode in ("ssp", "sync")  # held back by the bound or the round
+        self._note.pop("step", None)  # a worker knows its own pushes, not the servers' step
         pushes = 0
         while True:
+            # the reply: at once (async), or once the workers at the lowest clock have pushed
+            # (ssp, sync), each computing one batch meanwhile: a wait of one step, watched as such
             t0 = wtime()
             reqs = [comm.Irecv(self.replies[k][0], source=k, tag=_REPLY) for k in range(servers)]
-            held = long_wait("a worker held back by its round or the staleness bound", self._wait_limit())
-            with held if by_design else nullcontext():
-                reqs[0].Wait()
-                go = bool(self.replies[0][1][_GO])
-                if not go:  # the phase is over: the other servers are told, their answers taken
-                    done = np.zeros(_HEAD, dtype=np.float64)
-                    done[_KIND] = _IS_DONE
-                    for k in range(1, servers):
-                        comm.Send(done, dest=k, tag=_PUSH)
-                waitall([*reqs[1:], *self.push_reqs])
-                self.push_reqs = [None] * servers
+            reqs[0].Wait()
+            go = bool(self.replies[0][1][_GO])
+            if not go:  # the phase is over: the other servers are told, their answers taken
+                done = np.zeros(_HEAD, dtype=np.float64)
+                done[_KIND] = _IS_DONE
+                for k in range(1, servers):
+                    comm.Send(done, dest=k, tag=_PUSH)
+            waitall([*reqs[1:], *self.push_reqs])
+            self.push_reqs = [None] * servers
             comm_s += wtime() - t0
             if not go:
                 break
@@ -618,7 +623,7 @@ class ParameterServer(Strategy):
             self._push(grads, loss, correct, len(indices), stop.requested)
             comm_s += wtime() - t0
             pushes += 1
-            self._note["phase"] = "waiting for the servers"
+            self._note["phase"], self._note["pushes"] = "waiting for the servers", self.clock
         self._phase_pushes, self._phase_wall, self._phase_comm = pushes, wtime() - t_begin, comm_s
 
     def _push(self, grads: np.ndarray, loss: float, correct: int, samples: int, stop: bool) -> None:

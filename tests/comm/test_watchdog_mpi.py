@@ -37,10 +37,11 @@ def test_watch_is_off_at_zero_and_inside_a_watched_world(comm: Communicator) -> 
 
 
 def _late_sender(
-    comm: Communicator, *, patient: bool, limit_s: float | None = None
+    comm: Communicator, *, patient: bool, limit_s: float | None = None, request: bool = False
 ) -> tuple[StallError | None, np.ndarray]:
     """Rank 0 sleeps 2.5 s (outside any wait), then sends each rank its number; the others
-    wait in ``Recv`` with ``stall_s = 1`` (inside ``long_wait(limit_s=...)`` when ``patient``)."""
+    wait in ``Recv`` with ``stall_s = 1`` (inside ``long_wait(limit_s=...)`` when ``patient``;
+    in mpi4py's ``Irecv(...).Wait()`` when ``request``)."""
     got = np.full(1, -1.0)
     error: StallError | None = None
     with watch(1.0, grace_s=0.5) as world:
@@ -54,7 +55,10 @@ def _late_sender(
         else:
             try:
                 with long_wait("a test's planned wait", limit_s) if patient else _nothing():
-                    world.Recv(got, source=0, tag=5)
+                    if request:
+                        world.Irecv(got, source=0, tag=5).Wait()
+                    else:
+                        world.Recv(got, source=0, tag=5)
             except StallError as err:
                 error = err
                 hc.waitall(err.requests)  # the receive is still posted: complete it
@@ -70,15 +74,18 @@ class _nothing:
         return None
 
 
-def test_a_rank_outside_any_wait_is_named(comm: Communicator) -> None:
-    error, got = _late_sender(comm, patient=False)
+@pytest.mark.parametrize("request_wait", [False, True], ids=["Recv", "Irecv-Wait"])
+def test_a_rank_outside_any_wait_is_named(comm: Communicator, request_wait: bool) -> None:
+    """A blocking ``Recv`` and a request's own ``Wait()`` (mpi4py's idiom) are watched alike."""
+    error, got = _late_sender(comm, patient=False, request=request_wait)
     assert got[0] == comm.Get_rank()  # the message arrived in the end, on every rank
     reports = comm.allgather(str(error) if error is not None else None)
     raised = [r for r, text in enumerate(reports) if text is not None]
     assert len(raised) == 1 and raised[0] != 0, reports  # one report, by a waiting rank
     text = reports[raised[0]]
     assert text.startswith("stall: rank 0 did not respond"), text
-    assert f"rank {raised[0]} waits" in text and "Recv from rank 0 tag 5 on world" in text, text
+    what = "wait (step 7, phase late sender test): Irecv from" if request_wait else "Recv from"
+    assert f"rank {raised[0]} waits" in text and f"{what} rank 0 tag 5 on world" in text, text
     assert "step 7" in text and "phase late sender test" in text, text
     assert all(f"rank {r} waits" in text for r in range(1, comm.Get_size())), text
     # rank 0 never read the questions sent to it: the watchdog drained them when it was freed,
@@ -126,3 +133,78 @@ def test_a_watched_sub_communicator_of_some_ranks(comm: Communicator) -> None:
             assert sub.allgather(world.Get_rank()) == members
             sub.Free()
         world.Barrier()
+
+
+def test_a_late_request_stalls_a_waitany_while_others_complete(comm: Communicator) -> None:
+    """Rank 0 serves messages to itself in a ``waitany`` loop beside a receive due since the
+    start that rank 1 (asleep, outside any wait) sends 2.5 s late: the waits are short, the
+    receive is waited for since it became due (``hpcdl.comm.due``), so it stalls all the same
+    and names rank 1 (a parameter server whose other workers keep pushing)."""
+    error: StallError | None = None
+    served = 0
+    with watch(1.0, grace_s=0.5) as world:
+        rank, one = world.Get_rank(), np.ones(1)
+        if rank == 0:
+            late, mine = np.zeros(1), np.zeros(1)
+            req = world.Irecv(late, source=1, tag=3)
+            hc.due(req, hc.wtime())
+            t0 = hc.wtime()
+            try:
+                while hc.wtime() - t0 < 10.0:
+                    recv, send = world.Irecv(mine, source=0, tag=4), world.Isend(one, dest=0, tag=4)
+                    assert hc.waitany([req, recv]) == 1  # the late one never completes first here
+                    send.Wait()
+                    served += 1
+            except StallError as err:
+                error = err
+                with long_wait("the test drains its requests"):  # the late receive, the last pair
+                    hc.waitall([req, recv, send])
+            assert late[0] == 1.0
+        elif rank == 1:
+            time.sleep(2.5)
+            world.Send(one, dest=0, tag=3)
+        with long_wait("the test's end"):
+            world.Barrier()
+    if comm.Get_rank() == 0:
+        assert error is not None and served > 10, (error, served)
+        text = str(error)
+        assert text.startswith("stall: rank 1 did not respond"), text
+        assert "rank 0 waits" in text and "Irecv from rank 1 tag 3 on world" in text, text
+        assert all(f"rank {r} waits" in text for r in range(2, comm.Get_size())), text
+
+
+def test_a_report_is_handed_to_rank_0(comm: Communicator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 stalls while rank 0 waits by design and answers: rank 1 hands its report to
+    rank 0, which raises it from its wait (and so records it in the run file); rank 1 raises
+    it too once :data:`FALLBACK_S` has passed and the job is still alive."""
+    from hpcdl.comm import watchdog
+
+    monkeypatch.setattr(watchdog, "FALLBACK_S", 1.5)
+    error: StallError | None = None
+    with watch(1.0, grace_s=0.5) as world:
+        rank, buf = world.Get_rank(), np.zeros(1)
+        if rank in (0, 1):
+            other = 1 - rank
+            recv = world.Irecv(buf, source=other, tag=9)
+            t0 = hc.wtime()
+            try:
+                with long_wait("waiting for rank 1 by design") if rank == 0 else _nothing():
+                    recv.Wait()
+            except StallError as err:
+                error = err
+            waited = hc.wtime() - t0
+            with long_wait("the test drains its requests"):
+                world.Send(np.ones(1), dest=other, tag=9)
+                recv.Wait()
+        with long_wait("the test's end"):
+            world.Barrier()
+    if rank in (0, 1):
+        assert error is not None
+        text = str(error)
+        assert text.startswith("stall: "), text
+        assert "rank 0 waits" in text and "(by design: waiting for rank 1 by design)" in text, text
+        assert "rank 1 waits" in text and "Irecv from rank 0 tag 9 on world" in text, text
+        if rank == 1:
+            assert waited >= 1.0 + 1.5, waited  # it waited for rank 0 to end the job first
+    texts = comm.allgather(str(error) if error is not None else None)
+    assert texts[0] == texts[1]  # rank 0 raised rank 1's report
