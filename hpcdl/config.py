@@ -422,6 +422,14 @@ class Config:
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
 
+    def is_set(self, key: str) -> bool:
+        """True when ``key`` differs from its default."""
+        return bool(self.values[key] != SCHEMA[key].default)
+
+    def changed(self) -> list[str]:
+        """The keys that differ from their defaults, in the schema's order."""
+        return [k for k in SCHEMA if self.is_set(k)]
+
     def with_updates(self, updates: dict[str, Any]) -> Config:
         """A new config with ``updates`` (dotted keys) applied and checked."""
         return Config({**self.values, **updates})

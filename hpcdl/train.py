@@ -10,6 +10,7 @@ import argparse
 import datetime
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from hpcdl.driver.run import train as run
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
 from hpcdl.parallel import strategy_class
+from hpcdl.parallel.strategy import ignored_keys
 from hpcdl.rng import generator
 
 __all__ = ["main", "run", "RunResult", "build_parser", "continue_command", "print_plan"]
@@ -143,6 +145,8 @@ def print_plan(cfg: Config, world_size: int) -> None:
         f"{steps_per_epoch} step{'s' * (steps_per_epoch > 1)} per epoch of {samples} training samples; "
         f"{total} steps in all"
     )
+    for line in ignored_keys(cfg):
+        print(f"! {line}")
     if placement.global_batch > samples and cfg["data.sampler"] == "shuffle":
         print(
             f"! the global batch of {placement.global_batch} exceeds the {samples} training samples: "
@@ -162,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("-n RANKS goes with --plan; to train on N ranks, run under mpiexec -n N")
     with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
         launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
+        if comm.Get_rank() == 0:
+            for line in ignored_keys(cfg):
+                print(f"hpcdl.train: ! {line}", file=sys.stderr, flush=True)
         if args.out is not None:
             out = Path(args.out)
         elif args.resume is None:

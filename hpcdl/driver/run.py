@@ -21,6 +21,7 @@ from hpcdl.driver.signals import current_stop_request
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
 from hpcdl.parallel import Placement, Strategy, strategy_class
+from hpcdl.parallel.strategy import check_keys
 from hpcdl.store.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
 from hpcdl.store.runfile import heartbeat_now
 
@@ -79,9 +80,12 @@ def plan(cfg: Config, world_size: int) -> Placement:
     """The placement of ``parallel.strategy`` for ``world_size`` ranks (pure: nothing is built).
 
     Raises:
-        ConfigError: the strategy is unknown or does not fit the rank count.
+        ConfigError: the strategy is unknown, cannot honour a key the config sets
+            (:func:`~hpcdl.parallel.strategy.check_keys`) or does not fit the rank count.
     """
-    return strategy_class(cfg["parallel.strategy"]).plan(cfg, world_size)
+    cls = strategy_class(cfg["parallel.strategy"])
+    check_keys(cfg)
+    return cls.plan(cfg, world_size)
 
 
 def build(cfg: Config, comm: Communicator) -> tuple[Context, Strategy]:
@@ -91,9 +95,8 @@ def build(cfg: Config, comm: Communicator) -> tuple[Context, Strategy]:
     Raises:
         HpcdlError: the strategy is unknown or does not fit, the data or model cannot be built.
     """
-    cls = strategy_class(cfg["parallel.strategy"])
-    ctx = Context(cfg, comm, cls.plan(cfg, comm.Get_size()))
-    return ctx, cls(ctx)
+    ctx = Context(cfg, comm, plan(cfg, comm.Get_size()))
+    return ctx, strategy_class(cfg["parallel.strategy"])(ctx)
 
 
 def train(

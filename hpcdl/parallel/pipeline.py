@@ -186,20 +186,21 @@ class Pipeline(Strategy):
 
     name = "pipeline"
     rank_series = ("bubble", "busy_time", "activation_bytes", "in_flight")
+    keys = ("pipeline.",)
+    cannot_honour = {
+        "exchange.accumulate": "a pipeline accumulates over its microbatches: "
+        "set pipeline.microbatches instead",
+        "exchange.compression": "activations and gradients travel between stages in the model's dtype, "
+        "uncompressed; set exchange.compression = 'none'",
+    }
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
         """Rank s is stage s and holds it; every stage follows the one stream of batches (member 0).
 
         Raises:
-            ConfigError: ``exchange.accumulate`` set (a pipeline's microbatches are its own), or
-                a schedule that does not fit the stages and microbatches.
+            ConfigError: a schedule that does not fit the stages and microbatches.
         """
-        if cfg["exchange.accumulate"] != 1:
-            raise ConfigError(
-                f"exchange.accumulate = {cfg['exchange.accumulate']} is sync's; a pipeline accumulates "
-                "over its microbatches: set pipeline.microbatches instead"
-            )
         m, v = cfg["pipeline.microbatches"], cfg["pipeline.virtual_stages"]
         sched = schedule(cfg["pipeline.schedule"], world, m, v)
         if 2 * (world * v + 1) * m >= _EVAL:

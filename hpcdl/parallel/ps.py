@@ -130,6 +130,13 @@ class ParameterServer(Strategy):
 
     name = "ps"
     runs_free = True
+    keys = ("parallel.servers", "parallel.mode", "parallel.staleness", "parallel.compensation",
+            "parallel.dc_lambda")  # fmt: skip
+    cannot_honour = {
+        "exchange.accumulate": "a push is one batch; raise data.batch_size instead",
+        "exchange.compression": "pushes and replies carry the parameters' dtype uncompressed; "
+        "set exchange.compression = 'none' (or use parallel.strategy = 'sync')",
+    }
     rank_series = ("pushes_per_s", "busy_fraction")
     row_rank = 0
 
@@ -138,8 +145,7 @@ class ParameterServer(Strategy):
         """Ranks ``0 .. S-1`` servers holding shard k; the others workers, worker w reading member w.
 
         Raises:
-            ConfigError: fewer than one server, no rank left for a worker, or gradient
-                accumulation (a push is one batch).
+            ConfigError: fewer than one server, or no rank left for a worker.
         """
         servers = cfg["parallel.servers"]
         if servers < 1:
@@ -148,11 +154,6 @@ class ParameterServer(Strategy):
             raise ConfigError(
                 f"parallel.servers = {servers} on {world} rank{'s' * (world > 1)} leaves no worker: run on "
                 f"at least {servers + 1} ranks (mpiexec -n {servers + 1}) or lower parallel.servers"
-            )
-        if cfg["exchange.accumulate"] != 1:
-            raise ConfigError(
-                f"exchange.accumulate = {cfg['exchange.accumulate']} with parallel.strategy = 'ps': a push "
-                "is one batch; raise data.batch_size instead"
             )
         workers = world - servers
         mode = cfg["parallel.mode"]

@@ -42,8 +42,10 @@ __all__ = [
     "RunContext",
     "StepStats",
     "Strategy",
+    "check_keys",
     "crossed",
     "differing_parameters",
+    "ignored_keys",
     "load_model_piece",
     "model_piece",
     "strategy_class",
@@ -55,6 +57,44 @@ STRATEGIES: dict[str, str] = {
     "ps": "hpcdl.parallel.ps:ParameterServer",
     "pipeline": "hpcdl.parallel.pipeline:Pipeline",
 }
+
+
+def _reads(cls: type[Strategy], key: str) -> bool:
+    """True when ``key`` is one of the keys ``cls`` declares as its own (:attr:`Strategy.keys`)."""
+    return any(key == own or (own.endswith(".") and key.startswith(own)) for own in cls.keys)
+
+
+def check_keys(cfg: Any) -> None:
+    """Refuse a config that sets a key ``parallel.strategy`` cannot honour.
+
+    Raises:
+        ConfigError: one line naming the key, the strategy, why and what to set instead
+            (:attr:`Strategy.cannot_honour`).
+    """
+    name = cfg["parallel.strategy"]
+    for key, why in strategy_class(name).cannot_honour.items():
+        if cfg.is_set(key):
+            raise ConfigError(f"{key} = {cfg[key]!r} with parallel.strategy = {name!r}: {why}")
+
+
+def ignored_keys(cfg: Any) -> list[str]:
+    """One line for each key of another strategy that ``cfg`` sets: this run ignores it.
+
+    A key is another strategy's when that strategy declares it (:attr:`Strategy.keys`) and
+    the running one does not, such as ``pipeline.microbatches`` under ``sync``.
+    """
+    name = cfg["parallel.strategy"]
+    mine = strategy_class(name)
+    others = [(other, strategy_class(other)) for other in STRATEGIES if other != name]
+    lines = []
+    for key in cfg.changed():
+        owners = [other for other, cls in others if _reads(cls, key)]
+        if owners and not _reads(mine, key) and key not in mine.cannot_honour:
+            of = " or ".join(repr(o) for o in owners)
+            lines.append(
+                f"{key} = {cfg[key]!r} is a key of parallel.strategy = {of}: this {name!r} run ignores it"
+            )
+    return lines
 
 
 def crossed(before: int, now: int, period: int) -> bool:
@@ -492,6 +532,13 @@ class Strategy:
     rank_series: ClassVar[tuple[str, ...]] = ()
     #: a free-running strategy: the rank whose clock times the steps (``PhaseStats.ended``)
     row_rank: ClassVar[int] = 0
+    #: config keys this strategy reads and the driver's common ones are not: a key, or a
+    #: section as ``"pipeline."``; set under another strategy they would do nothing, so the
+    #: driver says so once (:func:`ignored_keys`)
+    keys: ClassVar[tuple[str, ...]] = ()
+    #: keys of other strategies whose meaning this one cannot give, set to anything but the
+    #: default -> why not and what to set instead: refused (:func:`check_keys`)
+    cannot_honour: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:

@@ -47,6 +47,7 @@ class SyncDataParallel(Strategy):
     """
 
     name = "sync"
+    keys = ("exchange.",)
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
