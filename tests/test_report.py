@@ -248,7 +248,7 @@ def test_ranks_bars_add_up_to_the_step_period(tmp_path: Path, record_other: bool
     np.testing.assert_allclose(total, truth["period"], rtol=1e-9)  # every rank's bar is the period
     np.testing.assert_allclose(times.mean["other"], truth["outside"], atol=1e-9)  # rank 0's extra counted
     np.testing.assert_allclose(times.mean["compute"], truth["compute"], rtol=1e-9)
-    assert ("other" in times.per_step) is record_other
+    assert ("other" in times.per_row) is record_other
 
 
 def test_plots_are_named_after_the_run_and_a_second_report_keeps_the_first(tmp_path: Path, capsys) -> None:

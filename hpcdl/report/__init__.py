@@ -3,7 +3,8 @@
 One table row per run (its status told from the writer's heartbeat when the file says
 ``running``: :mod:`hpcdl.report.liveness`), the pipeline runs' stages under it
 (:mod:`hpcdl.report.stages`), and PNGs named after the runs (:mod:`hpcdl.report.plots`,
-the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
+each rank's times: :mod:`hpcdl.report.ranks`, the timeline's Gantt chart:
+:mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -83,7 +84,11 @@ by + for several runs), all runs on one figure:
                   steps (a ps step is one push). Samples: metrics/samples, or
                   for older files step x the placement's samples per step
   ranks           per rank, the mean time per step computing, communicating,
-                  waiting and outside the step; below it, the spread per step
+                  waiting and outside the step; below it, the spread per step.
+                  When ranks/ rows are meetings (ranks/step: ps), per push a
+                  worker made or a server served, and below, per meeting
+                  against the pushes applied, pushes per second and busy
+                  fraction
   staleness       each ps run's tau histogram: the fraction of its applied
                   pushes at each tau (log axis), labelled with its mode
                   (a: async, b: ssp s=1), ssp's bound dashed; only when some
