@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="OUT.json",
         help="also write the runs' timelines (trace/) as Chrome trace JSON for Perfetto or "
-        "chrome://tracing (default: none)",
+        "chrome://tracing; not written, with a line saying so, when no run has events (default: none)",
     )
     parser.add_argument(
         "--gantt-steps",
@@ -453,7 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         print(format_stages(staged))
     if args.trace is not None:
         count = write_chrome_trace(paths, args.trace)
-        print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")
+        if count:
+            print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")
+        else:
+            print(
+                f"{args.trace}: not written: the runs have no trace/ events (recorded with log.trace = true)"
+            )
     try:
         import matplotlib  # noqa: F401  (only to learn whether plots can be drawn)
     except ImportError:
