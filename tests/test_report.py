@@ -343,3 +343,35 @@ def test_checkpoints_alone_are_one_error_naming_the_run_file(demo: Path, tmp_pat
     renamed = tmp_path / "renamed.h5"  # a checkpoint under another name: told by its attributes
     renamed.write_bytes(Path(ckpts[0]).read_bytes())
     assert _error([str(renamed)]) == f"{renamed} is a checkpoint, not a run file: report its run file {demo}"
+
+
+#: commands whose output is piped to a reader that goes away (RUN: a run file); the fix is the
+#: entry point's, so every python -m hpcdl.X has it
+PIPED = ["hpcdl.report RUN", "hpcdl.config", "hpcdl.train --config digits-mlp --plan"]
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("command", PIPED)
+def test_a_reader_that_went_away_ends_the_command_quietly(runs, tmp_path: Path, command, buffered) -> None:
+    """``python -m hpcdl.report ... | head``: no BrokenPipeError traceback, status 141 as for a Unix tool.
+
+    The pipe's reading end is closed before the command starts (a ``head`` that has read
+    all it wanted), so that its first write fails whatever the timing: buffered, when the
+    entry point flushes; unbuffered, in the command's first print.
+    """
+    import os
+    import subprocess
+
+    argv = command.replace("RUN", str(runs["alpha"][0])).split()
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MPLCONFIGDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    if buffered:
+        del env["PYTHONUNBUFFERED"]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path, timeout=120, env=env, check=False)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.stderr == ""
+    assert done.returncode == 141
