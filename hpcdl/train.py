@@ -30,6 +30,7 @@ from hpcdl.optim import scaled_lr
 from hpcdl.parallel import strategy_class
 from hpcdl.parallel.strategy import ignored_keys
 from hpcdl.rng import generator
+from hpcdl.store.checkpoint import checkpoint_run_file
 
 __all__ = ["main", "run", "RunResult", "build_parser", "continue_command", "print_plan"]
 
@@ -83,13 +84,12 @@ def default_out(cfg: Config, comm: Communicator) -> Path:
 
 def run_file_of(checkpoint: str) -> Path:
     """The run file a checkpoint belongs to: ``RUN.ckpt-00000100.h5`` -> ``RUN.h5``."""
-    path = Path(checkpoint)
-    stem, sep, _ = path.name.rpartition(".ckpt-")
-    if not sep:
+    run_file = checkpoint_run_file(checkpoint)
+    if run_file is None:
         raise ConfigError(
             f"--resume {checkpoint}: not a checkpoint name (RUN.ckpt-NNNNNNNN.h5); give --out too"
         )
-    return path.with_name(f"{stem}.h5")
+    return run_file
 
 
 def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:

@@ -9,10 +9,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from report_figures import written_plots
 
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.report import main, summarize
-from hpcdl.store.runfile import RunFile
+from hpcdl.store.runfile import RunFile, RunFileError
 
 NAN = math.nan
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -248,7 +249,7 @@ def test_ranks_bars_add_up_to_the_step_period(tmp_path: Path, record_other: bool
     np.testing.assert_allclose(total, truth["period"], rtol=1e-9)  # every rank's bar is the period
     np.testing.assert_allclose(times.mean["other"], truth["outside"], atol=1e-9)  # rank 0's extra counted
     np.testing.assert_allclose(times.mean["compute"], truth["compute"], rtol=1e-9)
-    assert ("other" in times.per_step) is record_other
+    assert ("other" in times.per_row) is record_other
 
 
 def test_plots_are_named_after_the_run_and_a_second_report_keeps_the_first(tmp_path: Path, capsys) -> None:
@@ -298,3 +299,79 @@ def test_ranks_png_is_readable_at_scale(tmp_path: Path, figures, capsys, ranks: 
         assert f"rank {truth['straggler']} (1.50)" in texts
     assert per_step.get_yscale() == "log" and per_step.get_xlabel() == "step"
     assert (tmp_path / f"r{ranks}-ranks.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# -- what a new user types first --------------------------------------------------------------
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Path:
+    """A run trained in this process, its two checkpoints beside it (and a partial one a killed run left)."""
+    from hpcdl.config import load_config
+    from hpcdl.driver import train
+
+    out = tmp_path / "demo-1.h5"
+    train(load_config("digits-mlp", ["train.steps=4", "checkpoint.every=2"]), out=out)
+    (tmp_path / "demo-1.ckpt-00000006.h5.4242.tmp").write_bytes(b"half")
+    return out
+
+
+def test_a_glob_that_matches_checkpoints_reports_the_runs(runs, demo: Path, tmp_path: Path, capsys) -> None:
+    """The README's report runs/cnn.h5 runs/demo-*.h5: the checkpoints the glob matched are skipped."""
+    glob = sorted(str(p) for p in tmp_path.glob("demo-*.h5"))
+    assert [Path(p).name for p in glob] == ["demo-1.ckpt-00000002.h5", "demo-1.ckpt-00000004.h5", "demo-1.h5"]
+    assert main([str(runs["alpha"][0]), *glob, "--out", f"{tmp_path}/p/"]) == 0
+    out, err = capsys.readouterr()
+    assert set(_table_rows(out)) >= {"alpha", "demo-1"} and "ckpt" not in out.replace(str(tmp_path), "")
+    skipped = f"hpcdl.report: skipped 2 checkpoint files ({glob[0]}, {glob[1]}): report their run file"
+    assert err.splitlines() == [skipped]
+    assert written_plots(out) == [f"alpha+demo-1-{f}.png" for f in ("accuracy", "loss", "ranks")]
+    assert main(sorted(str(p) for p in tmp_path.glob("demo-*"))) == 0  # *.tmp too; not the run file's PNGs
+    assert "skipped 3 checkpoint files" in capsys.readouterr().err
+
+
+def _error(argv: list[str]) -> str:
+    with pytest.raises(RunFileError) as err:
+        main(argv)
+    return str(err.value)
+
+
+def test_checkpoints_alone_are_one_error_naming_the_run_file(demo: Path, tmp_path: Path) -> None:
+    ckpts = [str(p) for p in sorted(tmp_path.glob("demo-1.ckpt-*.h5"))]
+    assert _error(ckpts[:1]) == f"{ckpts[0]} is a checkpoint, not a run file: report its run file {demo}"
+    assert _error(ckpts).endswith(f": checkpoints, not run files: report their run file ({demo})")
+    renamed = tmp_path / "renamed.h5"  # a checkpoint under another name: told by its attributes
+    renamed.write_bytes(Path(ckpts[0]).read_bytes())
+    assert _error([str(renamed)]) == f"{renamed} is a checkpoint, not a run file: report its run file {demo}"
+
+
+#: commands whose output is piped to a reader that goes away (RUN: a run file); the fix is the
+#: entry point's, so every python -m hpcdl.X has it
+PIPED = ["hpcdl.report RUN", "hpcdl.config", "hpcdl.train --config digits-mlp --plan"]
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("command", PIPED)
+def test_a_reader_that_went_away_ends_the_command_quietly(runs, tmp_path: Path, command, buffered) -> None:
+    """``python -m hpcdl.report ... | head``: no BrokenPipeError traceback, status 141 as for a Unix tool.
+
+    The pipe's reading end is closed before the command starts (a ``head`` that has read
+    all it wanted), so that its first write fails whatever the timing: buffered, when the
+    entry point flushes; unbuffered, in the command's first print.
+    """
+    import os
+    import subprocess
+
+    argv = command.replace("RUN", str(runs["alpha"][0])).split()
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "MPLCONFIGDIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    if buffered:
+        del env["PYTHONUNBUFFERED"]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path, timeout=120, env=env, check=False)  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.stderr == ""
+    assert done.returncode == 141

@@ -270,4 +270,78 @@ def test_ps_ranks_outside_the_step_is_not_estimated(tmp_path: Path) -> None:
     """A ps run's ranks do not meet each step: the step clock says nothing of their time outside it."""
     times = rank_times(load(_ps(tmp_path / "a.h5", _known_tau())))
     assert times is not None and "other" not in times.mean and not times.other_estimated
-    assert np.isnan(times.per_step["compute"][:, 0]).all()  # the server computes nothing
+    assert np.isnan(times.per_row["compute"][:, 0]).all()  # the server computes nothing
+
+
+# -- ranks.png of a run whose ranks/ rows are meetings ---------------------------------------
+
+
+def test_a_meeting_row_is_divided_by_the_pushes_each_rank_made_or_served() -> None:
+    """Workers share a meeting's pushes by their pushes_per_s; a server serves every one of them."""
+    from hpcdl.report import Run
+
+    nan = np.nan
+    ranks = {
+        "step": np.array([30, 60]),  # meetings of 30 pushes each
+        "compute_time": np.array([[0.6, 2.0, 2.0], [0.3, 2.0, 2.0]]),
+        "comm_time": np.array([[2.4, 1.0, 1.0], [2.7, 1.0, 1.0]]),
+        "wait_time": np.zeros((2, 3)),
+        "other_time": np.zeros((2, 3)),
+        # worker 2 four times as fast as worker 1, then as fast
+        "pushes_per_s": np.array([[nan, 2.0, 8.0], [nan, 5.0, 5.0]]),
+        "busy_fraction": np.array([[0.2, nan, nan], [0.1, nan, nan]]),
+    }
+    times = rank_times(Run(Path("ps.h5"), {"strategy": "ps"}, {"step": np.arange(1, 61)}, ranks))
+    assert times is not None and times.meetings and times.unit == "push"
+    np.testing.assert_allclose(times.counts, [[30, 6, 24], [30, 15, 15]])
+    per_push = [[0.6 / 30, 2 / 6, 2 / 24], [0.3 / 30, 2 / 15, 2 / 15]]
+    np.testing.assert_allclose(times.per_row["compute"], 1e3 * np.array(per_push))
+    np.testing.assert_allclose(times.mean["compute"], 1e3 * np.array([0.9 / 60, 4 / 21, 4 / 39]))  # overall
+    assert set(times.series) == {"pushes_per_s", "busy_fraction"}
+
+
+def test_a_ps_runs_ranks_plot_is_per_push_against_pushes(tmp_path: Path, figures, capsys) -> None:
+    """A simulated ps run (1 server, 2 workers) meeting every 10 pushes: the bars are each rank's
+    time per push (a worker's about 1 / its pushes_per_s), not the meeting's total; below, per
+    meeting against the pushes applied, the workers' pushes per second and the server's busy
+    fraction as the file holds them."""
+    from ps_config import cfg
+    from simulated import sim
+
+    out = tmp_path / "ps.h5"
+    sim(3, cfg("train.steps=40", "checkpoint.every=10", "parallel.mode=async"), out=out)
+    capsys.readouterr()
+    run = load(out)
+    r = run.ranks
+    np.testing.assert_array_equal(r["step"], [10, 20, 30, 40])  # a row per meeting
+    times = rank_times(run)
+    assert times is not None and times.meetings and times.unit == "push"
+    np.testing.assert_allclose(times.counts[:, 1:].sum(axis=1), 10)  # the workers made the 10 pushes
+    np.testing.assert_allclose(times.counts[:, 0], 10)  # the server served each
+    per_push = sum(times.per_row[k] for k in ("compute", "communication", "waiting", "other"))
+    meeting_ms = 1e3 * (r["compute_time"] + r["comm_time"] + r["other_time"])
+    np.testing.assert_allclose(per_push * times.counts, meeting_ms)  # the file's times, divided
+    in_phase = per_push - times.per_row["other"]
+    np.testing.assert_allclose(in_phase[:, 1:], 1e3 / r["pushes_per_s"][:, 1:], rtol=0.1)  # a push's time
+
+    assert main([str(out), "--out", f"{tmp_path}/p/"]) == 0
+    fig = figures["ranks"]
+    by_rank, per_meeting, fraction = fig.axes
+    assert by_rank.get_ylabel() == "mean time per push made or served (ms)"
+    assert [t.get_text() for t in by_rank.get_xticklabels()] == ["0\nserver", "1\nworker", "2\nworker"]
+    bars = sum(np.array([b.get_height() for b in c]) for c in by_rank.containers)
+    np.testing.assert_allclose(bars, sum(times.mean.values()))
+    assert (bars[1:] < meeting_ms[:, 1:].min() / 4).all()  # per push, not per meeting (5 pushes each)
+    assert per_meeting.get_xlabel().startswith("pushes applied") and "step" not in per_meeting.get_xlabel()
+    assert per_meeting.get_ylabel() == "pushes per second"
+    assert fraction.get_ylabel() == "fraction of the phase"
+    lines = {
+        p.get_label(): p for ax in (per_meeting, fraction) for p in ax.patches if "median" in p.get_label()
+    }
+    assert sorted(lines) == ["busy fraction (1 server): median, min-max",
+                             "pushes per second (2 workers): median, min-max"]  # fmt: skip
+    rate, edges, _ = lines["pushes per second (2 workers): median, min-max"].get_data()
+    np.testing.assert_array_equal(edges, [0, 10, 20, 30, 40])
+    np.testing.assert_allclose(rate, np.median(r["pushes_per_s"][:, 1:], axis=1))
+    busy, _, _ = lines["busy fraction (1 server): median, min-max"].get_data()
+    np.testing.assert_allclose(busy, r["busy_fraction"][:, 0])

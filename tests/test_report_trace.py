@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.errors import ConfigError
 from hpcdl.report import main
 from hpcdl.report.trace import chrome_trace
 from hpcdl.store import RunFile
@@ -63,12 +62,20 @@ def test_report_writes_the_trace_beside_the_plots(tmp_path: Path, capsys: pytest
     assert f"{out}: 7 trace events" in capsys.readouterr().out
 
 
-def test_a_run_without_events_writes_nothing(tmp_path: Path) -> None:
+def test_a_run_without_events_gets_its_plots_and_one_line_for_the_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = _run(tmp_path / "plain.h5", [])
     out = tmp_path / "timeline.json"
-    with pytest.raises(ConfigError, match="no trace/ events to write .* nothing was written"):
-        main([str(run), "--trace", str(out), "--out", f"{tmp_path}/plots/"])
+    assert main([str(run), "--trace", str(out), "--out", f"{tmp_path}/plots/"]) == 0
     assert not out.exists()
+    printed = capsys.readouterr().out
+    assert [line for line in printed.splitlines() if "trace" in line] == [
+        f"{out}: not written: the runs have no trace/ events (recorded with log.trace = true)"
+    ]
+    assert printed.startswith("run ")  # the table and the PNGs as usual
+    assert [Path(line).name for line in printed.splitlines() if line.endswith(".png")] == ["plain-loss.png"]
+    assert (tmp_path / "plots" / "plain-loss.png").exists()
 
 
 def test_a_traced_sync_run_records_each_buckets_pack_and_the_wait(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ by tests and by the simulator.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import time
@@ -24,10 +25,14 @@ __all__ = [
     "HelpFormatter",
     "HelpRequested",
     "EXIT_USAGE",
+    "EXIT_PIPE",
 ]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
 EXIT_USAGE = 2
+#: exit status when the reader of stdout has gone (``| head``): 128 + SIGPIPE, as a shell
+#: reports a Unix tool that SIGPIPE ended
+EXIT_PIPE = 141
 
 
 def _world_rank_size() -> tuple[int, int]:
@@ -49,7 +54,8 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
     ``[rank R]`` and the traceback on that rank's stderr. Under mpiexec with more
     than one rank both end the whole job with ``MPI_Abort`` (a plain exit of one
     rank would leave the others waiting in a collective forever); rank 0 reports first, so that an error
-    every rank hits is printed once.
+    every rank hits is printed once. When the reader of stdout has gone (``... | head``),
+    the command ends quietly, as Unix tools do, with status 141 (:data:`EXIT_PIPE`).
     """
     if stop_signals:  # SIGUSR1/SIGTERM/SIGINT ask the loop for a checkpoint and a clean exit
         from hpcdl.driver.signals import StopRequest, install_handlers, set_stop_request
@@ -61,6 +67,8 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
         code = main(sys.argv[1:])
     except HelpRequested as done:
         code = done.status
+    except BrokenPipeError:
+        _reader_gone()
     except (HpcdlError, OSError) as err:
         if isinstance(err, OSError) and not isinstance(err, HpcdlError):
             if err.filename is None:  # not about a path: a failure to show with its traceback
@@ -79,7 +87,23 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
         if isinstance(err, SystemExit):
             raise
         _abort(err)
+    try:
+        sys.stdout.flush()  # what is left to write goes now: a reader gone is seen here, not at exit
+    except BrokenPipeError:
+        _reader_gone()
     sys.exit(code)
+
+
+def _reader_gone() -> NoReturn:
+    """stdout's reader has gone (``| head`` read what it wanted): exit quietly with :data:`EXIT_PIPE`.
+
+    Python's own flush at exit would fail again and print ``Exception ignored ...``:
+    stdout is pointed at /dev/null first (the recipe of Python's ``signal`` docs).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    _end(EXIT_PIPE, _world_rank_size()[1] if "mpi4py.MPI" in sys.modules else 1)
 
 
 def _abort(err: BaseException) -> NoReturn:
@@ -208,7 +232,6 @@ def python_command() -> str:
     Otherwise its full path (quoted for a shell), so that a command printed for the user to
     paste (how to continue a run) works as printed.
     """
-    import os
     import shlex
     import shutil
 

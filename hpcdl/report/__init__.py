@@ -3,7 +3,8 @@
 One table row per run (its status told from the writer's heartbeat when the file says
 ``running``: :mod:`hpcdl.report.liveness`), the pipeline runs' stages under it
 (:mod:`hpcdl.report.stages`), and PNGs named after the runs (:mod:`hpcdl.report.plots`,
-the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
+each rank's times: :mod:`hpcdl.report.ranks`, the timeline's Gantt chart:
+:mod:`hpcdl.report.gantt`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.stages import format_stages, stage_stats
 from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.report.trace import write_chrome_trace
+from hpcdl.store.checkpoint import checkpoint_run_file
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "labels",
     "plot",
     "output_prefix",
+    "run_files",
     "main",
 ]
 
@@ -62,12 +65,17 @@ STALENESS_COLUMNS = (
 _TEXT = {"run", "name", "world", "status"}
 #: marks an accuracy that is not the run's result (the run has not finished)
 NOT_FINAL = "*"
+#: checkpoint files skipped are named up to this many
+_NAMED = 3
 
 DESCRIPTION = (
     "Print a table of run files and plot their loss, accuracy, per-rank times, staleness, pipeline "
     "stages and timeline as PNGs."
 )
 _EPILOG = """\
+Checkpoint files among RUN.h5 (RUN.ckpt-00000600.h5, which a glob such as
+runs/demo-*.h5 also matches) are skipped with one line on stderr.
+
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
 wall time, samples/s and status; when some run has parameter-server staleness rows,
 also the median and largest tau of its applied pushes (- for the others). A run whose
@@ -83,7 +91,11 @@ by + for several runs), all runs on one figure:
                   steps (a ps step is one push). Samples: metrics/samples, or
                   for older files step x the placement's samples per step
   ranks           per rank, the mean time per step computing, communicating,
-                  waiting and outside the step; below it, the spread per step
+                  waiting and outside the step; below it, the spread per step.
+                  When ranks/ rows are meetings (ranks/step: ps), per push a
+                  worker made or a server served, and below, per meeting
+                  against the pushes applied, pushes per second and busy
+                  fraction
   staleness       each ps run's tau histogram: the fraction of its applied
                   pushes at each tau (log axis), labelled with its mode
                   (a: async, b: ssp s=1), ssp's bound dashed; only when some
@@ -187,6 +199,9 @@ def load(path: str | Path) -> Run:
         raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)")
     with h5:
         version = h5.attrs.get("format_version")
+        if "metrics" not in h5 and "run_file" in h5.attrs:  # a checkpoint's root attributes
+            owner = path.with_name(str(_plain(h5.attrs["run_file"])))
+            raise RunFileError(f"{path} is a checkpoint, not a run file: report its run file {owner}")
         if version is None or "metrics" not in h5:
             raise RunFileError(f"{path} is not an hpcdl run file (no format_version attribute or metrics/)")
         if int(version) > FORMAT_VERSION:
@@ -367,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="OUT.json",
         help="also write the runs' timelines (trace/) as Chrome trace JSON for Perfetto or "
-        "chrome://tracing (default: none)",
+        "chrome://tracing; not written, with a line saying so, when no run has events (default: none)",
     )
     parser.add_argument(
         "--gantt-steps",
@@ -390,6 +405,33 @@ def _steps(text: str) -> int:
     return value
 
 
+def run_files(paths: list[Path]) -> list[Path]:
+    """The run files among ``paths``: checkpoint files, which a glob such as ``runs/demo-*.h5``
+    also matches (``RUN.ckpt-00000600.h5``, a temporary ``RUN.ckpt-00000600.h5.PID.tmp``),
+    are left out with one line on stderr.
+
+    Raises:
+        RunFileError: every path is a checkpoint file's.
+    """
+    skipped = {path: owner for path in paths if (owner := checkpoint_run_file(path)) is not None}
+    if not skipped:
+        return paths
+    kept = [path for path in paths if path not in skipped]
+    owners = ", ".join(dict.fromkeys(str(owner) for owner in skipped.values() if owner not in kept))
+    names = ", ".join(str(path) for path in list(skipped)[:_NAMED])
+    names += f" and {len(skipped) - _NAMED} more" if len(skipped) > _NAMED else ""
+    if not kept and len(skipped) == 1:
+        raise RunFileError(f"{names} is a checkpoint, not a run file: report its run file {owners}")
+    if not kept:
+        raise RunFileError(f"{names}: checkpoints, not run files: report their run file ({owners})")
+    print(
+        f"hpcdl.report: skipped {len(skipped)} checkpoint file{'s' * (len(skipped) > 1)} ({names}): "
+        f"report their run file{f' ({owners})' if owners else ''}",
+        file=sys.stderr,
+    )
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the summary table of the run files and write the plots.
 
@@ -400,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
             earlier report is left as it was).
     """
     args = parse_args(build_parser(), sys.argv[1:] if argv is None else list(argv))
-    runs = [load(path) for path in args.runs]
+    paths = run_files(args.runs)
+    runs = [load(path) for path in paths]
     names = labels(runs)
     rows = [summarize(run) | {"run": name} for run, name in zip(runs, names)]
     print(format_table(rows))
@@ -409,8 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(format_stages(staged))
     if args.trace is not None:
-        count = write_chrome_trace(args.runs, args.trace)
-        print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")
+        count = write_chrome_trace(paths, args.trace)
+        if count:
+            print(f"{args.trace}: {count} trace events (open in https://ui.perfetto.dev or chrome://tracing)")
+        else:
+            print(
+                f"{args.trace}: not written: the runs have no trace/ events (recorded with log.trace = true)"
+            )
     try:
         import matplotlib  # noqa: F401  (only to learn whether plots can be drawn)
     except ImportError:

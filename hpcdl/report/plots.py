@@ -6,15 +6,10 @@ equal steps (a ``ps`` step is one push). ``staleness.png`` has the τ histogram 
 run that recorded ``staleness/`` (parameter servers), as fractions of its applied
 pushes, with SSP's bound where one applies.
 
-``ranks.png`` has two panels per run. Above, each rank's mean time per step, stacked:
-compute, communication (moving data), waiting (the part of its communication spent
-waiting for slower ranks) and the time spent outside the step (evaluation, logging,
-progress output, checkpoints): recorded as ``ranks/other_time`` by newer runs,
-estimated for older files as the step clock's mean period minus the rank's compute and
-communication. Every rank of a run that meets every step spends the same wall time per
-step, so the bars are equally high: a rank that does more outside the step (rank 0
-writes the run file) makes the others wait. Below, per step, the median over the ranks
-and the band from the fastest to the slowest rank: readable at 2 and at 1,024 ranks.
+``ranks.png`` has two panels per run (:mod:`hpcdl.report.ranks`): each rank's mean time
+per step, stacked (per push it made or served when the run's ``ranks/`` rows are
+meetings), and below it the spread over the ranks per step (per meeting: the rows' own
+series, pushes per second and busy fraction).
 
 ``stages.png`` (pipeline runs: ``ranks/bubble``) has each stage's bubble and peak
 activation memory (:mod:`hpcdl.report.stages`); ``gantt.png`` (runs with ``trace/``
@@ -24,8 +19,6 @@ events) the timeline of each run's last steps, a row per rank (:mod:`hpcdl.repor
 from __future__ import annotations
 
 import os
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +26,8 @@ import numpy as np
 
 from hpcdl.atomic import write_atomic
 from hpcdl.errors import file_error
-from hpcdl.report import gantt, stages
+from hpcdl.report import gantt, ranks, stages
+from hpcdl.report.ranks import RankTimes, rank_times
 from hpcdl.report.strategy import config_value, mode_label, roles, tau_histogram, workers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,88 +37,8 @@ __all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plo
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
 FIGURES = ("loss", "accuracy", "ranks", "staleness", "stages", "gantt")
-#: above this many ranks the per-rank panel is an area, not bars
-_BARS_UP_TO = 64
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
 _PREFIX_MAX = 80
-_COLORS = {"compute": "C0", "communication": "C1", "waiting": "C3", "other": "C7"}
-_LABELS = {
-    "compute": "compute",
-    "communication": "communication",
-    "waiting": "waiting for slower ranks",
-    "other": "outside the step",
-}
-#: the caption under ranks.png
-_CAPTION = (
-    "communication: moving data; waiting: the part of a rank's communication time above the fastest "
-    "rank's; outside the step: evaluation, logging, progress output, checkpoints{how}"
-)
-
-
-@dataclass
-class RankTimes:
-    """Per-rank times of a run in milliseconds.
-
-    Attributes:
-        steps: the step of each row.
-        per_step: series name -> (rows, ranks) array: ``compute``, ``communication``,
-            ``waiting`` and, when the run recorded it, ``other``.
-        mean: series name -> per-rank mean per step, the series above plus ``other``
-            when it could be estimated.
-        other_estimated: ``other`` is the step clock's period minus the measured parts.
-    """
-
-    steps: np.ndarray
-    per_step: dict[str, np.ndarray]
-    mean: dict[str, np.ndarray]
-    other_estimated: bool
-
-    @property
-    def ranks(self) -> int:
-        return next(iter(self.per_step.values())).shape[1] if self.per_step else 0
-
-
-def rank_times(run: Run) -> RankTimes | None:
-    """The per-rank times of ``run`` (None when it has no per-rank rows).
-
-    ``communication`` is ``comm_time`` less ``wait_time``. Without a recorded
-    ``other_time``, the time outside the step is estimated per rank as the mean interval
-    between the rows' ``time`` (rank 0's clock, which every rank shares when the ranks
-    meet each step) less the rank's mean compute and communication, over the rows after
-    the first; not for ``ps`` runs, whose ranks do not meet each step.
-    """
-    r = {k: np.asarray(v, dtype=np.float64) for k, v in run.ranks.items() if np.ndim(v) == 2}
-    if "compute_time" not in r or "comm_time" not in r or not len(r["compute_time"]):
-        return None
-    rows = len(r["compute_time"])
-    wait = r.get("wait_time", np.zeros_like(r["comm_time"]))
-    per_step = {
-        "compute": 1e3 * r["compute_time"],
-        "communication": 1e3 * (r["comm_time"] - wait),
-        "waiting": 1e3 * wait,
-    }
-    if "other_time" in r:
-        per_step["other"] = 1e3 * r["other_time"]
-    step = run.metrics.get("step")
-    steps = np.asarray(step[:rows]) if step is not None and len(step) >= rows else np.arange(1, rows + 1)
-    time = run.metrics.get("time")
-    n = min(rows, len(time)) if time is not None else 0
-    estimate = "other" not in per_step and n >= 2 and run.attrs.get("strategy") != "ps"
-    window = slice(1, n) if estimate else slice(None)
-    mean = {k: _column_means(v[window]) for k, v in per_step.items()}
-    if estimate:
-        period = 1e3 * np.diff(np.asarray(time[:n], dtype=np.float64))
-        period = period[np.isfinite(period)]
-        if period.size:
-            inside = sum(mean.values())
-            mean["other"] = np.clip(float(period.mean()) - inside, 0.0, None)
-    return RankTimes(steps, per_step, mean, "other" in mean and "other" not in per_step)
-
-
-def _column_means(a: np.ndarray) -> np.ndarray:
-    """Mean of each column over its finite values (0 where a column has none)."""
-    ok = np.isfinite(a)
-    return np.where(ok, a, 0.0).sum(axis=0) / np.maximum(ok.sum(axis=0), 1)
 
 
 def output_prefix(out: str | os.PathLike[str] | None, runs: list[Run]) -> tuple[Path, str]:
@@ -223,18 +137,17 @@ def plot(
         _axes(axes[0], panels, evaluated, "accuracy (%)")
         save(fig, "accuracy")
 
-    timed = [(t, n) for t, n in ((rank_times(r), n) for r, n in pairs) if t is not None]
+    timed = [(t, r, n) for r, n in pairs if (t := rank_times(r)) is not None]
     if timed:
-        cols = len(timed)
-        fig, axes = plt.subplots(2, cols, figsize=(2 + 6 * cols, 8.5), squeeze=False)
-        for col, (times, name) in enumerate(timed):
-            _per_rank(axes[0][col], times, name)
-            _per_step(axes[1][col], times)
-        estimated = any(t.other_estimated for t, _ in timed)
-        how = " (hatched: estimated as the mean step period less compute and communication)"
-        how = how if estimated else ""
-        fig.tight_layout(rect=(0, 0.04, 1, 1))
-        fig.text(0.01, 0.01, _CAPTION.format(how=how), fontsize="x-small", wrap=True)
+        width = 2 + 6 * len(timed)
+        text = ranks.caption([(t, n) for t, _, n in timed], width=15 * width)  # x-small: ~15 a inch
+        height = 8.5 + 0.15 * (1 + text.count("\n"))  # inches, with the caption's lines
+        fig, axes = plt.subplots(2, len(timed), figsize=(width, height), squeeze=False)
+        for col, (times, run, name) in enumerate(timed):
+            ranks.draw_ranks(axes[0][col], times, name, roles(run.attrs))
+            ranks.draw_rows(axes[1][col], times, roles(run.attrs))
+        fig.tight_layout(rect=(0, (height - 8.5) / height, 1, 1))
+        fig.text(0.01, 0.01, text, fontsize="x-small")
         save(fig, "ranks", layout=False)
 
     stale = [(r, n) for r, n in pairs if len(r.staleness.get("tau", ()))]
@@ -355,68 +268,3 @@ def _ssp_bound(attrs: dict[str, Any]) -> int | None:
     from hpcdl.parallel.ps_plan import max_staleness
 
     return max_staleness(w, s)
-
-
-def _per_rank(ax: Any, times: RankTimes, name: str) -> None:
-    """Each rank's mean time per step, stacked: bars up to 64 ranks, an area above."""
-    from matplotlib.ticker import MaxNLocator
-
-    n = times.ranks
-    x = np.arange(n)
-    parts = {k: v for k, v in times.mean.items() if k in _LABELS}
-    labels = dict(_LABELS)
-    if times.other_estimated:
-        labels["other"] = "outside the step (estimated)"
-    bottom = np.zeros(n)
-    for key, ms in parts.items():
-        style = {"facecolor": _COLORS[key], "edgecolor": _COLORS[key], "label": labels[key], "linewidth": 0}
-        if key == "other" and times.other_estimated:
-            style.update(hatch="//", edgecolor="0.2")
-        if n <= _BARS_UP_TO:
-            ax.bar(x, ms, bottom=bottom, width=0.8 if n <= 16 else 1.0, **style)
-        else:  # thousands of bars alias into stripes: a stepped area instead
-            ax.fill_between(x, bottom, bottom + ms, step="mid", **style)
-        bottom = bottom + ms
-    ax.set_xlim(-0.6, n - 0.4)
-    if n <= 16:
-        ax.set_xticks(x)
-    else:
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
-    compute = times.mean["compute"]
-    if n > 4:  # name the ranks that compute longest: at scale, the bars are too thin to read
-        top = np.argsort(compute, kind="stable")[::-1][:3]
-        slowest = ", ".join(f"{r} ({compute[r]:.2f})" for r in top)
-        ax.text(0.99, 0.97, f"longest compute, ms: rank {slowest}; median {np.median(compute):.2f}",
-                transform=ax.transAxes, ha="right", va="top", fontsize="x-small")  # fmt: skip
-    ax.set_xlabel("rank")
-    ax.set_ylabel("mean time per step (ms)")
-    ax.set_title(f"{name}: {n} ranks, mean per step", fontsize="medium")
-    ax.margins(y=0.3)  # room for the legend above the bars
-    ax.set_ylim(bottom=0)
-    ax.legend(loc="upper left", bbox_to_anchor=(0, 0.93), fontsize="small", ncol=2)
-
-
-def _per_step(ax: Any, times: RankTimes) -> None:
-    """Per step: the median over the ranks and the band from the fastest to the slowest rank (log scale)."""
-    from matplotlib.ticker import MaxNLocator
-
-    x = times.steps
-    shown = {"compute": ("compute", times.per_step["compute"])}
-    comm = times.per_step["communication"] + times.per_step["waiting"]  # its spread is the waiting
-    shown["communication"] = ("communication incl. waiting", comm)
-    if "other" in times.per_step:
-        shown["other"] = ("outside the step", times.per_step["other"])
-    for key, (label, ms) in shown.items():
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a step where every rank has 0: a gap
-            ms = np.where(ms > 0, ms, np.nan)  # a log axis: zero is off the scale
-            lo, mid, hi = np.nanmin(ms, axis=1), np.nanmedian(ms, axis=1), np.nanmax(ms, axis=1)
-        ax.fill_between(x, lo, hi, color=_COLORS[key], alpha=0.25, linewidth=0, step="mid")
-        ax.plot(x, mid, color=_COLORS[key], lw=1, drawstyle="steps-mid", label=f"{label}: median, min-max")
-    ax.set_yscale("log")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel("time in the step (ms, log scale)")
-    ax.set_title(f"spread over the {times.ranks} ranks, per step", fontsize="medium")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="best", fontsize="small")

@@ -18,7 +18,6 @@ import h5py
 import numpy as np
 
 from hpcdl.atomic import write_text_atomic
-from hpcdl.errors import ConfigError
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
@@ -44,8 +43,7 @@ def _events(path: Path, pid: int) -> list[dict[str, Any]]:
 def chrome_trace(paths: Sequence[str | Path]) -> dict[str, Any]:
     """The trace events of the run files ``paths`` in the Trace Event Format (JSON object form).
 
-    Raises:
-        ConfigError: none of the files recorded a trace event (one line, naming them).
+    Runs without ``trace/`` events add none (no event at all when none of them has any).
     """
     events: list[dict[str, Any]] = []
     for pid, path in enumerate(map(Path, paths)):
@@ -58,23 +56,21 @@ def chrome_trace(paths: Sequence[str | Path]) -> dict[str, Any]:
                 {"name": "thread_name", "ph": "M", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}}
             )
         events.extend(sorted(own, key=lambda e: (e["tid"], e["ts"])))
-    if not events:
-        names = ", ".join(str(p) for p in paths)
-        raise ConfigError(
-            f"{names}: no trace/ events to write (a run records them with log.trace = true); "
-            "nothing was written"
-        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def write_chrome_trace(paths: Sequence[str | Path], out: str | Path) -> int:
     """Write :func:`chrome_trace` of ``paths`` to ``out`` (atomically); the number of events.
 
+    Nothing is written when the runs have no ``trace/`` events (0): an earlier ``out``
+    stays as it was.
+
     Raises:
-        ConfigError: no events (nothing is written).
         FileError: ``out`` cannot be written.
     """
     trace = chrome_trace(paths)
+    if not trace["traceEvents"]:
+        return 0
     text = json.dumps(trace, default=lambda v: v.item() if isinstance(v, np.generic) else str(v))
     write_text_atomic(out, text, what="the trace", fix="choose another path for --trace")
     return sum(1 for e in trace["traceEvents"] if e["ph"] == "X")

@@ -42,6 +42,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "checkpoint_path",
+    "checkpoint_run_file",
     "list_checkpoints",
     "load_checkpoint",
     "orphaned_temporaries",
@@ -51,6 +52,8 @@ __all__ = [
 
 CKPT_VERSION = 2
 _NAME = re.compile(r"\.ckpt-(\d{8,})\.h5$")
+#: a checkpoint's temporary file, while it is written (save_checkpoint): RUN.ckpt-N.h5.PID.tmp
+_TEMPORARY = re.compile(r"\.ckpt-\d{8,}\.h5\.\d+\.tmp$")
 
 
 class CheckpointError(HpcdlError):
@@ -95,6 +98,17 @@ def checkpoint_path(run_file: str | os.PathLike[str], step: int) -> Path:
     """``RUN.ckpt-00000100.h5`` beside ``RUN.h5``."""
     run_file = Path(run_file)
     return run_file.with_name(f"{run_file.stem}.ckpt-{step:08d}.h5")
+
+
+def checkpoint_run_file(path: str | os.PathLike[str]) -> Path | None:
+    """The run file a checkpoint belongs to, told by its name (None: not a checkpoint's name).
+
+    ``RUN.ckpt-00000100.h5`` (and its temporary ``RUN.ckpt-00000100.h5.PID.tmp``) gives
+    ``RUN.h5`` beside it.
+    """
+    path = Path(path)
+    m = _NAME.search(path.name) or _TEMPORARY.search(path.name)
+    return path.with_name(f"{path.name[: m.start()]}.h5") if m else None
 
 
 def list_checkpoints(run_file: str | os.PathLike[str]) -> list[Path]:
@@ -319,8 +333,12 @@ def _digest_v1(h5: h5py.File) -> str:
 def orphaned_temporaries(run_file: str | os.PathLike[str]) -> list[Path]:
     """Temporary checkpoint files of ``run_file`` (``RUN.ckpt-N.h5.PID.tmp``) left by a killed run."""
     run_file = Path(run_file)
-    pattern = re.compile(rf"^{re.escape(run_file.stem)}\.ckpt-\d{{8,}}\.h5\.\d+\.tmp$")
-    return sorted(p for p in run_file.parent.glob(f"{run_file.stem}.ckpt-*.tmp") if pattern.match(p.name))
+
+    def ours(p: Path) -> bool:
+        m = _TEMPORARY.search(p.name)
+        return m is not None and p.name[: m.start()] == run_file.stem
+
+    return sorted(filter(ours, run_file.parent.glob(f"{run_file.stem}.ckpt-*.tmp")))
 
 
 def prune_checkpoints(run_file: str | os.PathLike[str], keep: int) -> list[Path]:
