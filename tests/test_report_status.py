@@ -157,3 +157,14 @@ def test_table_without_any_status(tmp_path: Path) -> None:
     row = summarize(path)
     assert row["status"] is None and "-" in format_table([row]).splitlines()[2].split()
     pytest.importorskip("matplotlib")
+
+
+def test_a_stalled_run_says_why_under_the_table(tmp_path: Path) -> None:
+    head = "stall: rank 2 did not respond (stopped, dead, ...); it holds up the others"
+    report = f"{head}\n  rank 0 waits 5.0 s in wait"
+    row = summarize(_write(tmp_path / "stuck.h5", status="stalled", error=report), now=NOW)
+    assert row["state"] == "stalled" and row["error"] == report and row["final"] is False
+    fine = summarize(_write(tmp_path / "fine.h5", status="finished"), now=NOW)
+    lines = format_table([row, fine]).splitlines()
+    assert lines[-1] == f"stuck: stalled: {head}"
+    assert not any(line.startswith("fine:") for line in lines)

@@ -262,7 +262,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         empty), ``test_accuracy`` (last evaluated, in %), ``accuracy_step`` (the step it
         was evaluated at), ``final`` (True when the run finished, so that accuracy is its
         result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
-        ``interrupted`` when the writer is known to be gone), ``status`` (as shown:
+        ``interrupted`` when the writer is known to be gone), ``error`` (why it failed or
+        stalled, as recorded; None), ``status`` (as shown:
         ``running, last written 12 min ago`` when it cannot be told), ``tau_median`` and
         ``tau_max`` (the staleness of the applied pushes: None without ``staleness/`` rows),
         ``stage_bubble`` (per pipeline stage, the median over the steps of its bubble, a
@@ -306,6 +307,7 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         "samples_per_s": None if sps is None else float(sps),
         "state": state,
         "status": status,
+        "error": str(a["error"]) if a.get("error") else None,
         "tau_median": float(np.median(tau)) if has_tau else None,
         "tau_max": int(np.max(tau)) if has_tau else None,
         "stage_bubble": None if stages is None else stages.bubble.tolist(),
@@ -351,6 +353,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{NOT_FINAL} not a final result: the last evaluation of a run that has not finished "
             f"({'; '.join(marked)})"
         )
+    for row in rows:  # why a run failed or stalled: the first line of what it recorded
+        if row.get("error"):
+            table.append(f"{row['run']}: {row.get('state')}: {row['error'].splitlines()[0]}")
     return "\n".join(table)
 
 
