@@ -1,5 +1,5 @@
 """A run's wall time and samples/s (``hpcdl/driver/figures.py``): one figure, printed alike by
-the progress lines, the summary line, the run file and the report.
+the progress lines, the summary line, the run file and the report; progress by time too.
 
 Runs go through the commands as a user types them (``python -m hpcdl.simulate ... -m
 hpcdl.train``, ``python -m hpcdl.report``), in the simulator's virtual time.
@@ -107,6 +107,22 @@ def test_every_parameter_server_progress_line_carries_a_figure(
     for line in lines:
         assert float(line.group(4)) > 0, line.group(0)
     assert lines[-1].group(4) == SUMMARY.search(summary).group(2)
+
+
+def test_progress_lines_come_by_time_when_steps_are_slower_than_the_interval(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A pipeline whose step takes longer than train.log_every_s (virtual seconds, a cost
+    table) prints a line after every step, although train.log_every steps never pass."""
+    table = costs(tmp_path, 1.0, 6)
+    sets = ["parallel.strategy=pipeline", "train.steps=4", "train.log_every=100"]
+    lines, _ = run(capsys, 2, [*sets, "train.log_every_s=5"], "--out", str(tmp_path / "a.h5"), compute=table)
+    assert [int(line.group(1)) for line in lines] == [1, 2, 3, 4]
+    times = [float(line.group(5)) for line in lines]
+    assert all(b - a >= 5 for a, b in zip(times, times[1:])), times
+    # by steps only: the last step's line
+    lines, _ = run(capsys, 2, [*sets, "train.log_every_s=0"], "--out", str(tmp_path / "b.h5"), compute=table)
+    assert [int(line.group(1)) for line in lines] == [4]
 
 
 def test_the_figures_print_alike() -> None:

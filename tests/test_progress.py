@@ -76,6 +76,19 @@ class _Clock:
         return self.now
 
 
+@pytest.mark.parametrize(("every_s", "printed"), [(30.0, [2, 4, 6, 8, 9, 10]), (0.0, [9, 10])])
+def test_lines_by_time_when_steps_are_slower_than_the_interval(every_s: float, printed: list[int]) -> None:
+    """Steps of 20 s, a line every 9 steps or 30 s: a line at the first step after 30 s."""
+    out, clock = io.StringIO(), _Clock()
+    p = Progress("lines", total=10, every=9, active=True, stream=out, every_s=every_s, clock=clock)
+    for step in range(1, 11):
+        clock.now += 20.0
+        p.update(step, loss=1.0, samples_per_s=512.0, time_s=clock.now)
+    lines = out.getvalue().splitlines()
+    assert [int(ln.split()[1].split("/")[0]) for ln in lines] == printed
+    assert lines[-1] == "step 10/10  loss 1  512 samples/s  time 200.0 s"
+
+
 def test_the_bar_counts_time_on_the_given_clock_and_shows_the_runs_samples_per_s() -> None:
     """In the simulator the clock is virtual: the bar's elapsed time is the run's, and tqdm's own
     steps/s (which would disagree with samples/s) is not shown."""

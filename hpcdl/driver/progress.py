@@ -39,8 +39,10 @@ class Progress:
     """Step progress on rank 0: :meth:`update` after steps, ``close()`` at the end.
 
     Lines (``lines``) are printed when a multiple of ``every`` steps has passed since the
-    previous update, and at the last step. The bar (``bar``) is redrawn at each update
-    (tqdm's own rate limit), its elapsed time on ``clock``. Other ranks
+    previous update, at the last step, and — when ``every_s > 0`` — whenever ``every_s``
+    seconds of ``clock`` have passed since the previous line, so that a run whose
+    ``every`` steps take minutes still shows it is alive. The bar (``bar``) is redrawn at
+    each update (tqdm's own rate limit), its elapsed time on ``clock`` too. Other ranks
     get a silent instance, so the loop needs no rank test.
 
     Args:
@@ -49,6 +51,7 @@ class Progress:
         every: steps between lines (``train.log_every``).
         active: whether this rank shows progress (rank 0).
         stream: where to write (default: standard error).
+        every_s: seconds between lines at the latest (``train.log_every_s``; 0: by steps only).
         start: the steps already done (a resumed run).
         clock: seconds (:func:`hpcdl.comm.wtime`: virtual time in the simulator).
     """
@@ -60,15 +63,18 @@ class Progress:
         every: int,
         active: bool,
         stream: TextIO | None = None,
+        every_s: float = 0.0,
         start: int = 0,
         clock: Callable[[], float] = wtime,
     ) -> None:
         self.mode = mode if active else "none"
         self.total = total
         self.every = every
+        self.every_s = every_s
         self.stream = stream or sys.stderr
         self._clock = clock
         self._last = start  # the step of the previous update
+        self._printed_at = clock()  # when the previous line was printed
         self._bar: Any = None
         if self.mode == "bar":
             from tqdm import tqdm
@@ -98,7 +104,10 @@ class Progress:
             return
         if self.mode != "lines":
             return
-        if step // self.every > since // self.every or step == self.total:
+        now = self._clock()
+        due = step // self.every > since // self.every or step == self.total
+        if due or (self.every_s > 0 and now - self._printed_at >= self.every_s):
+            self._printed_at = now
             time = wall_text(time_s)
             figures = f"{rate_phrase(samples_per_s)}  time {time}{' s' * (time != 'n/a')}"
             print(f"step {step}/{self.total}  loss {_fmt(loss)}  {figures}", file=self.stream, flush=True)

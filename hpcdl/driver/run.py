@@ -148,7 +148,7 @@ def _run(
     opened = open_run(comm, cfg, placement, run_path, resume, strategy)
     rank0 = comm.Get_rank() == 0
     bar = Progress(choose_mode(progress), ctx.total_steps, cfg["train.log_every"], active=rank0,
-                   start=opened.step or 0)  # fmt: skip
+                   every_s=cfg["train.log_every_s"], start=opened.step or 0)  # fmt: skip
     trainer = Trainer(
         ctx,
         strategy,
