@@ -128,6 +128,13 @@ SCHEMA: dict[str, Key] = {
     ),
     "train.eval_every": Key(int, 0, "steps between test evaluations; 0: at the end of each epoch", minimum=0),
     "train.log_every": Key(int, 20, "steps between progress lines (batch jobs)", minimum=1),
+    "train.log_every_s": Key(
+        float,
+        30.0,
+        "progress lines (batch jobs) also by time: a line at the first step (or meeting) after this many "
+        "seconds without one, however few steps passed (virtual seconds in the simulator); 0: by steps only",
+        minimum=0.0,
+    ),
     "optimizer.name": Key(str, "sgd", "optimizer", choices=_OPTIMIZERS),
     "optimizer.lr": Key(float, 0.1, "base learning rate (before rank scaling)", minimum=0.0),
     "optimizer.momentum": Key(float, 0.9, "sgd: momentum", minimum=0.0),

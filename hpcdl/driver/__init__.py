@@ -5,6 +5,7 @@ spreading training shares: the config and the objects built from it (:mod:`.fact
 :mod:`.context`), the loop and its periodic work at the strategy's meetings
 (:mod:`.loop`), the run file and its log (:mod:`.runlog`), checkpoints and ``--resume``
 (:mod:`.checkpoints`), stop signals (:mod:`.signals`), progress output (:mod:`.progress`),
+the run's wall time and samples/s, defined once for every output (:mod:`.figures`),
 the launcher checks (:mod:`.launch`) and every command's command-line plumbing
 (:mod:`.cli`). A strategy (:mod:`hpcdl.parallel`) owns the rest.
 """

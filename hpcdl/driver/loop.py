@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from hpcdl.comm import notes, wtime
 from hpcdl.driver.context import Context, Slowdown
+from hpcdl.driver.figures import samples_per_s as throughput
 from hpcdl.driver.progress import Progress
 from hpcdl.driver.runlog import RunLog
 from hpcdl.driver.signals import StopRequest
@@ -42,10 +44,10 @@ __all__ = ["Counters", "Trainer"]
 class Counters:
     """The driver's running totals on this rank (stored in checkpoints, restored on resume)."""
 
-    train_s: float = 0.0  # in steps
     compute_s: float = 0.0  # in steps, less their communication
     comm_s: float = 0.0
     elapsed_s: float = 0.0  # since the run began, over every segment
+    held_s: float = 0.0  # of it, evaluations and checkpoints that held training up
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -101,6 +103,9 @@ class Trainer:
     _meeting_comm: float = 0.0  # communication at the last meeting: not time outside the steps
     _early: list[dict[str, float]] = field(default_factory=list)  # a phase's rows written during it
     _prev_end: float = 0.0  # when the phase's last row so far ended (the row rank's clock)
+    _holding: float | None = None  # when the evaluation or checkpoint under way began
+    #: the figures shown last (:meth:`_mark`): a step, the training time and the run's time up to it
+    trained: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
@@ -108,6 +113,7 @@ class Trainer:
         self.ctx.comm.Barrier()  # every rank's clock starts together: run times (trace/) line up across ranks
         self._met, self._t_segment = self.step, wtime()
         self.ctx.elapsed = self.elapsed  # type: ignore[method-assign]  (the run's time, every segment)
+        self._mark(self.step)
         while self.step < total and not self.stopped_by:
             if self.strategy.runs_free:
                 self._phase()
@@ -125,6 +131,46 @@ class Trainer:
         self.counters.elapsed_s = self.elapsed()
         self._t_segment = wtime()
 
+    def train_time(self, at: float | None = None) -> float:
+        """The training time up to run time ``at`` (default: now): the run's time less the
+        evaluations and checkpoints that held training up (:mod:`hpcdl.driver.figures`)."""
+        return (self.elapsed() if at is None else at) - self.counters.held_s
+
+    @property
+    def samples_per_s(self) -> float:
+        """The run's throughput as last shown (:mod:`hpcdl.driver.figures`): samples processed
+        up to the step of the last meeting (or early rows) over the training time up to it."""
+        step, seconds, _ = self.trained
+        return throughput(step * self.ctx.placement.step_samples, seconds)
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Time an evaluation or a checkpoint: not training time (``counters.held_s``)."""
+        self._holding = t0 = wtime()
+        try:
+            yield
+        finally:
+            self._holding = None
+            self.counters.held_s += wtime() - t0
+
+    def saved_counters(self) -> dict[str, float]:
+        """The counters a checkpoint stores: the run's time so far, and the checkpoint under way
+        (if any) held up to now, so that a resumed run goes on with the same figures."""
+        held = wtime() - self._holding if self._holding is not None else 0.0
+        return {**self.counters.as_dict(), "elapsed_s": self.elapsed(), "held_s": self.counters.held_s + held}
+
+    def _mark(self, step: int, at: float | None = None) -> None:
+        """The figures after ``step``, which ended at run time ``at`` (default: now; its row's
+        ``time``): for progress, the run file's attributes at its next write, and the summary."""
+        at = self.elapsed() if at is None else at
+        self.trained = (step, self.train_time(at), at)
+        self.log.figures = {"wall_s": at, "samples_per_s": self.samples_per_s}
+
+    def _progress(self, loss: float) -> None:
+        """Show the figures of the last :meth:`_mark`, with ``loss``."""
+        step, _, at = self.trained
+        self.bar.update(step, loss=loss, samples_per_s=self.samples_per_s, time_s=at)
+
     def _one_step(self) -> None:
         t0 = wtime()
         other = t0 - self._t_end - self._meeting_comm if self._t_end is not None else 0.0
@@ -135,7 +181,6 @@ class Trainer:
         self._t_end = wtime()
         wall = self._t_end - t0
         self.step += 1
-        self.counters.train_s += wall
         self.counters.compute_s += wall - stats.comm_s
         self.counters.comm_s += stats.comm_s
         self._pending.append(_Step(stats, wall, other, self.elapsed()))
@@ -175,7 +220,6 @@ class Trainer:
             agreed.rows = agreed.rows[:n]
             agreed.evaluated = [e for e in agreed.evaluated if e[0] < n]
         wall, meeting = t_run - t0, self._t_end - t_run
-        self.counters.train_s += wall
         self.counters.compute_s += wall - phase.comm_s
         self.counters.comm_s += phase.comm_s + meeting
         done = len(self._early)  # rows written during the phase
@@ -185,6 +229,9 @@ class Trainer:
             self._say_accuracy(first + i, (first + i - 1) // self.ctx.steps_per_epoch)
         self.history.extend([*self._early, *rows])
         self.step += n
+        shown = n > 0 and bool(self.history)  # the row rank's rows: the figures up to the last push
+        if shown:
+            self._mark(self.step, at=self.history[-1]["time"])
         self._note["phase"] = "run file"
         self.log.record_phase(rows, self.step, wall - phase.comm_s, phase.comm_s + meeting, other,
                               phase.series, agreed.tables)  # fmt: skip
@@ -193,9 +240,8 @@ class Trainer:
                 f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
                 "kept (lower optimizer.lr, or parallel.compensation = 'lr' for stale pushes)"
             )
-        if self.history:
-            loss = self.history[-1]["loss"]
-            self.bar.update(self.step, since=self._met, loss=loss, samples_per_s=self._rate())
+        if shown:
+            self._progress(self.history[-1]["loss"])
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
 
@@ -203,8 +249,10 @@ class Trainer:
         """The row rank, during a phase: the strategy's first final rows go to the run file now."""
         built = self._phase_rows(self.step + 1 + len(self._early), rows, ended, 0)
         self._early.extend(built)
+        last = built[-1]
+        self._mark(last["step"], at=last["time"])  # the throughput up to this push
         self.log.write_rows(built, tables)
-        self.bar.update(built[-1]["step"], since=self._met, loss=built[-1]["loss"], samples_per_s=math.nan)
+        self._progress(last["loss"])
 
     def _phase_rows(
         self, first: int, rows: list[dict[str, float]], ended: list[float], bytes_sent: int
@@ -237,19 +285,12 @@ class Trainer:
             steps[-1].stats.bytes_sent = agreed.bytes_sent
         steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
         self.counters.comm_s += agreed.comm_s
+        self._mark(self.step, at=steps[-1].elapsed_s)  # the figures up to the end of the last step
         for i, (done, row) in enumerate(zip(steps, agreed.rows)):
             self._record(first + i, done, row, last=i == len(steps) - 1)
-        self.bar.update(self.step, since=self._met, loss=self.history[-1]["loss"], samples_per_s=self._rate())
+        self._progress(self.history[-1]["loss"])
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
-
-    def _rate(self) -> float:
-        """Samples per second so far, for the progress display (rank 0's view)."""
-        if self.ctx.placement.ranks[self.ctx.rank].member >= 0:
-            seconds = self.counters.train_s  # in steps, as the summary
-        else:  # a rank that reads no batches: the run's time
-            seconds = self.elapsed()
-        return self.ctx.placement.step_samples * self.step / seconds if seconds > 0 else math.nan
 
     def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
         """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
@@ -265,7 +306,8 @@ class Trainer:
                "time": done.elapsed_s}  # fmt: skip
         if last and self._evaluation_due():
             self._note["phase"] = "evaluation"
-            self.accuracy, self.evaluated_at = self.strategy.evaluate(), step
+            with self.holding():
+                self.accuracy, self.evaluated_at = self.strategy.evaluate(), step
             acc, loss = self.accuracy
             row.update(test_accuracy=acc, test_loss=loss)
             self._say_accuracy(step, row["epoch"])
@@ -301,4 +343,5 @@ class Trainer:
         elif stop_at and before < stop_at <= self.step < total:
             self.stopped_by = f"train.stop_at = {stop_at}"
         elif every and crossed(before, self.step, every) and self.step < total:
-            self.save(self.step)
+            with self.holding():
+                self.save(self.step)

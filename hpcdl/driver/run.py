@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
-from hpcdl.comm import Communicator, StallError, long_wait, notes, on_root, slow_down, world, wtime
+from hpcdl.comm import Communicator, StallError, long_wait, notes, on_root, slow_down, world
 from hpcdl.config import Config
 from hpcdl.driver.checkpoints import DRIVER, capture, distribute
 from hpcdl.driver.context import Context, Slowdown, slowdown_factor
+from hpcdl.driver.figures import rate_phrase, samples_per_s, wall_phrase
 from hpcdl.driver.loop import Counters, Trainer
 from hpcdl.driver.progress import Progress, choose_mode
 from hpcdl.driver.runlog import RunLog, checkpoint_attrs, open_run, peak_rss_mb
@@ -30,7 +30,14 @@ __all__ = ["RunResult", "build", "plan", "train"]
 
 @dataclass
 class RunResult:
-    """What a training run returns (rank 0's view; the metrics are global)."""
+    """What a training run returns (rank 0's view; the metrics are global).
+
+    ``wall_s``, ``train_s`` and ``samples_per_s`` are the run's figures
+    (:mod:`hpcdl.driver.figures`: every segment of a resumed run, rank 0's clock, the same
+    on every rank): its wall time, its training time (the wall time less evaluations
+    and checkpoints) and the samples processed over that. ``compute_s`` and ``comm_s``
+    are this rank's own time computing and communicating in steps.
+    """
 
     config: Config
     ranks: int
@@ -67,13 +74,9 @@ class RunResult:
         return (
             f"{self.config['name']}: test accuracy {accuracy} | "
             f"{self.steps} steps ({self.epochs:g} epochs) on {self.ranks} rank{'s' * (self.ranks > 1)} | "
-            f"wall {self.wall_s:.1f} s | {_rate(self.samples_per_s)}"
+            f"{wall_phrase(self.wall_s)} | {rate_phrase(self.samples_per_s)}"
             + (f" | run file {self.run_file}" if self.run_file is not None else "")
         )
-
-
-def _rate(samples_per_s: float) -> str:
-    return f"{samples_per_s:.0f} samples/s" if math.isfinite(samples_per_s) else "samples/s n/a"
 
 
 def plan(cfg: Config, world_size: int) -> Placement:
@@ -124,11 +127,10 @@ def train(
             the loss is not finite, and the like.
     """
     comm = comm or world()
-    t_start = wtime()
     factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
     ctx, strategy = build(cfg, comm)
     try:
-        return _run(ctx, strategy, factor, progress, Path(out) if out is not None else None, resume, t_start)
+        return _run(ctx, strategy, factor, progress, Path(out) if out is not None else None, resume)
     except HpcdlError as err:  # a user error, raised alike on every rank: they free the communicators
         if not isinstance(err, StallError):  # (a stall: some rank is gone; the job is ending)
             with contextlib.suppress(Exception):  # collectives left in flight by the error: never mind
@@ -143,13 +145,13 @@ def _run(
     progress: str,
     run_path: Path | None,
     resume: str | None,
-    t_start: float,
 ) -> RunResult:
     """Open the run file (and the checkpoint to continue from), train, finish."""
     comm, cfg, placement = ctx.comm, ctx.cfg, ctx.placement
     opened = open_run(comm, cfg, placement, run_path, resume, strategy)
     rank0 = comm.Get_rank() == 0
-    bar = Progress(choose_mode(progress), ctx.total_steps, cfg["train.log_every"], active=rank0)
+    bar = Progress(choose_mode(progress), ctx.total_steps, cfg["train.log_every"], active=rank0,
+                   every_s=cfg["train.log_every_s"], start=opened.step or 0)  # fmt: skip
     trainer = Trainer(
         ctx,
         strategy,
@@ -169,7 +171,7 @@ def _run(
         trainer.counters = Counters(**{k: float(saved.get(k, v)) for k, v in Counters().as_dict().items()})
     try:
         trainer.run()
-        return _finish(trainer, run_path, t_start)
+        return _finish(trainer, run_path)
     except BaseException as exc:
         trainer.log.abandon(*_ending(exc))
         raise
@@ -189,17 +191,21 @@ def _ending(exc: BaseException) -> tuple[str, str]:
     return "failed", f"{type(exc).__name__}: {exc}"
 
 
-def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResult:
+def _finish(trainer: Trainer, run_path: Path | None) -> RunResult:
     """After the last step or a stop: a last evaluation, the last checkpoint, the file's summary."""
     ctx, strategy = trainer.ctx, trainer.strategy
     if not trainer.stopped_by and trainer.evaluated_at != trainer.step:  # the end not yet evaluated
         notes()["phase"] = "evaluation"
-        trainer.accuracy = strategy.evaluate()
-    ckpt_path = _checkpoint(trainer, run_path, trainer.step)
+        with trainer.holding():
+            trainer.accuracy = strategy.evaluate()
+    with trainer.holding():
+        ckpt_path = _checkpoint(trainer, run_path, trainer.step)
     trainer.end_segment()
     counters = trainer.counters
-    train_s = ctx.comm.allreduce(counters.train_s, op=ops.MAX)  # the slowest rank's: rank 0 may read no batch
-    rate = ctx.placement.step_samples * trainer.step / train_s if train_s > 0 else math.nan
+    # the figures as progress showed them last (hpcdl.driver.figures): rank 0's, on every rank
+    step, train_s, _ = trainer.trained
+    wall_s, train_s = ctx.comm.bcast((counters.elapsed_s, train_s), root=0)
+    rate = samples_per_s(ctx.placement.step_samples * step, train_s)
     runfile = trainer.log.runfile
     profile = _profile(ctx.comm, trainer.profiler)
     if runfile is not None and profile is not None:
@@ -208,7 +214,7 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
     trainer.log.close(
         "stopped" if trainer.stopped_by else "finished",
         end_time=heartbeat_now(),
-        wall_s=counters.elapsed_s,
+        wall_s=wall_s,
         final_test_accuracy=acc,
         samples_per_s=rate,
         peak_rss_mb=peak_rss_mb(),  # the process's: all virtual ranks of a simulation together
@@ -217,7 +223,7 @@ def _finish(trainer: Trainer, run_path: Path | None, t_start: float) -> RunResul
     return RunResult(
         config=ctx.cfg, ranks=ctx.comm.Get_size(), steps=trainer.step,
         epochs=round(trainer.step / ctx.steps_per_epoch, 3), test_accuracy=acc, test_loss=loss,
-        wall_s=wtime() - t_start, train_s=counters.train_s, samples_per_s=rate, compute_s=counters.compute_s,
+        wall_s=wall_s, train_s=train_s, samples_per_s=rate, compute_s=counters.compute_s,
         comm_s=counters.comm_s, strategy=strategy, history=trainer.history,
         profile=profile,
         run_file=run_path, checkpoint=ckpt_path, stopped_by=trainer.stopped_by,
@@ -252,7 +258,7 @@ def _checkpoint(trainer: Trainer, run_path: Path | None, step: int) -> Path | No
     ctx = trainer.ctx
     notes()["phase"] = "checkpoint"
     trainer.log.flush()
-    counters = {**trainer.counters.as_dict(), "elapsed_s": trainer.elapsed()}
+    counters = trainer.saved_counters()
     ckpt = capture(ctx.comm, trainer.strategy, ctx.placement, ctx.cfg, step=step,
                    epoch=step // ctx.steps_per_epoch, counters=counters,
                    attrs=checkpoint_attrs(run_path))  # fmt: skip

@@ -37,7 +37,9 @@ class RunLog:
     *other* time is what it spent between the end of the previous step and the
     start of this one (metrics agreement, evaluation, logging, checkpoints), so that
     compute + communication + other is each rank's wall time per step. Each flush
-    also writes the ``heartbeat`` attribute: the run is alive.
+    also writes the ``heartbeat`` attribute (the run is alive) and the attributes in
+    :attr:`figures` (the driver's ``wall_s`` and ``samples_per_s`` so far), so that a
+    running or killed run's file has them as of its last write.
     """
 
     def __init__(
@@ -59,6 +61,8 @@ class RunLog:
         self._global_batch = placement.step_samples
         self._series = series  # the strategy's own per-rank series (Strategy.rank_series)
         self._events = events if events is not None else []  # this rank's timeline, drained at writes
+        #: root attributes written with the rows (rank 0): the run's figures so far
+        self.figures: dict[str, float] = {}
 
     def record(
         self,
@@ -99,6 +103,7 @@ class RunLog:
         compute, comm_t, exposed, other = (times[..., i] for i in range(4))
         wait = comm_t - comm_t.min(axis=1, keepdims=True)
         self._agreed_columns(times)
+        self._write_figures()  # flushed with the rows
         self.runfile.append_rows(
             self._rows,
             {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
@@ -112,6 +117,7 @@ class RunLog:
         No collective: the ranks' times of the phase come with :meth:`record_phase`.
         """
         if self.runfile is not None and rows:
+            self._write_figures()
             self.runfile.append_rows(rows, {}, tables)
 
     def record_phase(
@@ -141,7 +147,12 @@ class RunLog:
         blocks = {"compute_time": compute, "comm_time": comm_t, "wait_time": comm_t - comm_t.min(),
                   "exposed_comm_time": np.full_like(compute, np.nan), "other_time": other}  # fmt: skip
         blocks.update({name: times[..., 3 + i] for i, name in enumerate(self._series)})
+        self._write_figures()
         self.runfile.append_rows(rows, blocks, tables, rank_steps=[step])
+
+    def _write_figures(self) -> None:
+        if self.runfile is not None and self.figures:
+            self.runfile.set_attrs(**self.figures)
 
     def _gather(self, mine: np.ndarray) -> tuple[list[np.ndarray], list[list[tuple[Any, ...]]]]:
         """Every rank's timings and timeline events on rank 0 (one gather; events only when traced)."""

@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 from hpcdl.driver.cli import ArgumentParser, parse_args
+from hpcdl.driver.figures import RATE_UNIT, rate_text, samples_per_s, wall_text
 from hpcdl.errors import file_error
 from hpcdl.report.gantt import STEPS as GANTT_STEPS
 from hpcdl.report.liveness import run_status
@@ -45,16 +46,16 @@ __all__ = [
     "main",
 ]
 
-#: table columns: (key, header, format of a present value)
-COLUMNS = (
+#: table columns: (key, header, format of a present value: a format string or a function)
+COLUMNS: tuple[tuple[str, str, Any], ...] = (
     ("run", "run", "{}"),
     ("name", "config", "{}"),
     ("world", "world", "{}"),
     ("ranks", "ranks", "{}"),
     ("steps", "steps", "{}"),
     ("test_accuracy", "test acc %", "{:.2f}"),
-    ("wall_s", "wall s", "{:.1f}"),
-    ("samples_per_s", "samples/s", "{:.0f}"),
+    ("wall_s", "wall s", wall_text),  # the summary line's figures, printed alike (hpcdl.driver.figures)
+    ("samples_per_s", RATE_UNIT, rate_text),
     ("status", "status", "{}"),
 )
 #: columns shown (before status) only when some run recorded staleness (parameter servers)
@@ -77,7 +78,9 @@ Checkpoint files among RUN.h5 (RUN.ckpt-00000600.h5, which a glob such as
 runs/demo-*.h5 also matches) are skipped with one line on stderr.
 
 The table has one row per run: config, world (mpi or sim), ranks, steps, test accuracy,
-wall time, samples/s and status; when some run has parameter-server staleness rows,
+wall time, samples/s and status (wall time and samples/s are the training command's
+summary line's: the run file's wall_s and samples_per_s, as of its last write while
+it runs); when some run has parameter-server staleness rows,
 also the median and largest tau of its applied pushes (- for the others). A run whose
 file says running but whose process is gone (killed, a dead rank) shows as
 interrupted; when that cannot be told (another host), as running with the time since
@@ -261,7 +264,9 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         ``run`` (file stem), ``name``, ``world``, ``ranks``, ``steps`` (last step, 0 when
         empty), ``test_accuracy`` (last evaluated, in %), ``accuracy_step`` (the step it
         was evaluated at), ``final`` (True when the run finished, so that accuracy is its
-        result), ``wall_s``, ``samples_per_s``, ``state`` (the recorded status, or
+        result), ``wall_s`` and ``samples_per_s`` (the run's figures,
+        :mod:`hpcdl.driver.figures`: its attributes; a file without them, from its last
+        row: ``time``, and ``samples`` over ``time``), ``state`` (the recorded status, or
         ``interrupted`` when the writer is known to be gone), ``error`` (why it failed or
         stalled, as recorded; None), ``status`` (as shown:
         ``running, last written 12 min ago`` when it cannot be told), ``tau_median`` and
@@ -283,9 +288,8 @@ def summarize(path: str | Path | Run, *, now: float | None = None) -> dict[str, 
         acc_step = int(m["step"][np.flatnonzero(np.isfinite(acc_series))[-1]])
     wall = a.get("wall_s", _last_finite(m.get("time")))
     sps = a.get("samples_per_s")
-    if sps is None and "samples_per_s" in m:
-        finite = m["samples_per_s"][np.isfinite(m["samples_per_s"])]
-        sps = float(np.median(finite)) if finite.size else None
+    if sps is None and run.rows and run.samples is not None and run.samples[-1] > 0 and "time" in m:
+        sps = samples_per_s(float(run.samples[-1]), float(m["time"][-1]))  # a file without the figure
     ranks = a.get("ranks")
     if ranks is None and run.ranks:
         ranks = next(iter(run.ranks.values())).shape[1]
@@ -332,7 +336,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         line = []
         for key, _, fmt in columns:
             value = row.get(key)
-            text = "-" if value is None else fmt.format(value)
+            text = "-" if value is None else fmt(value) if callable(fmt) else fmt.format(value)
             if key == "test_accuracy" and value is not None and not row.get("final", True):
                 text += NOT_FINAL
                 marked.append(f"{row['run']} at step {row.get('accuracy_step', '?')}")

@@ -8,7 +8,10 @@ Layout (format version 1)::
                                    world ("mpi" | "sim"),
                                    network, compute, start_time (ISO 8601, UTC), status
                                    ("running" | "finished" | "stopped" | "failed"), end_time,
-                                   wall_s, final_test_accuracy, samples_per_s, peak_rss_mb
+                                   wall_s and samples_per_s (the run's wall time and
+                                   throughput, as the training command defines them:
+                                   hpcdl/driver/figures.py; updated at each write while it
+                                   runs), final_test_accuracy, peak_rss_mb
                                    (the process's peak resident set: in a simulation, all
                                    virtual ranks together), resumed_at (steps resumed
                                    from), rows_cut (rows dropped by resumes); in a
@@ -21,7 +24,8 @@ Layout (format version 1)::
     /metrics/<series>       1-D, one row per step: step, epoch, samples (training samples
                             processed up to the step), time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
-                            evaluated), lr, step_time, samples_per_s, bytes_sent
+                            evaluated), lr, step_time, samples_per_s (the step's own
+                            rate: the global batch over step_time), bytes_sent
     /ranks/<series>         2-D (steps, ranks) — (meetings, ranks) for a strategy whose
                             ranks run free between meetings (ps), with ranks/step the
                             step each meeting ended at: compute_time, comm_time, wait_time,
