@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ranks is not None:
         raise ConfigError("-n RANKS goes with --plan; to train on N ranks, run under mpiexec -n N")
+    if args.out is not None and args.out.endswith(("/", os.sep)):
+        raise ConfigError(
+            f"--out {args.out} names a directory: --out names the run file, its checkpoints go beside it; "
+            f"give a file in it, e.g. --out {Path(args.out) / (cfg['name'] + '.h5')}"
+        )
     with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
         launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
         if args.out is not None:

@@ -264,6 +264,11 @@ def _open_on_root(
         raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
     if run_path is None:
         return (find_resume(resume, Path(resume), cfg, placement, strategy) if resume else None), None
+    if run_path.is_dir():
+        raise RunFileError(
+            f"--out {run_path} is a directory: --out names the run file, its checkpoints go beside it; "
+            f"give a file in it, e.g. --out {run_path / (cfg['name'] + '.h5')}"
+        )
     changes: dict[str, tuple[Any, Any]] = {}
     attrs: dict[str, Any] = {}
     exists = run_path.exists()
@@ -279,7 +284,7 @@ def _open_on_root(
                 "or choose another --out"
             )
     elif exists:
-        attrs = {**read_attrs(run_path), "path": str(run_path)}
+        attrs = {**read_attrs(run_path, fix=_damaged_fix(run_path)), "path": str(run_path)}
         changes = check_run_config(attrs, cfg, ranks)
     ckpt = find_resume(resume, run_path, cfg, placement, strategy) if resume is not None else None
     if ckpt is None and exists and attrs.get("status") in ("finished", "stopped"):
@@ -298,6 +303,17 @@ def _open_on_root(
         runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks)
     _remove_orphans(run_path)
     return ckpt, runfile
+
+
+def _damaged_fix(run_path: Path) -> str:
+    """What to do about a run file that cannot be read (damaged), given its checkpoints."""
+    newest = list_checkpoints(run_path)
+    if newest:
+        return (
+            "nothing was changed: move it aside and run again; --resume auto then continues from its "
+            f"newest checkpoint that loads ({newest[0].name} is the newest) in a new run file"
+        )
+    return "nothing was changed: move it aside to start the run anew, or choose another --out"
 
 
 def _remove_orphans(run_path: Path) -> None:

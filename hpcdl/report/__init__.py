@@ -25,7 +25,7 @@ from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.stages import format_stages, stage_stats
 from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.report.trace import write_chrome_trace
-from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
+from hpcdl.store.runfile import FORMAT_VERSION, RunFileError, read_only, unreadable
 
 __all__ = [
     "Run",
@@ -140,20 +140,6 @@ class Run:
         return len(self.metrics.get("step", ()))
 
 
-def _open(path: Path) -> h5py.File:
-    """Open a run file for reading, also while its run is writing it.
-
-    HDF5 locks a file its writer holds open; reading without the lock is safe here
-    (nothing is written, and the writer flushes whole rows).
-    """
-    try:
-        return h5py.File(path, "r")
-    except OSError as err:
-        if "unable to lock file" not in str(err):
-            raise
-    return h5py.File(path, "r", locking=False)
-
-
 def load(path: str | Path) -> Run:
     """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, ``staleness/``, ``trace/``).
 
@@ -176,13 +162,9 @@ def load(path: str | Path) -> Run:
         raise RunFileError(f"{path} is not a file (expected an hpcdl run file)")
     try:
         is_hdf5 = h5py.is_hdf5(path)
-        h5 = _open(path) if is_hdf5 else None
+        h5 = read_only(path) if is_hdf5 else None  # also while its run writes it
     except OSError as err:
-        if "signature" in str(err) or "truncated" in str(err):
-            raise RunFileError(
-                f"cannot read run file {path}: it is damaged or not an hpcdl run file"
-            ) from None
-        raise file_error(path, err, what="run file", verb="read") from None
+        raise unreadable(path, err, verb="read") from None
     if h5 is None:
         raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)")
     with h5:

@@ -58,6 +58,7 @@ import datetime
 import errno
 import json
 import os
+import re
 import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -78,6 +79,8 @@ __all__ = [
     "TRACE_FIELDS",
     "heartbeat_now",
     "read_attrs",
+    "read_only",
+    "unreadable",
 ]
 
 FORMAT_VERSION = 1
@@ -261,7 +264,7 @@ class RunFile:
         try:
             h5 = h5py.File(path, "r+")
         except OSError as err:
-            raise file_error(path, err, what="run file", verb="open", fix="check the path") from None
+            raise unreadable(path, err) from None
         if h5.attrs.get("format_version") != FORMAT_VERSION or "metrics" not in h5:
             h5.close()
             raise RunFileError(f"{path} is not an hpcdl run file (format {FORMAT_VERSION})")
@@ -536,21 +539,76 @@ def _append(dataset: h5py.Dataset, values: np.ndarray) -> None:
     dataset.flush()  # a failure to write the chunk shows here, not when the dataset is let go
 
 
-def read_attrs(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The root attributes of an existing run file (read-only; strings decoded).
+def read_only(path: str | os.PathLike[str]) -> h5py.File:
+    """Open a run file for reading, also while its run is writing it.
+
+    HDF5 locks a file its writer holds open; reading without the lock is safe here
+    (nothing is written, and the writer flushes whole rows).
 
     Raises:
-        RunFileError: the file is not an hpcdl run file.
+        OSError: h5py's, as :func:`unreadable` reads it.
+    """
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        if "unable to lock file" not in str(err):
+            raise
+    return h5py.File(path, "r", locking=False)
+
+
+#: h5py's words for a file cut short: "truncated file: eof = 20000, ..., stored_eof = 195088"
+_TRUNCATED = re.compile(r"truncated file: eof = (\d+).*stored_eof = (\d+)")
+
+
+def unreadable(
+    path: str | os.PathLike[str], err: OSError, *, verb: str = "open", fix: str = ""
+) -> HpcdlError:
+    """The one line for a run file that h5py cannot open: damaged, or refused by the file system.
+
+    A file cut short (a copy or a disk that failed while writing) or without HDF5's
+    signature inside is called damaged, by ``report`` and ``train --resume`` alike.
+
+    Args:
+        path: the run file.
+        err: h5py's ``OSError``.
+        verb: ``open`` or ``read``.
+        fix: what to do about a damaged file (the command knows); other failures get the
+            fix of their errno (:func:`hpcdl.errors.file_error`).
+
+    Returns:
+        A :class:`RunFileError` (damaged) or :class:`~hpcdl.errors.FileError` to raise.
+    """
+    text = str(err)
+    if "truncated" in text or "signature" in text:
+        cut = _TRUNCATED.search(text)
+        how = f" (truncated: {cut[1]} of its {cut[2]} bytes)" if cut else ""
+        return RunFileError(f"cannot {verb} run file {path}: it is damaged{how} or not an hpcdl run file"
+                            + (f"; {fix}" if fix else ""))  # fmt: skip
+    return file_error(path, err, what="run file", verb=verb)
+
+
+def read_attrs(path: str | os.PathLike[str], *, fix: str = "") -> dict[str, Any]:
+    """The root attributes of an existing run file (read-only, also while its writer has it open;
+    strings decoded).
+
+    Args:
+        path: the run file.
+        fix: what to do when it is damaged or not HDF5 (added to the error).
+
+    Raises:
+        RunFileError: the file is damaged or not an hpcdl run file.
         FileError: the file cannot be opened.
     """
     path = Path(path)
     try:
-        with h5py.File(path, "r") as h5:
+        with read_only(path) as h5:
             if "metrics" not in h5 or "format_version" not in h5.attrs:
                 raise RunFileError(f"{path} is not an hpcdl run file (no format_version or metrics/)")
             attrs = dict(h5.attrs)
     except OSError as err:
         if path.is_file() and not h5py.is_hdf5(path):
-            raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)") from None
-        raise file_error(path, err, what="run file", verb="open", fix="check the path") from None
+            raise RunFileError(
+                f"{path} is not an HDF5 file (expected an hpcdl run file)" + (f"; {fix}" if fix else "")
+            ) from None
+        raise unreadable(path, err, fix=fix) from None
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
