@@ -1,7 +1,7 @@
 """``python -m hpcdl.report RUN.h5 [RUN2.h5 ...] [--out DIR_OR_PREFIX]``: summarize and plot run files.
 
 One table row per run (its status told from the writer's heartbeat when the file says
-``running``: :mod:`hpcdl.report.liveness`), the pipeline runs' stages under it
+``running``: :mod:`hpcdl.store.liveness`), the pipeline runs' stages under it
 (:mod:`hpcdl.report.stages`), and PNGs named after the runs (:mod:`hpcdl.report.plots`,
 the timeline's Gantt chart: :mod:`hpcdl.report.gantt`).
 """
@@ -20,11 +20,11 @@ import numpy as np
 from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.errors import file_error
 from hpcdl.report.gantt import STEPS as GANTT_STEPS
-from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.stages import format_stages, stage_stats
 from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.report.trace import write_chrome_trace
+from hpcdl.store.liveness import run_status
 from hpcdl.store.runfile import FORMAT_VERSION, RunFileError, read_only, unreadable
 
 __all__ = [

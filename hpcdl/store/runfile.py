@@ -13,11 +13,17 @@ Layout (format version 1)::
                                    virtual ranks together), resumed_at (steps resumed
                                    from), rows_cut (rows dropped by resumes); in a
                                    simulation network and compute are JSON (the models);
-                                   host, pid (rank 0's, of the latest segment) and
-                                   heartbeat (ISO 8601, UTC: the last write), so that a
-                                   run killed without a word (SIGKILL, a dead node) can be
-                                   told from a live one; config_changes (JSON list:
-                                   settings changed by resumes, with the step)
+                                   host, pid, pid_start (rank 0's, of the latest
+                                   segment; pid_start: the process's start in clock
+                                   ticks after boot, to tell it from a later process
+                                   with the same pid) and heartbeat (ISO 8601, UTC:
+                                   renewed at each flush and at least every 30 s at step
+                                   boundaries), heartbeat_gap_s (the longest time between
+                                   two heartbeats of that writer), so that a run killed
+                                   without a word (SIGKILL, a dead node) can be told from
+                                   a live one (:mod:`hpcdl.store.liveness`);
+                                   config_changes (JSON list: settings changed by
+                                   resumes, with the step)
     /metrics/<series>       1-D, one row per step: step, epoch, samples (training samples
                             processed up to the step), time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
@@ -60,6 +66,7 @@ import json
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +75,7 @@ import h5py
 import numpy as np
 
 from hpcdl.errors import FileError, HpcdlError, file_error
+from hpcdl.store.liveness import HEARTBEAT_S, start_ticks
 
 __all__ = [
     "RunFile",
@@ -146,6 +154,8 @@ class RunFile:
         self.path = Path(h5.filename)
         self.failed: FileError | None = None  # the write error after which nothing is written
         self._padded = False  # space reserved past HDF5's end of file, trimmed by close()
+        self._beat_at = time.monotonic()  # the last heartbeat (the real clock: the process is alive)
+        self._gap = 0.0  # the longest time between two heartbeats so far
 
     # -- guarded writes ---------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> None:
@@ -385,8 +395,29 @@ class RunFile:
         self._put(self.h5["ranks"], ranks, "ranks")
         for name, columns in groups.items():
             self._put(self.h5[name], columns, name)
-        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat", heartbeat_now())
+        self._heartbeat()
         self._written("flush", self.h5.flush)
+
+    def beat(self) -> None:
+        """Renew the heartbeat when :data:`~hpcdl.store.liveness.HEARTBEAT_S` have passed since
+        the last one (rank 0, at each step boundary: cheap otherwise).
+
+        Flushes renew it too; this keeps a live run's heartbeat fresh between flushes far
+        apart (a large ``log.flush_every``, long steps), so that a job on another host can
+        tell it from a dead one (:func:`hpcdl.store.liveness.stale_after`).
+        """
+        if self.failed is None and time.monotonic() - self._beat_at >= HEARTBEAT_S:
+            self._reserve(4096)
+            self._heartbeat()
+            self._written("flush", self.h5.flush)
+
+    def _heartbeat(self) -> None:
+        """Write ``heartbeat`` (now) and ``heartbeat_gap_s`` (the longest gap so far); not flushed."""
+        now = time.monotonic()
+        self._gap = max(self._gap, now - self._beat_at)
+        self._beat_at = now
+        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat", heartbeat_now())
+        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat_gap_s", round(self._gap, 1))
 
     def _add_datasets(
         self, ranks: Mapping[str, np.ndarray], groups: Mapping[str, Mapping[str, np.ndarray]]
@@ -475,8 +506,10 @@ class RunFile:
 
 
 def _alive() -> dict[str, Any]:
-    """Who writes the file now: rank 0's host and pid, and the time."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": heartbeat_now()}
+    """Who writes the file now: rank 0's host, pid and its start, and the time (the gap starts anew)."""
+    ticks = start_ticks()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": -1 if ticks is None else ticks,
+            "heartbeat": heartbeat_now(), "heartbeat_gap_s": 0.0}  # fmt: skip
 
 
 def _metric_series(group: h5py.Group, name: str, dtype: Any, rows: int) -> None:
