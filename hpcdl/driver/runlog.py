@@ -267,7 +267,7 @@ def _open_on_root(
     * ``--resume CKPT``: that checkpoint must load and fit.
 
     A resume of a run file whose status is ``running`` and whose writer is alive (another
-    job: :func:`_check_writer`) is refused first, before anything is read or changed, unless
+    job: :func:`_check_writer`) is refused before any checkpoint is read or anything changed, unless
     ``take_over``. Partial checkpoint files a killed run left (``*.tmp``) are removed once
     the run file is open.
     """
