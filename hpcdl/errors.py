@@ -97,8 +97,10 @@ def file_error(
     where = path if path is not None else (err.filename or "?")
     if "unable to lock file" in str(err):
         return FileError(
-            f"cannot {verb} {what} {where}: the file is locked by another process (another run "
-            "writing it?), or the file system does not support locks: set HDF5_USE_FILE_LOCKING=FALSE"
+            f"cannot {verb} {what} {where}: the file is locked by another process (a run writing it, or "
+            "a program that has it open), or the file system does not support locks: then set "
+            "HDF5_USE_FILE_LOCKING=FALSE, which leaves hpcdl's check of a run's writer (its host, pid "
+            "and heartbeat) as the only guard against two jobs writing one run"
         )
     code = _errno_of(err)
     reason = os_reason(err)

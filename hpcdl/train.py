@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from a checkpoint, or auto: the newest valid one of --out (default: a fresh run)",
     )
     parser.add_argument(
+        "--take-over",
+        action="store_true",
+        help="with --resume: continue a run whose file says another job still writes it (its pid "
+        "alive on this host, or a fresh heartbeat from another), when you know that job is dead",
+    )
+    parser.add_argument(
         "--progress",
         choices=("auto", "bar", "lines", "none"),
         default="auto",
@@ -97,7 +103,8 @@ def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
 
     ``HPCDL_CONTINUE`` when a job script set it (the script knows how it was submitted);
     inside the simulator, its own command line; under MPI, ``mpiexec -n N``; this
-    command's arguments, with ``--out OUT --resume auto`` in place of its own.
+    command's arguments, with ``--out OUT --resume auto`` in place of its own (and without
+    ``--take-over``: the run it continues is this one, stopped).
     """
     script = os.environ.get("HPCDL_CONTINUE", "").strip()
     if script:
@@ -108,7 +115,7 @@ def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
             skip = False
         elif arg in ("--out", "--resume"):
             skip = True
-        elif not arg.startswith(("--out=", "--resume=")):
+        elif arg != "--take-over" and not arg.startswith(("--out=", "--resume=")):
             kept.append(shlex.quote(arg))
     args = [*kept, "--out", shlex.quote(str(out)), "--resume auto"]
     launcher = getattr(comm, "launcher", None)
@@ -164,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.ranks is not None:
         raise ConfigError("-n RANKS goes with --plan; to train on N ranks, run under mpiexec -n N")
+    if args.take_over and args.resume is None:
+        raise ConfigError("--take-over goes with --resume: it continues a run whose writer looks alive")
+    if args.out is not None and args.out.endswith(("/", os.sep)):
+        raise ConfigError(
+            f"--out {args.out} names a directory: --out names the run file, its checkpoints go beside it; "
+            f"give a file in it, e.g. --out {Path(args.out) / (cfg['name'] + '.h5')}"
+        )
     with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
         launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
         if comm.Get_rank() == 0:
@@ -177,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
         else:
             out = run_file_of(args.resume)
-        result = run(cfg, comm, progress=args.progress, out=out, resume=args.resume)
+        result = run(cfg, comm, progress=args.progress, out=out, resume=args.resume, take_over=args.take_over)
         if comm.Get_rank() == 0:
             if result.stopped_by:
                 print(

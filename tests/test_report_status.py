@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from hpcdl.report import format_table, main, summarize
-from hpcdl.report.liveness import ago, process_alive
+from hpcdl.store.liveness import ago, process_alive
 from hpcdl.store.runfile import RunFile
 
 NAN = float("nan")
@@ -33,7 +33,7 @@ def _write(path: Path, **attrs: object) -> Path:
     with RunFile.create(path, {"name": "mlp", "world": "mpi", "ranks": 2}, ranks=2) as run:
         run.append_metrics(rows)
         run.append_ranks({s: np.full((6, 2), 1e-3) for s in run.h5["ranks"]})
-        for key in ("host", "pid", "heartbeat"):  # only what the test gives (a writer may set them)
+        for key in ("host", "pid", "pid_start", "heartbeat"):  # only what the test gives (a writer sets them)
             if key not in attrs and key in run.h5.attrs:
                 del run.h5.attrs[key]
         run.set_attrs(**attrs)

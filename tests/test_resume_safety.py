@@ -214,3 +214,44 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path: Path) -
     with h5py.File(out, "r") as f:
         assert list(f.attrs["resumed_at"]) == [0] and f.attrs["rows_cut"] == 30
         assert f["metrics/step"].shape == (30,)
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume", "auto"]])
+def test_out_naming_a_directory_says_so_and_what_to_give_instead(tmp_path: Path, resume: list[str]) -> None:
+    from hpcdl.train import main
+
+    (tmp_path / "earlier.h5").write_bytes(b"another run")
+    before = _files(tmp_path)
+    with pytest.raises(HpcdlError) as err:
+        main(["--config", "digits-mlp", "--progress", "none", "--out", str(tmp_path), *resume])
+    assert str(err.value) == (
+        f"--out {tmp_path} is a directory: --out names the run file, its checkpoints go beside it; "
+        f"give a file in it, e.g. --out {tmp_path / 'digits-mlp.h5'}"
+    )
+    assert _files(tmp_path) == before
+    with pytest.raises(HpcdlError, match=r"--out .*new/ names a directory: --out names the run file"):
+        main(["--config", "digits-mlp", "--progress", "none", "--out", f"{tmp_path}/new/", *resume])
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_truncated_run_file_is_damaged_to_train_and_report_alike(tmp_path: Path) -> None:
+    from hpcdl.report import load
+
+    out = tmp_path / "r.h5"
+    run(load_config("digits-mlp", _base()), out=out)
+    whole = out.read_bytes()
+    out.write_bytes(whole[: len(whole) // 2])  # a copy cut short
+    cut = len(whole) // 2
+    damaged = rf"cannot (open|read) run file .*r.h5: it is damaged \(truncated: {cut} of its \d+ bytes\)"
+    fix = (
+        r"nothing was changed: move it aside and run again; --resume auto then continues from its newest "
+        r"checkpoint that loads \(r.ckpt-00000030.h5 is the newest\) in a new run file"
+    )
+    _refused(out, damaged + " or not an hpcdl run file; " + fix, "train.steps=40")
+    with pytest.raises(HpcdlError, match=damaged + " or not an hpcdl run file$"):
+        load(out)
+    out.rename(tmp_path / "r.h5.damaged")  # the fix the line gives
+    rest = run(load_config("digits-mlp", _base("train.steps=40")), out=out, resume="auto")
+    assert rest.steps == 40
+    with h5py.File(out, "r") as f:
+        assert f["metrics/step"][0] == 31 and f.attrs["status"] == "finished"

@@ -108,6 +108,7 @@ def train(
     progress: str = "none",
     out: str | os.PathLike[str] | None = None,
     resume: str | None = None,
+    take_over: bool = False,
 ) -> RunResult:
     """Train as ``cfg`` says on ``comm`` (default: :func:`hpcdl.comm.world`), with its strategy.
 
@@ -117,6 +118,8 @@ def train(
         progress: ``bar``, ``lines``, ``none`` (rank 0 only) or ``auto``.
         out: the run file (HDF5) to write, checkpoints beside it; None writes nothing.
         resume: ``auto`` or a checkpoint path to continue from (``auto`` needs ``out``).
+        take_over: continue ``out`` even though its writer looks alive (the user knows it is
+            dead); without it such a resume is refused.
 
     Returns:
         The result, the same on every rank except for local timings; ``stopped_by`` is set
@@ -130,7 +133,8 @@ def train(
     factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
     ctx, strategy = build(cfg, comm)
     try:
-        return _run(ctx, strategy, factor, progress, Path(out) if out is not None else None, resume)
+        path = Path(out) if out is not None else None
+        return _run(ctx, strategy, factor, progress, path, resume, take_over)
     except HpcdlError as err:  # a user error, raised alike on every rank: they free the communicators
         if not isinstance(err, StallError):  # (a stall: some rank is gone; the job is ending)
             with contextlib.suppress(Exception):  # collectives left in flight by the error: never mind
@@ -145,10 +149,11 @@ def _run(
     progress: str,
     run_path: Path | None,
     resume: str | None,
+    take_over: bool = False,
 ) -> RunResult:
     """Open the run file (and the checkpoint to continue from), train, finish."""
     comm, cfg, placement = ctx.comm, ctx.cfg, ctx.placement
-    opened = open_run(comm, cfg, placement, run_path, resume, strategy)
+    opened = open_run(comm, cfg, placement, run_path, resume, strategy, take_over)
     rank0 = comm.Get_rank() == 0
     bar = Progress(choose_mode(progress), ctx.total_steps, cfg["train.log_every"], active=rank0,
                    every_s=cfg["train.log_every_s"], start=opened.step or 0)  # fmt: skip

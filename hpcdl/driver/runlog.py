@@ -4,6 +4,7 @@ per-step metrics from every rank into rank 0's copy, gathered every few steps.""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.parallel import Placement, Strategy
 from hpcdl.store import RunFile, RunFileError
 from hpcdl.store.checkpoint import Checkpoint, list_checkpoints, orphaned_temporaries
+from hpcdl.store.liveness import ago, writer
 from hpcdl.store.runfile import heartbeat_now, read_attrs
 
 __all__ = ["Opened", "RunLog", "open_run", "checkpoint_attrs", "peak_rss_mb"]
@@ -90,6 +92,8 @@ class RunLog:
         self._times.append((compute_s, comm_s, exposed_s, other_s, *own, *extra))
         if len(self._times) >= self.flush_every:
             self.flush()
+        elif self.runfile is not None:
+            self.runfile.beat()  # the heartbeat, at least every HEARTBEAT_S between flushes
 
     def flush(self) -> None:
         """Gather and write what is buffered (collective)."""
@@ -233,17 +237,22 @@ def open_run(
     run_path: Path | None,
     resume: str | None,
     strategy: Strategy | None = None,
+    take_over: bool = False,
 ) -> Opened:
     """Rank 0 finds the checkpoint and opens the run file; every rank learns whether to resume.
 
-    A failure on rank 0 (a checkpoint that does not fit, a run file that exists) is raised
-    on every rank, so that none waits. Only the checkpoint's step travels: each rank's part
-    of it is sent by :func:`~hpcdl.driver.checkpoints.distribute`.
+    A failure on rank 0 (a checkpoint that does not fit, a run file that exists, a run that
+    another job still writes) is raised on every rank, so that none waits. Only the
+    checkpoint's step travels: each rank's part of it is sent by
+    :func:`~hpcdl.driver.checkpoints.distribute`. ``take_over``: continue a run whose
+    writer looks alive (``--take-over``: the user knows it is dead).
     """
     opened = Opened()
 
     def decide() -> int | None:
-        opened.checkpoint, opened.runfile = _open_on_root(comm, cfg, placement, run_path, resume, strategy)
+        opened.checkpoint, opened.runfile = _open_on_root(
+            comm, cfg, placement, run_path, resume, strategy, take_over
+        )
         ckpt = opened.checkpoint
         if ckpt is None:
             return None
@@ -261,6 +270,7 @@ def _open_on_root(
     run_path: Path | None,
     resume: str | None,
     strategy: Strategy | None,
+    take_over: bool = False,
 ) -> tuple[Checkpoint | None, RunFile | None]:
     """What :func:`open_run` does on rank 0: check everything first, then change files.
 
@@ -272,14 +282,21 @@ def _open_on_root(
       the resume changes (more steps, say) are recorded in the run file.
     * ``--resume CKPT``: that checkpoint must load and fit.
 
-    Partial checkpoint files a killed run left (``*.tmp``) are removed once the run file is
-    open (its lock keeps another job off it).
+    A resume of a run file whose status is ``running`` and whose writer is alive (another
+    job: :func:`_check_writer`) is refused before any checkpoint is read or anything changed, unless
+    ``take_over``. Partial checkpoint files a killed run left (``*.tmp``) are removed once
+    the run file is open.
     """
     ranks = comm.Get_size()
     if resume == "auto" and run_path is None:
         raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
     if run_path is None:
         return (find_resume(resume, Path(resume), cfg, placement, strategy) if resume else None), None
+    if run_path.is_dir():
+        raise RunFileError(
+            f"--out {run_path} is a directory: --out names the run file, its checkpoints go beside it; "
+            f"give a file in it, e.g. --out {run_path / (cfg['name'] + '.h5')}"
+        )
     changes: dict[str, tuple[Any, Any]] = {}
     attrs: dict[str, Any] = {}
     exists = run_path.exists()
@@ -295,7 +312,8 @@ def _open_on_root(
                 "or choose another --out"
             )
     elif exists:
-        attrs = {**read_attrs(run_path), "path": str(run_path)}
+        attrs = {**read_attrs(run_path, fix=_damaged_fix(run_path)), "path": str(run_path)}
+        _check_writer(attrs, run_path, take_over)
         changes = check_run_config(attrs, cfg, ranks)
     ckpt = find_resume(resume, run_path, cfg, placement, strategy) if resume is not None else None
     if ckpt is None and exists and attrs.get("status") in ("finished", "stopped"):
@@ -314,6 +332,52 @@ def _open_on_root(
         runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks)
     _remove_orphans(run_path)
     return ckpt, runfile
+
+
+def _check_writer(attrs: dict[str, Any], run_path: Path, take_over: bool) -> None:
+    """Refuse to continue a run file that another job is writing (changing nothing).
+
+    Its writer is alive (:func:`hpcdl.store.liveness.writer`) when the status is
+    ``running`` and, on this host, its process (the recorded pid and start) still runs;
+    from another host, when its heartbeat is fresh (younger than
+    :func:`~hpcdl.store.liveness.stale_after`). HDF5's file lock would refuse such a
+    resume too, but not where locking is off (``HDF5_USE_FILE_LOCKING=FALSE``, as on
+    Lustre and NFS). A writer that is this very process is an earlier run in it (called
+    in-process, as from a notebook), which has ended. ``take_over``: the user knows the
+    writer is dead; said on stderr.
+
+    Raises:
+        RunFileError: the writer is alive: its host, pid and the heartbeat's age, and how
+            to override.
+    """
+    found = writer(attrs, run_path)
+    if found is None or not found.alive:
+        return
+    if found.local and found.pid == os.getpid():  # this process: an earlier run in it (a notebook), ended
+        return
+    when = "heartbeat" if "heartbeat" in attrs else "last written"
+    who = f"host {found.host or '?'}, pid {found.pid or '?'}, {when} {ago(found.age_s or 0.0)} ago"
+    if take_over:
+        print(f"hpcdl.train: taking over {run_path} from its writer ({who}): --take-over", file=sys.stderr)
+        return
+    if found.process is None:  # told by the heartbeat alone
+        bound = ago(found.stale_after_s)
+        who += f"; from another host a writer counts as alive until its {when} is {bound} old"
+    raise RunFileError(
+        f"{run_path} is being written by another job ({who}): nothing was changed; let that job end or "
+        "stop it, or, if you know it is dead, add --take-over"
+    )
+
+
+def _damaged_fix(run_path: Path) -> str:
+    """What to do about a run file that cannot be read (damaged), given its checkpoints."""
+    newest = list_checkpoints(run_path)
+    if newest:
+        return (
+            "nothing was changed: move it aside and run again; --resume auto then continues from its "
+            f"newest checkpoint that loads ({newest[0].name} is the newest) in a new run file"
+        )
+    return "nothing was changed: move it aside to start the run anew, or choose another --out"
 
 
 def _remove_orphans(run_path: Path) -> None:

@@ -1,7 +1,7 @@
 """``python -m hpcdl.report RUN.h5 [RUN2.h5 ...] [--out DIR_OR_PREFIX]``: summarize and plot run files.
 
 One table row per run (its status told from the writer's heartbeat when the file says
-``running``: :mod:`hpcdl.report.liveness`), the pipeline runs' stages under it
+``running``: :mod:`hpcdl.store.liveness`), the pipeline runs' stages under it
 (:mod:`hpcdl.report.stages`), and PNGs named after the runs (:mod:`hpcdl.report.plots`,
 each rank's times: :mod:`hpcdl.report.ranks`, the timeline's Gantt chart:
 :mod:`hpcdl.report.gantt`).
@@ -22,13 +22,13 @@ from hpcdl.driver.cli import ArgumentParser, parse_args
 from hpcdl.driver.figures import RATE_UNIT, rate_text, samples_per_s, wall_text
 from hpcdl.errors import file_error
 from hpcdl.report.gantt import STEPS as GANTT_STEPS
-from hpcdl.report.liveness import run_status
 from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.stages import format_stages, stage_stats
 from hpcdl.report.strategy import samples_per_step, samples_processed
 from hpcdl.report.trace import write_chrome_trace
 from hpcdl.store.checkpoint import checkpoint_run_file
-from hpcdl.store.runfile import FORMAT_VERSION, RunFileError
+from hpcdl.store.liveness import run_status
+from hpcdl.store.runfile import FORMAT_VERSION, RunFileError, read_only, unreadable
 
 __all__ = [
     "Run",
@@ -155,20 +155,6 @@ class Run:
         return len(self.metrics.get("step", ()))
 
 
-def _open(path: Path) -> h5py.File:
-    """Open a run file for reading, also while its run is writing it.
-
-    HDF5 locks a file its writer holds open; reading without the lock is safe here
-    (nothing is written, and the writer flushes whole rows).
-    """
-    try:
-        return h5py.File(path, "r")
-    except OSError as err:
-        if "unable to lock file" not in str(err):
-            raise
-    return h5py.File(path, "r", locking=False)
-
-
 def load(path: str | Path) -> Run:
     """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, ``staleness/``, ``trace/``).
 
@@ -191,13 +177,9 @@ def load(path: str | Path) -> Run:
         raise RunFileError(f"{path} is not a file (expected an hpcdl run file)")
     try:
         is_hdf5 = h5py.is_hdf5(path)
-        h5 = _open(path) if is_hdf5 else None
+        h5 = read_only(path) if is_hdf5 else None  # also while its run writes it
     except OSError as err:
-        if "signature" in str(err) or "truncated" in str(err):
-            raise RunFileError(
-                f"cannot read run file {path}: it is damaged or not an hpcdl run file"
-            ) from None
-        raise file_error(path, err, what="run file", verb="read") from None
+        raise unreadable(path, err, verb="read") from None
     if h5 is None:
         raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)")
     with h5:

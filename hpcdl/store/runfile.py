@@ -16,11 +16,17 @@ Layout (format version 1)::
                                    virtual ranks together), resumed_at (steps resumed
                                    from), rows_cut (rows dropped by resumes); in a
                                    simulation network and compute are JSON (the models);
-                                   host, pid (rank 0's, of the latest segment) and
-                                   heartbeat (ISO 8601, UTC: the last write), so that a
-                                   run killed without a word (SIGKILL, a dead node) can be
-                                   told from a live one; config_changes (JSON list:
-                                   settings changed by resumes, with the step)
+                                   host, pid, pid_start (rank 0's, of the latest
+                                   segment; pid_start: the process's start in clock
+                                   ticks after boot, to tell it from a later process
+                                   with the same pid) and heartbeat (ISO 8601, UTC:
+                                   renewed at each flush and at least every 30 s at step
+                                   boundaries), heartbeat_gap_s (the longest time between
+                                   two heartbeats of that writer), so that a run killed
+                                   without a word (SIGKILL, a dead node) can be told from
+                                   a live one (:mod:`hpcdl.store.liveness`);
+                                   config_changes (JSON list: settings changed by
+                                   resumes, with the step)
     /metrics/<series>       1-D, one row per step: step, epoch, samples (training samples
                             processed up to the step), time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
@@ -62,7 +68,9 @@ import datetime
 import errno
 import json
 import os
+import re
 import socket
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +79,7 @@ import h5py
 import numpy as np
 
 from hpcdl.errors import FileError, HpcdlError, file_error
+from hpcdl.store.liveness import HEARTBEAT_S, start_ticks
 
 __all__ = [
     "RunFile",
@@ -82,6 +91,8 @@ __all__ = [
     "TRACE_FIELDS",
     "heartbeat_now",
     "read_attrs",
+    "read_only",
+    "unreadable",
 ]
 
 FORMAT_VERSION = 1
@@ -147,6 +158,8 @@ class RunFile:
         self.path = Path(h5.filename)
         self.failed: FileError | None = None  # the write error after which nothing is written
         self._padded = False  # space reserved past HDF5's end of file, trimmed by close()
+        self._beat_at = time.monotonic()  # the last heartbeat (the real clock: the process is alive)
+        self._gap = 0.0  # the longest time between two heartbeats so far
 
     # -- guarded writes ---------------------------------------------------------------------
     def _reserve(self, nbytes: int) -> None:
@@ -265,7 +278,7 @@ class RunFile:
         try:
             h5 = h5py.File(path, "r+")
         except OSError as err:
-            raise file_error(path, err, what="run file", verb="open", fix="check the path") from None
+            raise unreadable(path, err) from None
         if h5.attrs.get("format_version") != FORMAT_VERSION or "metrics" not in h5:
             h5.close()
             raise RunFileError(f"{path} is not an hpcdl run file (format {FORMAT_VERSION})")
@@ -386,8 +399,29 @@ class RunFile:
         self._put(self.h5["ranks"], ranks, "ranks")
         for name, columns in groups.items():
             self._put(self.h5[name], columns, name)
-        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat", heartbeat_now())
+        self._heartbeat()
         self._written("flush", self.h5.flush)
+
+    def beat(self) -> None:
+        """Renew the heartbeat when :data:`~hpcdl.store.liveness.HEARTBEAT_S` have passed since
+        the last one (rank 0, at each step boundary: cheap otherwise).
+
+        Flushes renew it too; this keeps a live run's heartbeat fresh between flushes far
+        apart (a large ``log.flush_every``, long steps), so that a job on another host can
+        tell it from a dead one (:func:`hpcdl.store.liveness.stale_after`).
+        """
+        if self.failed is None and time.monotonic() - self._beat_at >= HEARTBEAT_S:
+            self._reserve(4096)
+            self._heartbeat()
+            self._written("flush", self.h5.flush)
+
+    def _heartbeat(self) -> None:
+        """Write ``heartbeat`` (now) and ``heartbeat_gap_s`` (the longest gap so far); not flushed."""
+        now = time.monotonic()
+        self._gap = max(self._gap, now - self._beat_at)
+        self._beat_at = now
+        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat", heartbeat_now())
+        self._written("attributes", self.h5.attrs.__setitem__, "heartbeat_gap_s", round(self._gap, 1))
 
     def _add_datasets(
         self, ranks: Mapping[str, np.ndarray], groups: Mapping[str, Mapping[str, np.ndarray]]
@@ -476,8 +510,10 @@ class RunFile:
 
 
 def _alive() -> dict[str, Any]:
-    """Who writes the file now: rank 0's host and pid, and the time."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": heartbeat_now()}
+    """Who writes the file now: rank 0's host, pid and its start, and the time (the gap starts anew)."""
+    ticks = start_ticks()
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": -1 if ticks is None else ticks,
+            "heartbeat": heartbeat_now(), "heartbeat_gap_s": 0.0}  # fmt: skip
 
 
 def _metric_series(group: h5py.Group, name: str, dtype: Any, rows: int) -> None:
@@ -540,21 +576,76 @@ def _append(dataset: h5py.Dataset, values: np.ndarray) -> None:
     dataset.flush()  # a failure to write the chunk shows here, not when the dataset is let go
 
 
-def read_attrs(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The root attributes of an existing run file (read-only; strings decoded).
+def read_only(path: str | os.PathLike[str]) -> h5py.File:
+    """Open a run file for reading, also while its run is writing it.
+
+    HDF5 locks a file its writer holds open; reading without the lock is safe here
+    (nothing is written, and the writer flushes whole rows).
 
     Raises:
-        RunFileError: the file is not an hpcdl run file.
+        OSError: h5py's, as :func:`unreadable` reads it.
+    """
+    try:
+        return h5py.File(path, "r")
+    except OSError as err:
+        if "unable to lock file" not in str(err):
+            raise
+    return h5py.File(path, "r", locking=False)
+
+
+#: h5py's words for a file cut short: "truncated file: eof = 20000, ..., stored_eof = 195088"
+_TRUNCATED = re.compile(r"truncated file: eof = (\d+).*stored_eof = (\d+)")
+
+
+def unreadable(
+    path: str | os.PathLike[str], err: OSError, *, verb: str = "open", fix: str = ""
+) -> HpcdlError:
+    """The one line for a run file that h5py cannot open: damaged, or refused by the file system.
+
+    A file cut short (a copy or a disk that failed while writing) or without HDF5's
+    signature inside is called damaged, by ``report`` and ``train --resume`` alike.
+
+    Args:
+        path: the run file.
+        err: h5py's ``OSError``.
+        verb: ``open`` or ``read``.
+        fix: what to do about a damaged file (the command knows); other failures get the
+            fix of their errno (:func:`hpcdl.errors.file_error`).
+
+    Returns:
+        A :class:`RunFileError` (damaged) or :class:`~hpcdl.errors.FileError` to raise.
+    """
+    text = str(err)
+    if "truncated" in text or "signature" in text:
+        cut = _TRUNCATED.search(text)
+        how = f" (truncated: {cut[1]} of its {cut[2]} bytes)" if cut else ""
+        return RunFileError(f"cannot {verb} run file {path}: it is damaged{how} or not an hpcdl run file"
+                            + (f"; {fix}" if fix else ""))  # fmt: skip
+    return file_error(path, err, what="run file", verb=verb)
+
+
+def read_attrs(path: str | os.PathLike[str], *, fix: str = "") -> dict[str, Any]:
+    """The root attributes of an existing run file (read-only, also while its writer has it open;
+    strings decoded).
+
+    Args:
+        path: the run file.
+        fix: what to do when it is damaged or not HDF5 (added to the error).
+
+    Raises:
+        RunFileError: the file is damaged or not an hpcdl run file.
         FileError: the file cannot be opened.
     """
     path = Path(path)
     try:
-        with h5py.File(path, "r") as h5:
+        with read_only(path) as h5:
             if "metrics" not in h5 or "format_version" not in h5.attrs:
                 raise RunFileError(f"{path} is not an hpcdl run file (no format_version or metrics/)")
             attrs = dict(h5.attrs)
     except OSError as err:
         if path.is_file() and not h5py.is_hdf5(path):
-            raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)") from None
-        raise file_error(path, err, what="run file", verb="open", fix="check the path") from None
+            raise RunFileError(
+                f"{path} is not an HDF5 file (expected an hpcdl run file)" + (f"; {fix}" if fix else "")
+            ) from None
+        raise unreadable(path, err, fix=fix) from None
     return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
