@@ -19,7 +19,7 @@ from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, watch, world
 from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.driver import launch
-from hpcdl.driver.cli import ArgumentParser, parse_args, python_command
+from hpcdl.driver.cli import ArgumentParser, parse_args, positive_int, python_command
 from hpcdl.driver.context import arithmetic
 from hpcdl.driver.factory import build, load_data
 from hpcdl.driver.run import RunResult, plan
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-n",
         dest="ranks",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="RANKS",
         help="with --plan: the rank count to plan for, without starting ranks (default: this world's)",

@@ -8,6 +8,7 @@ by tests and by the simulator.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import textwrap
 import time
@@ -24,6 +25,10 @@ __all__ = [
     "HelpFormatter",
     "HelpRequested",
     "EXIT_USAGE",
+    "positive_int",
+    "nonnegative_int",
+    "positive_float",
+    "nonnegative_float",
 ]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
@@ -200,6 +205,37 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
         return parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise ConfigError(f"{err} (see {parser.prog} --help)") from None
+
+
+def _number(kind: type, strict: bool) -> Callable[[str], Any]:
+    """An argparse ``type=``: ``kind`` (int or a finite float) above 0 (``strict``) or from 0.
+
+    A value out of range is an ``ArgumentTypeError``, which :class:`ArgumentParser` reports
+    as one line naming the option and the value (``argument -n: expected ...``), exit 2.
+    """
+    words = ("a whole number" if kind is int else "a number") + (" above 0" if strict else ", 0 or more")
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0 or (strict and value == 0):
+            raise argparse.ArgumentTypeError(f"expected {words} (got {text!r})")
+        return value
+
+    convert.__name__ = f"{'positive' if strict else 'nonnegative'}_{kind.__name__}"
+    return convert
+
+
+#: ``type=`` of an option counting things (ranks, repetitions, threads): 1, 2, ...
+positive_int = _number(int, strict=True)
+#: ``type=`` of an option counting things where 0 means none or all: 0, 1, ...
+nonnegative_int = _number(int, strict=False)
+#: ``type=`` of a size or duration: a finite number above 0
+positive_float = _number(float, strict=True)
+#: ``type=`` of a cost or fraction that may be 0: a finite number, 0 or more
+nonnegative_float = _number(float, strict=False)
 
 
 def python_command() -> str:
