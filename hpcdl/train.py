@@ -122,19 +122,21 @@ def print_plan(cfg: Config, world_size: int) -> None:
     """``--plan``: the strategy's placement for ``world_size`` ranks, the batch and step arithmetic.
 
     Nothing is trained and no rank is started; the data set is loaded to count its samples.
+    Everything is worked out before anything is printed, so that a plan that does not fit (a
+    partition, a schedule) is one line of error, not a table followed by one.
     """
     placement = plan(cfg, world_size)
     data = load_data(cfg)
     samples = len(data.y_train)
     batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])
-    print(placement.table())
 
     def model() -> Any:
         xp = array_module(cfg["device"])
         return build(cfg, data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
 
     lines = strategy_class(cfg["parallel.strategy"]).describe(cfg, placement, model)
+    print(placement.table())
     if lines:
         print("\n".join(["", *lines]))
     print(
