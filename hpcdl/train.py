@@ -22,6 +22,7 @@ from hpcdl.driver import launch
 from hpcdl.driver.cli import ArgumentParser, parse_args, positive_int, python_command
 from hpcdl.driver.context import arithmetic
 from hpcdl.driver.factory import build, load_data
+from hpcdl.driver.memory import estimate, plan_lines, read_limits
 from hpcdl.driver.run import RunResult, plan
 from hpcdl.driver.run import train as run
 from hpcdl.errors import ConfigError
@@ -119,7 +120,8 @@ def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
 
 
 def print_plan(cfg: Config, world_size: int) -> None:
-    """``--plan``: the strategy's placement for ``world_size`` ranks, the batch and step arithmetic.
+    """``--plan``: the strategy's placement for ``world_size`` ranks, the batch and step arithmetic,
+    and each rank's memory (:func:`hpcdl.driver.memory.estimate`) against this host's limits.
 
     Nothing is trained and no rank is started; the data set is loaded to count its samples.
     Everything is worked out before anything is printed, so that a plan that does not fit (a
@@ -136,6 +138,7 @@ def print_plan(cfg: Config, world_size: int) -> None:
         return build(cfg, data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
 
     lines = strategy_class(cfg["parallel.strategy"]).describe(cfg, placement, model)
+    memory = plan_lines(estimate(cfg, placement, data, model()), read_limits())
     print(placement.table())
     if lines:
         print("\n".join(["", *lines]))
@@ -150,6 +153,8 @@ def print_plan(cfg: Config, world_size: int) -> None:
             f"! the global batch of {placement.global_batch} exceeds the {samples} training samples: "
             'lower data.batch_size or set data.sampler = "random"'
         )
+    if memory:
+        print("\n".join(["", *memory]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from hpcdl.comm.collectives.auto import (
     winners,
 )
 from hpcdl.comm.contract import Communicator
-from hpcdl.driver.cli import nonnegative_float, positive_float, positive_int
+from hpcdl.driver.cli import nonnegative_float, parse_size, positive_float, positive_int
 from hpcdl.errors import ConfigError, file_error
 
 __all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce", "calibrate", "run"]
@@ -41,21 +41,7 @@ __all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce"
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(8))
 #: 4 KB to 64 MB, powers of 2: ``--calibrate`` without ``--sizes``
 CALIBRATION_SIZES = tuple(4096 * 2**k for k in range(15))
-_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 _TABLE_WHAT = "the auto table"
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``4096``, ``4K``, ``16M``, ``1G`` (binary units; ``B``/``iB`` optional)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = int(t[: len(t) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        raise ConfigError(f"--sizes takes byte counts such as 4096, 64K or 16M (got {text!r})") from None
-    if value <= 0:
-        raise ConfigError(f"--sizes must be positive (got {text!r})")
-    return value
 
 
 def _caller(coll: Collectives, send: Any, recv: Any, algorithm: str) -> Any:

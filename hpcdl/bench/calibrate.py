@@ -32,9 +32,8 @@ import numpy as np
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import contention
-from hpcdl.bench.allreduce import parse_size
 from hpcdl.comm import Communicator, on_root, world, wtime
-from hpcdl.driver.cli import positive_float
+from hpcdl.driver.cli import parse_size, positive_float
 from hpcdl.errors import ConfigError
 from hpcdl.sim.network import load_network, network_toml, parse_network
 

@@ -13,6 +13,7 @@ from typing import Any
 from hpcdl.comm.abort import abort_on_exception
 from hpcdl.comm.context import (
     Status,
+    host_ranks,
     long_wait,
     notes,
     reset_world,
@@ -47,6 +48,7 @@ __all__ = [
     "WatchedComm",
     "WorldHooks",
     "abort_on_exception",
+    "host_ranks",
     "on_root",
     "recv_object",
     "scatter_objects",

@@ -29,6 +29,7 @@ __all__ = [
     "nonnegative_int",
     "positive_float",
     "nonnegative_float",
+    "parse_size",
 ]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
@@ -236,6 +237,26 @@ nonnegative_int = _number(int, strict=False)
 positive_float = _number(float, strict=True)
 #: ``type=`` of a cost or fraction that may be 0: a finite number, 0 or more
 nonnegative_float = _number(float, strict=False)
+
+
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str, what: str = "--sizes") -> int:
+    """Bytes from ``4096``, ``4K``, ``16M``, ``1G``, ``2T`` (binary units; ``B``/``iB`` optional).
+
+    Raises:
+        ConfigError: not a positive byte count (the message names ``what``).
+    """
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = int(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"{what} takes byte counts such as 4096, 64K or 16M (got {text!r})") from None
+    if value <= 0:
+        raise ConfigError(f"{what} must be positive (got {text!r})")
+    return value
 
 
 def python_command() -> str:
