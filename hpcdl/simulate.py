@@ -22,6 +22,7 @@ from hpcdl.driver.cli import (
     ArgumentParser,
     HelpRequested,
     nonnegative_float,
+    out_of_memory,
     parse_args,
     positive_float,
     positive_int,
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             return exc.status
         if isinstance(exc, OSError) and exc.filename is not None:  # a file-system error no one named
             exc = file_error(None, exc, verb="use")
+        if isinstance(exc, MemoryError):  # one line naming the rank and what failed to allocate
+            exc = out_of_memory(exc, failure.rank)
         if isinstance(exc, HpcdlError):
             print(f"{args.module}: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_USAGE

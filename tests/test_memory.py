@@ -1,5 +1,5 @@
 """Memory: each rank's estimate against what is allocated, and a run that cannot fit refused in one line
-(hpcdl.nn.memory, hpcdl.parallel.memory, hpcdl.driver.memory)."""
+(hpcdl.nn.memory, hpcdl.parallel.memory, hpcdl.driver.memory), or a MemoryError ending as one line."""
 
 from __future__ import annotations
 
@@ -261,6 +261,27 @@ def test_virtual_ranks_are_refused_together(
     assert line.startswith("hpcdl.train: error: this run does not fit in memory: its 4 ranks need about")
 
 
+def test_a_memory_error_on_a_virtual_rank_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from hpcdl.nn import Linear
+
+    def forward(self: Any, x: Any) -> Any:  # named as a layer's: the message names the layer
+        raise MemoryError("Unable to allocate 8.00 EiB for an array with shape (1,) and data type float32")
+
+    monkeypatch.setattr(Linear, "forward", forward)
+    monkeypatch.setenv(ENV, "off")  # the estimate's dry steps would fail first
+    argv = ["-n", "2", "--compute", "none", "-m", "hpcdl.train", "--config", "digits-mlp", "--set",
+            "train.steps=2", "--progress", "none", "--out", str(tmp_path / "r.h5")]  # fmt: skip
+    assert simulate_main(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert re.match(
+        r"hpcdl\.train: error: rank \d ran out of memory in the forward of layer 1 \(Linear\): unable to "
+        r"allocate 8\.00 EiB for an array with shape \(1,\) and data type float32; lower data\.batch_size",
+        line,
+    )
+
+
 # -- under a real ulimit -v ----------------------------------------------------------------------------
 
 ULIMIT_KB = 1_200_000  # the interpreter with NumPy, h5py and MPI takes about 0.25 GiB of it
@@ -285,3 +306,15 @@ def test_under_ulimit_v_a_run_that_cannot_fit_is_one_line_before_anything_is_wri
     assert line.startswith("hpcdl.train: error: this run does not fit in memory: rank 0 (worker) needs about")
     assert "its process's address-space limit (ulimit -v: 1.14 GiB)" in line
     assert re.search(r"lower data\.batch_size to at most \d+", line) and not out.exists()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ulimit -v as Linux enforces it")
+def test_under_ulimit_v_a_memory_error_is_one_line_and_the_run_file_says_failed(tmp_path: Path) -> None:
+    out = tmp_path / "r.h5"
+    proc = under_ulimit([*HUGE, "--out", str(out)], {ENV: "off"})
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert re.match(r"hpcdl\.train: error: rank 0 ran out of memory in the (forward|backward) of layer \d+ "
+                    r"\(\w+\): unable to allocate [\d.]+ [KMG]iB for an array with shape", line)  # fmt: skip
+    with h5py.File(out) as f:
+        assert f.attrs["status"] == "failed"

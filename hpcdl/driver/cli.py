@@ -30,6 +30,7 @@ __all__ = [
     "positive_float",
     "nonnegative_float",
     "parse_size",
+    "out_of_memory",
 ]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
@@ -51,7 +52,9 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
 
     A :class:`~hpcdl.errors.HpcdlError` prints one line ``prog: error: ...`` and
     exits 2; so does an ``OSError`` about a path that no caller turned into one (a
-    file-system error: permissions, a full disk). Any other exception prints
+    file-system error: permissions, a full disk), and a ``MemoryError`` (NumPy's
+    ``_ArrayMemoryError`` included: :func:`out_of_memory` names the rank, the layer and
+    what failed to allocate; the run file was marked failed on the way). Any other exception prints
     ``[rank R]`` and the traceback on that rank's stderr. Under mpiexec with more
     than one rank both end the whole job with ``MPI_Abort`` (a plain exit of one
     rank would leave the others waiting in a collective forever); rank 0 reports first, so that an error
@@ -67,8 +70,10 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
         code = main(sys.argv[1:])
     except HelpRequested as done:
         code = done.status
-    except (HpcdlError, OSError) as err:
-        if isinstance(err, OSError) and not isinstance(err, HpcdlError):
+    except (HpcdlError, OSError, MemoryError) as err:
+        if isinstance(err, MemoryError):
+            err = out_of_memory(err, _world_rank_size()[0])
+        elif isinstance(err, OSError) and not isinstance(err, HpcdlError):
             if err.filename is None:  # not about a path: a failure to show with its traceback
                 _abort(err)
             err = file_error(None, err, verb="use")  # a file-system error no caller named: still one line
@@ -86,6 +91,38 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
             raise
         _abort(err)
     sys.exit(code)
+
+
+def out_of_memory(err: MemoryError, rank: int) -> HpcdlError:
+    """A ``MemoryError`` of ``rank`` as one line: where it happened and what failed to allocate.
+
+    NumPy's message names the allocation ("Unable to allocate 10.3 GiB for an array with
+    shape ..."); the innermost layer's forward or backward on the way is named too.
+    """
+    what = str(err).strip().rstrip(".") or "an allocation failed"
+    return HpcdlError(
+        f"rank {rank} ran out of memory{_where(err.__traceback__)}: {what[0].lower()}{what[1:]}; lower "
+        "data.batch_size or give the ranks more memory (python -m hpcdl.train --plan estimates each rank's)"
+    )
+
+
+def _where(tb: Any) -> str:
+    """`` in the backward of layer features.3 (Conv2d)``: the innermost layer's call in ``tb``; else
+    the innermost hpcdl function (`` in hpcdl/parallel/ps.py, _init_worker``); else ''."""
+    from hpcdl.nn.layer import Layer
+
+    layer, code = "", ""
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        name = frame.f_code.co_name
+        if name in ("forward", "backward") and isinstance(owner, Layer) and owner.name:
+            layer = f" in the {name} of layer {owner.name} ({type(owner).__name__})"
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if "/hpcdl/" in filename:
+            code = f" in hpcdl/{filename.rsplit('/hpcdl/', 1)[1]}, {name}"
+        tb = tb.tb_next
+    return layer or code
 
 
 def _abort(err: BaseException) -> NoReturn:
