@@ -209,6 +209,11 @@ def test_what_is_in_use_counts_and_off_skips_the_check() -> None:
         read_limits({ENV: "lots"})
 
 
+def test_sizes_read_as_written() -> None:
+    sizes = [format_bytes(n) for n in (512, 3277, 1020 * 1024, 41.5 * 2**30, 1100 * 2**40)]
+    assert sizes == ["512 B", "3.2 KiB", "1020 KiB", "41.5 GiB", "1100 TiB"]
+
+
 def test_ranks_sharing_a_host_or_a_process_are_summed() -> None:
     one = RankMemory("worker", {"parameters": 100}, ((0, 10, "a batch"),), 10)  # 200 bytes
     host = limits(700)

@@ -20,11 +20,11 @@ __all__ = ["RankMemory", "evaluation", "format_bytes", "model_parts"]
 
 
 def format_bytes(nbytes: float) -> str:
-    """``512 B``, ``3.2 KiB``, ``41.5 GiB`` (binary units, three significant digits)."""
+    """``512 B``, ``3.2 KiB``, ``1020 KiB``, ``41.5 GiB`` (binary units, three significant digits)."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.3g} {unit}"
+            return f"{value:.0f} {unit}" if unit == "B" or abs(value) >= 1000 else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
