@@ -17,7 +17,17 @@ import time
 import traceback
 from typing import Any
 
-from hpcdl.driver.cli import EXIT_USAGE, ArgumentParser, HelpRequested, parse_args, python_command
+from hpcdl.driver.cli import (
+    EXIT_USAGE,
+    ArgumentParser,
+    HelpRequested,
+    nonnegative_float,
+    out_of_memory,
+    parse_args,
+    positive_float,
+    positive_int,
+    python_command,
+)
 from hpcdl.driver.runlog import peak_rss_mb
 from hpcdl.errors import ConfigError, HpcdlError, file_error
 
@@ -47,7 +57,7 @@ def build_parser() -> ArgumentParser:
         description="Run an hpcdl command on N virtual ranks in one process, in virtual time.",
         epilog=_EPILOG,
     )
-    parser.add_argument("-n", dest="ranks", type=int, required=True, help="number of virtual ranks")
+    parser.add_argument("-n", dest="ranks", type=positive_int, required=True, help="number of virtual ranks")
     parser.add_argument(
         "--network",
         default="shm-local",
@@ -81,14 +91,14 @@ def build_parser() -> ArgumentParser:
     )
     parser.add_argument(
         "--poll-cost-us",
-        type=float,
+        type=nonnegative_float,
         default=0.1,
         metavar="US",
         help="virtual microseconds a failed Test or Iprobe costs",
     )
     parser.add_argument(
         "--stall-s",
-        type=float,
+        type=positive_float,
         default=10.0,
         metavar="S",
         help="virtual seconds of polling with nothing delivered after which the run stops as deadlocked",
@@ -146,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("-m") + 2 if "-m" in argv else len(argv)  # after -m MODULE: the command's own
     args = parse_args(build_parser(), argv[:split])
     cmd_args = argv[split:]
-    if args.ranks < 1:
-        raise ConfigError(f"-n must be a positive number of virtual ranks (got {args.ranks})")
     if args.speed <= 0:
         raise ConfigError(f"--speed must be positive (got {args.speed})")
     command = _command(args.module)
@@ -186,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             return exc.status
         if isinstance(exc, OSError) and exc.filename is not None:  # a file-system error no one named
             exc = file_error(None, exc, verb="use")
+        if isinstance(exc, MemoryError):  # one line naming the rank and what failed to allocate
+            exc = out_of_memory(exc, failure.rank)
         if isinstance(exc, HpcdlError):
             print(f"{args.module}: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_USAGE

@@ -20,9 +20,10 @@ from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, watch, world
 from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.driver import launch
-from hpcdl.driver.cli import ArgumentParser, parse_args, python_command
+from hpcdl.driver.cli import ArgumentParser, parse_args, positive_int, python_command
 from hpcdl.driver.context import arithmetic
 from hpcdl.driver.factory import build, load_data
+from hpcdl.driver.memory import estimate, plan_lines, read_limits
 from hpcdl.driver.run import RunResult, plan
 from hpcdl.driver.run import train as run
 from hpcdl.errors import ConfigError
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-n",
         dest="ranks",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="RANKS",
         help="with --plan: the rank count to plan for, without starting ranks (default: this world's)",
@@ -128,22 +129,26 @@ def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
 
 
 def print_plan(cfg: Config, world_size: int) -> None:
-    """``--plan``: the strategy's placement for ``world_size`` ranks, the batch and step arithmetic.
+    """``--plan``: the strategy's placement for ``world_size`` ranks, the batch and step arithmetic,
+    and each rank's memory (:func:`hpcdl.driver.memory.estimate`) against this host's limits.
 
     Nothing is trained and no rank is started; the data set is loaded to count its samples.
+    Everything is worked out before anything is printed, so that a plan that does not fit (a
+    partition, a schedule) is one line of error, not a table followed by one.
     """
     placement = plan(cfg, world_size)
     data = load_data(cfg)
     samples = len(data.y_train)
     batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])
-    print(placement.table())
 
     def model() -> Any:
         xp = array_module(cfg["device"])
         return build(cfg, data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
 
     lines = strategy_class(cfg["parallel.strategy"]).describe(cfg, placement, model)
+    memory = plan_lines(estimate(cfg, placement, data, model()), read_limits())
+    print(placement.table())
     if lines:
         print("\n".join(["", *lines]))
     print(
@@ -159,6 +164,8 @@ def print_plan(cfg: Config, world_size: int) -> None:
             f"! the global batch of {placement.global_batch} exceeds the {samples} training samples: "
             'lower data.batch_size or set data.sampler = "random"'
         )
+    if memory:
+        print("\n".join(["", *memory]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,27 @@ def test_step_bad_arguments() -> None:
         main(["step", "--model", "alexnet"])
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["step", "--threads", "0"],
+        ["pack", "--bucket-mb", "-1"],
+        ["pack", "--bucket-mb", "nan"],
+        ["allreduce", "--min-time", "nan"],
+        ["allreduce", "--min-time", "inf"],
+        ["allreduce", "--tolerance", "nan"],
+        ["calibrate", "--out", "net.toml", "--min-time", "inf"],
+    ],
+    ids=" ".join,
+)
+def test_numbers_out_of_range_are_refused_in_one_line(argv: list[str]) -> None:
+    """Accepted before (a negative bucket as one bucket, --min-time inf ran forever) or a traceback (nan)."""
+    option = argv[-2]
+    with pytest.raises(ConfigError, match=rf"argument {option}: expected .* \(got '{argv[-1]}'\)") as err:
+        main(argv)
+    assert "\n" not in str(err.value)
+
+
 def test_train_rows_in_one_process(tmp_path: Path) -> None:
     out = tmp_path / "train.json"
     args = ["train", "--config", "digits-mlp", "--repeat", "2", "--steps", "2", "--json", str(out)]

@@ -59,6 +59,27 @@ def test_plan_of_a_strategy_with_two_roles(capsys: pytest.CaptureFixture[str]) -
     assert "the ranks meet every 4 steps" in out
 
 
+@pytest.mark.parametrize("n", ["0", "-2", "two"])
+def test_plan_refuses_a_rank_count_below_1_in_one_line(n: str) -> None:
+    """``--plan -n 0`` was a ZeroDivisionError traceback: the option's type refuses it."""
+    with pytest.raises(ConfigError, match=rf"argument -n: expected a whole number above 0 \(got '{n}'\)"):
+        train_command(["--config", "digits-mlp", "--plan", "-n", n])
+
+
+def test_plan_with_no_ranks_exits_2_with_one_line() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpcdl.train", "--config", "digits-mlp", "--plan", "-n", "0"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    said = "hpcdl.train: error: argument -n: expected a whole number above 0 (got '0')"
+    assert proc.stderr.startswith(said)
+
+
 def test_train_refuses_n_without_plan() -> None:
     with pytest.raises(ConfigError, match="-n RANKS goes with --plan"):
         train_command(["--config", "digits-mlp", "-n", "2"])

@@ -289,6 +289,14 @@ def test_a_partition_that_does_not_fit_is_one_line_naming_it(sets: list[str], sa
         assert says in str(raised.value)
 
 
+def test_a_plan_that_does_not_fit_prints_nothing_before_its_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--plan -n 100`` for 6 layers printed the 100-stage table and schedule before its error."""
+    argv = ["--config", "digits-mlp", "--plan", "-n", "100", "--set", "parallel.strategy=pipeline"]
+    with pytest.raises(ConfigError, match="100 pipeline stages for a model of 6 top-level layers"):
+        train_main(argv)
+    assert capsys.readouterr().out == ""
+
+
 def test_the_command_line_exits_2_with_one_line(tmp_path: Path) -> None:
     import subprocess
     import sys

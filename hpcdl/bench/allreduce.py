@@ -32,6 +32,7 @@ from hpcdl.comm.collectives.auto import (
     winners,
 )
 from hpcdl.comm.contract import Communicator
+from hpcdl.driver.cli import nonnegative_float, parse_size, positive_float, positive_int
 from hpcdl.errors import ConfigError, file_error
 
 __all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce", "calibrate", "run"]
@@ -40,21 +41,7 @@ __all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce"
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(8))
 #: 4 KB to 64 MB, powers of 2: ``--calibrate`` without ``--sizes``
 CALIBRATION_SIZES = tuple(4096 * 2**k for k in range(15))
-_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
 _TABLE_WHAT = "the auto table"
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``4096``, ``4K``, ``16M``, ``1G`` (binary units; ``B``/``iB`` optional)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
-    try:
-        value = int(t[: len(t) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        raise ConfigError(f"--sizes takes byte counts such as 4096, 64K or 16M (got {text!r})") from None
-    if value <= 0:
-        raise ConfigError(f"--sizes must be positive (got {text!r})")
-    return value
 
 
 def _caller(coll: Collectives, send: Any, recv: Any, algorithm: str) -> Any:
@@ -281,7 +268,9 @@ def add_parser(sub: Any) -> None:
         "with --calibrate, in powers of 2)"
     )
     p.add_argument("--sizes", nargs="+", type=parse_size, default=None, metavar="SIZE", help=sizes_help)
-    p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
+    p.add_argument(
+        "--repeat", type=positive_int, default=5, help="interleaved repetitions; the median is reported"
+    )
     names = [*ALGORITHMS, "auto"]
     p.add_argument(
         "--algorithms",
@@ -292,7 +281,7 @@ def add_parser(sub: Any) -> None:
         help=f"algorithms to time: {', '.join(names)}; mpi: the library's own Allreduce",
     )
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
-    p.add_argument("--min-time", type=float, default=0.02, help="seconds per measurement, at least")
+    p.add_argument("--min-time", type=positive_float, default=0.02, help="seconds per measurement, at least")
     p.add_argument(
         "--table",
         default=None,
@@ -316,7 +305,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=nonnegative_float,
         default=TOLERANCE,
         help="with --calibrate: keep the previous size's winner while it is within this fraction of the "
         "fastest",
@@ -325,8 +314,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench allreduce`` with parsed ``args``; prints the table on rank 0 and returns the rows."""
-    if args.repeat < 1 or args.min_time <= 0:
-        raise ConfigError("--repeat must be a positive integer and --min-time a positive number of seconds")
     comm = world()
     algorithms = tuple(dict.fromkeys(args.algorithms))
     if args.calibrate:
@@ -335,8 +322,6 @@ def run(args: Any) -> list[dict[str, Any]]:
                 "--calibrate needs --table PATH: the JSON table to create or update "
                 "(then name it in exchange.auto_table)"
             )
-        if args.tolerance < 0:
-            raise ConfigError(f"--tolerance must be a fraction of at least 0 (got {args.tolerance})")
         timed = tuple(a for a in algorithms if a != "auto")
         if not timed:
             raise ConfigError("--calibrate needs at least one algorithm besides auto in --algorithms")

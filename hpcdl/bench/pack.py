@@ -11,6 +11,7 @@ import numpy as np
 from hpcdl.comm import world, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.pack import HAVE_EXT, int32_scale
+from hpcdl.driver.cli import nonnegative_float
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
 from hpcdl.rng import generator
@@ -156,7 +157,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default="mlp32", choices=MODELS, help="the network whose gradients are packed")
     p.add_argument(
         "--bucket-mb",
-        type=float,
+        type=nonnegative_float,
         nargs="+",
         default=[0.0],
         metavar="MIB",

@@ -11,6 +11,7 @@ import numpy as np
 
 from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import world, wtime
+from hpcdl.driver.cli import positive_int
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
 from hpcdl.nn import SoftmaxCrossEntropy
@@ -151,7 +152,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--steps", type=int, default=20, help="steps per repetition")
     p.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="PyTorch's intra-op threads; give OPENBLAS_NUM_THREADS the same value for hpcdl",
     )

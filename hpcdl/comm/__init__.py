@@ -14,6 +14,7 @@ from hpcdl.comm.abort import abort_on_exception
 from hpcdl.comm.context import (
     Status,
     due,
+    host_ranks,
     long_wait,
     notes,
     reset_world,
@@ -49,6 +50,7 @@ __all__ = [
     "WorldHooks",
     "abort_on_exception",
     "due",
+    "host_ranks",
     "on_root",
     "recv_object",
     "scatter_objects",

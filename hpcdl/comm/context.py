@@ -14,6 +14,7 @@ from hpcdl.comm.contract import Status as StatusLike
 __all__ = [
     "Status",
     "due",
+    "host_ranks",
     "long_wait",
     "notes",
     "reset_world",
@@ -267,6 +268,26 @@ def waitany(reqs: Sequence[Request | None], status: StatusLike | None = None) ->
         for i in active:
             if reqs[i].Test(status):
                 return i
+
+
+def host_ranks(comm: Communicator) -> list[int]:
+    """The ranks of ``comm`` that run on this rank's host and share its memory, in rank order.
+
+    Collective over ``comm``. Under MPI, ``comm.Split_type(COMM_TYPE_SHARED)``'s members; a
+    simulated communicator provides ``host_ranks()``: all its ranks, which run in one process.
+
+    Args:
+        comm: the communicator.
+
+    Returns:
+        Ranks of ``comm``, this rank's among them.
+    """
+    own = getattr(comm, "host_ranks", None)
+    if own is not None:
+        return list(own())
+    from hpcdl.comm import mpi
+
+    return mpi.host_ranks(comm)
 
 
 def subcomm(comm: Communicator, ranks: Sequence[int]) -> Communicator:

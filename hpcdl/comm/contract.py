@@ -209,7 +209,9 @@ class WorldHooks(Protocol):
       :func:`hpcdl.comm.watch`, whose requests' ``Wait()`` is watched too);
     * ``run_rounds(schedule, pending)``: wait for each round of a collective schedule and
       advance it until it ends, used by ``CollRequest.Wait``
-      (:mod:`hpcdl.comm.collectives.schedule`) instead of its own loop.
+      (:mod:`hpcdl.comm.collectives.schedule`) instead of its own loop;
+    * ``host_ranks()``: the ranks that share this rank's memory, used by
+      :func:`hpcdl.comm.host_ranks` (a simulated world: all of them, one process).
     """
 
     def wtime(self) -> float:

@@ -31,6 +31,7 @@ __all__ = [
     "SUM",
     "WatchedRequest",
     "all_requests",
+    "host_ranks",
     "is_null",
     "world_ranks",
     "comm_world",
@@ -142,6 +143,25 @@ def subcomm(comm: MPI.Intracomm, ranks: Sequence[int]) -> MPI.Intracomm:
             sub.Free()
     finally:
         group.Free()
+
+
+def host_ranks(comm: Any) -> list[int]:
+    """The ranks of ``comm`` on this rank's node: ``Split_type(COMM_TYPE_SHARED)`` (collective).
+
+    ``comm`` may be a :class:`~hpcdl.comm.WatchedComm` (its MPI communicator is split).
+    """
+    raw = getattr(comm, "mpi", comm)
+    node = raw.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        group, parent = node.Get_group(), raw.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(node.Get_size())), parent)
+        finally:
+            group.Free()
+            parent.Free()
+    finally:
+        node.Free()
+    return sorted(int(r) for r in ranks)
 
 
 def is_null(comm: Any) -> bool:

@@ -8,6 +8,7 @@ by tests and by the simulator.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import textwrap
@@ -26,6 +27,12 @@ __all__ = [
     "HelpRequested",
     "EXIT_USAGE",
     "EXIT_PIPE",
+    "positive_int",
+    "nonnegative_int",
+    "positive_float",
+    "nonnegative_float",
+    "parse_size",
+    "out_of_memory",
 ]
 
 #: exit status of a user error (bad config, missing file, wrong rank count)
@@ -50,7 +57,9 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
 
     A :class:`~hpcdl.errors.HpcdlError` prints one line ``prog: error: ...`` and
     exits 2; so does an ``OSError`` about a path that no caller turned into one (a
-    file-system error: permissions, a full disk). Any other exception prints
+    file-system error: permissions, a full disk), and a ``MemoryError`` (NumPy's
+    ``_ArrayMemoryError`` included: :func:`out_of_memory` names the rank, the layer and
+    what failed to allocate; the run file was marked failed on the way). Any other exception prints
     ``[rank R]`` and the traceback on that rank's stderr. Under mpiexec with more
     than one rank both end the whole job with ``MPI_Abort`` (a plain exit of one
     rank would leave the others waiting in a collective forever); rank 0 reports first, so that an error
@@ -69,8 +78,10 @@ def entry(main: Callable[[list[str]], int], prog: str, *, stop_signals: bool = F
         code = done.status
     except BrokenPipeError:
         _reader_gone()
-    except (HpcdlError, OSError) as err:
-        if isinstance(err, OSError) and not isinstance(err, HpcdlError):
+    except (HpcdlError, OSError, MemoryError) as err:
+        if isinstance(err, MemoryError):
+            err = out_of_memory(err, _world_rank_size()[0])
+        elif isinstance(err, OSError) and not isinstance(err, HpcdlError):
             if err.filename is None:  # not about a path: a failure to show with its traceback
                 _abort(err)
             err = file_error(None, err, verb="use")  # a file-system error no caller named: still one line
@@ -104,6 +115,38 @@ def _reader_gone() -> NoReturn:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     _end(EXIT_PIPE, _world_rank_size()[1] if "mpi4py.MPI" in sys.modules else 1)
+
+
+def out_of_memory(err: MemoryError, rank: int) -> HpcdlError:
+    """A ``MemoryError`` of ``rank`` as one line: where it happened and what failed to allocate.
+
+    NumPy's message names the allocation ("Unable to allocate 10.3 GiB for an array with
+    shape ..."); the innermost layer's forward or backward on the way is named too.
+    """
+    what = str(err).strip().rstrip(".") or "an allocation failed"
+    return HpcdlError(
+        f"rank {rank} ran out of memory{_where(err.__traceback__)}: {what[0].lower()}{what[1:]}; lower "
+        "data.batch_size or give the ranks more memory (python -m hpcdl.train --plan estimates each rank's)"
+    )
+
+
+def _where(tb: Any) -> str:
+    """`` in the backward of layer features.3 (Conv2d)``: the innermost layer's call in ``tb``; else
+    the innermost hpcdl function (`` in hpcdl/parallel/ps.py, _init_worker``); else ''."""
+    from hpcdl.nn.layer import Layer
+
+    layer, code = "", ""
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        name = frame.f_code.co_name
+        if name in ("forward", "backward") and isinstance(owner, Layer) and owner.name:
+            layer = f" in the {name} of layer {owner.name} ({type(owner).__name__})"
+        filename = frame.f_code.co_filename.replace("\\", "/")
+        if "/hpcdl/" in filename:
+            code = f" in hpcdl/{filename.rsplit('/hpcdl/', 1)[1]}, {name}"
+        tb = tb.tb_next
+    return layer or code
 
 
 def _abort(err: BaseException) -> NoReturn:
@@ -224,6 +267,57 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
         return parser.parse_args(argv)
     except argparse.ArgumentError as err:
         raise ConfigError(f"{err} (see {parser.prog} --help)") from None
+
+
+def _number(kind: type, strict: bool) -> Callable[[str], Any]:
+    """An argparse ``type=``: ``kind`` (int or a finite float) above 0 (``strict``) or from 0.
+
+    A value out of range is an ``ArgumentTypeError``, which :class:`ArgumentParser` reports
+    as one line naming the option and the value (``argument -n: expected ...``), exit 2.
+    """
+    words = ("a whole number" if kind is int else "a number") + (" above 0" if strict else ", 0 or more")
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < 0 or (strict and value == 0):
+            raise argparse.ArgumentTypeError(f"expected {words} (got {text!r})")
+        return value
+
+    convert.__name__ = f"{'positive' if strict else 'nonnegative'}_{kind.__name__}"
+    return convert
+
+
+#: ``type=`` of an option counting things (ranks, repetitions, threads): 1, 2, ...
+positive_int = _number(int, strict=True)
+#: ``type=`` of an option counting things where 0 means none or all: 0, 1, ...
+nonnegative_int = _number(int, strict=False)
+#: ``type=`` of a size or duration: a finite number above 0
+positive_float = _number(float, strict=True)
+#: ``type=`` of a cost or fraction that may be 0: a finite number, 0 or more
+nonnegative_float = _number(float, strict=False)
+
+
+_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str, what: str = "--sizes") -> int:
+    """Bytes from ``4096``, ``4K``, ``16M``, ``1G``, ``2T`` (binary units; ``B``/``iB`` optional).
+
+    Raises:
+        ConfigError: not a positive byte count (the message names ``what``).
+    """
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        value = int(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"{what} takes byte counts such as 4096, 64K or 16M (got {text!r})") from None
+    if value <= 0:
+        raise ConfigError(f"{what} must be positive (got {text!r})")
+    return value
 
 
 def python_command() -> str:

@@ -15,6 +15,7 @@ from hpcdl.driver.checkpoints import DRIVER, capture, distribute
 from hpcdl.driver.context import Context, Slowdown, slowdown_factor
 from hpcdl.driver.figures import rate_phrase, samples_per_s, wall_phrase
 from hpcdl.driver.loop import Counters, Trainer
+from hpcdl.driver.memory import check as check_memory
 from hpcdl.driver.progress import Progress, choose_mode
 from hpcdl.driver.runlog import RunLog, checkpoint_attrs, open_run, peak_rss_mb
 from hpcdl.driver.signals import current_stop_request
@@ -93,12 +94,15 @@ def plan(cfg: Config, world_size: int) -> Placement:
 
 def build(cfg: Config, comm: Communicator) -> tuple[Context, Strategy]:
     """The run context and this rank's strategy (``parallel.strategy``), built: what a run or a
-    benchmark (``bench train``) steps.
+    benchmark (``bench train``) steps. Before the strategy builds anything, the ranks check that
+    they fit in memory (:func:`hpcdl.driver.memory.check`).
 
     Raises:
-        HpcdlError: the strategy is unknown or does not fit, the data or model cannot be built.
+        HpcdlError: the strategy is unknown or does not fit, the data or model cannot be built,
+            the ranks' estimated memory exceeds a limit.
     """
     ctx = Context(cfg, comm, plan(cfg, comm.Get_size()))
+    check_memory(comm, cfg, ctx.placement, ctx.data())
     return ctx, strategy_class(cfg["parallel.strategy"])(ctx)
 
 

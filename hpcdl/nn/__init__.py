@@ -11,6 +11,7 @@ from hpcdl.nn.init import kaiming_normal
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.linear import Linear
 from hpcdl.nn.loss import MSELoss, SoftmaxCrossEntropy, accuracy
+from hpcdl.nn.memory import Activations, MemoryProbe, cache_nbytes
 from hpcdl.nn.norm import BatchNorm1d, BatchNorm2d
 from hpcdl.nn.parameter import Parameter
 from hpcdl.nn.pool import AvgPool2d, GlobalAvgPool2d, MaxPool2d
@@ -18,6 +19,7 @@ from hpcdl.nn.residual import BasicBlock, Bottleneck, ResidualBlock
 from hpcdl.nn.sequential import Sequential
 
 __all__ = [
+    "Activations",
     "AvgPool2d",
     "BasicBlock",
     "BatchNorm1d",
@@ -33,12 +35,14 @@ __all__ = [
     "Linear",
     "MSELoss",
     "MaxPool2d",
+    "MemoryProbe",
     "Parameter",
     "ReLU",
     "ResidualBlock",
     "Sequential",
     "SoftmaxCrossEntropy",
     "accuracy",
+    "cache_nbytes",
     "current_observers",
     "kaiming_normal",
     "observe",

@@ -34,8 +34,9 @@ from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module 
 from hpcdl.backend import array_module, get_array_module, synchronize, to_numpy
 from hpcdl.comm import notes, waitall, wtime
 from hpcdl.errors import ConfigError, HpcdlError
-from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, cache_nbytes, observe
 from hpcdl.parallel import make_exchange
+from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.pipe_plan import LayerInfo, Op, Partition, Schedule, partition, schedule
 from hpcdl.parallel.strategy import (
     Agreement,
@@ -221,6 +222,48 @@ class Pipeline(Strategy):
             str(sched),
         )
         return Placement(cls.name, ranks, cfg["data.batch_size"], m, notes=notes_)
+
+    @classmethod
+    def memory(
+        cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
+    ) -> list[RankMemory]:
+        """Stage s: its slice's parameters, gradients and optimizer state, the sum of its
+        microbatches' gradients; the caches of the microbatches it holds at once (the schedule's
+        :meth:`~hpcdl.parallel.pipe_plan.Schedule.in_flight`) beside one microbatch's step and the
+        receives posted ahead, or an evaluation through its slice. Every stage builds the whole
+        model before keeping its slice. A ``time`` balance found by profiling at the start is
+        estimated on a uniform cut.
+        """
+        p, v, m = placement.world, cfg["pipeline.virtual_stages"], placement.micro_steps
+        sched = schedule(cfg["pipeline.schedule"], p, m, v)
+        note = ""
+        if cfg["pipeline.balance"] == "time" and not cfg["pipeline.profile"] and not cfg["pipeline.split"]:
+            infos = layer_infos(probe.model, probe.shapes[0], cfg["data.batch_size"])
+            cut = partition(infos, p * v, balance="uniform")
+            note = "a time balance is found by profiling when the run starts: estimated on a uniform cut"
+        else:
+            cut = stage_partition(cfg, probe.model, p * v, probe.shapes[0], None)
+        bounds = np.cumsum([0, *cut.balance]).tolist()
+        whole, _ = probe.parameters()
+        hint = "or cut the model into more stages (more ranks)"
+        if sched.name == "gpipe":
+            hint += ", or pipeline.schedule = '1f1b' (fewer microbatches held at once)"
+        out = []
+        for s, held in enumerate(sched.in_flight()):
+            slices = [(bounds[c * p + s], bounds[c * p + s + 1]) for c in range(v)]
+            sizes = [probe.parameters(a, b) for a, b in slices]
+            nbytes, largest = sum(n for n, _ in sizes), max(big for _, big in sizes)
+            acts = [probe.activations(a, b) for a, b in slices]
+            hf, hs = (max(a.held[i] for a in acts) for i in (0, 1))
+            io = max(max(a.input_bytes, a.output_bytes) for a in acts)
+            what = f"{held} microbatch{'es' * (held > 1)} held"
+            lines = [(f + (held - 1) * hf, per + (held - 1) * hs + LOOKAHEAD * io, what)
+                     for a in acts for f, per in a.step]  # fmt: skip
+            lines += [line for a in acts for line in evaluation(a, min(EVAL_BATCH, test_size))]
+            parts = {**model_parts(cfg, nbytes, largest), "buffers": nbytes if m > 1 else 0}
+            role = placement.ranks[s].role
+            out.append(RankMemory(role, parts, tuple(lines), cfg["data.batch_size"], 2 * whole, hint, note))
+        return out
 
     @classmethod
     def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
@@ -587,7 +630,7 @@ class _StepRun:
         if pipe.tracing:
             pipe.ctx.trace("forward", t0, t1, k)
         cache = chunk.model.save_cache()
-        size = _nbytes(cache)
+        size = cache_nbytes(cache)
         self.caches[(c, k)] = (cache, size)
         self.held += 1
         self.held_bytes += size
@@ -637,22 +680,3 @@ class _StepRun:
             for _, _, posted, k in self.sends:
                 self.pipe.ctx.trace("send", posted, t1, k)
         self.sends = []
-
-
-def _nbytes(cache: Any) -> int:
-    """Bytes of the arrays a forward's cache holds (each buffer once: views count as their base)."""
-    seen: dict[int, int] = {}
-
-    def walk(value: Any) -> None:
-        if isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                walk(v)
-        elif hasattr(value, "nbytes") and hasattr(value, "shape"):
-            base = value.base if getattr(value, "base", None) is not None else value
-            seen[id(base)] = int(base.nbytes)
-
-    walk(cache)
-    return sum(seen.values())

@@ -67,6 +67,7 @@ from hpcdl.comm import due, long_wait, notes, waitall, waitany, wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
+from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.ps_plan import ShardPlan, shard_plan, ssp_may_pull
 from hpcdl.parallel.strategy import (
     Agreement,
@@ -87,6 +88,8 @@ __all__ = ["ParameterServer", "compensated_lr", "dc_gradient"]
 _PUSH, _REPLY, _READY, _START, _SNAPSHOT, _SHARD = 1, 2, 3, 4, 5, 6
 #: server 0 writes its rows during a phase at most this often (seconds)
 EARLY_ROWS_S = 1.0
+#: test images of each part server 0 evaluates at the end (the workers wait anyway: large parts)
+EVAL_PART = 512
 #: float64 values at the head of every push and reply
 _HEAD = 8
 _HEAD_BYTES = 8 * _HEAD
@@ -177,6 +180,47 @@ class ParameterServer(Strategy):
             cls.name, tuple(ranks), cfg["data.batch_size"], 1, notes_, step_batches=1,
             update_batches=workers if mode == "sync" else 1, step_multiple=workers if mode == "sync" else 1,
         )  # fmt: skip
+
+    @classmethod
+    def memory(
+        cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
+    ) -> list[RankMemory]:
+        """Every rank builds the whole model (parameters, gradients, a packed copy). Server k: its
+        shard, the shard's gradient and optimizer state, a push and a reply per worker (and a
+        copy per worker for dc compensation); server 0 also a snapshot of the master copy and the
+        evaluation. Worker: the pulled and pushed copies, one batch's activations."""
+        nbytes, _ = probe.parameters()
+        act = probe.activations()
+        itemsize = probe.dtype.itemsize
+        bn = sum(int(b.nbytes) for _, b in probe.model.named_buffers())
+        servers = cfg["parallel.servers"]
+        workers = placement.world - servers
+        shards = shard_plan(nbytes // itemsize, servers, itemsize)
+        copy = {"parameters": nbytes, "gradients": nbytes, "buffers": nbytes}  # the model, its packer
+        out = []
+        for k in range(servers):
+            shard = shards.nbytes(k)
+            own = model_parts(cfg, shard, shard)
+            copies = 2 + (cfg["parallel.compensation"] == "dc")  # a push, a reply (and what w was sent)
+            per_worker = copies * shard + (bn if k == 0 else 0) + 2 * _HEAD_BYTES
+            buffers = copy["buffers"] + workers * per_worker + shard + (nbytes if k == 0 else 0)
+            parts = {"parameters": nbytes + shard, "gradients": nbytes + shard, "optimizer": own["optimizer"],
+                     "buffers": buffers}  # fmt: skip
+            lines = (
+                tuple(evaluation(act, min(max(EVAL_PART, cfg["data.batch_size"]), test_size)))
+                if k == 0
+                else ()
+            )
+            hint = "or more servers (parallel.servers)"
+            out.append(RankMemory("server", parts, lines, cfg["data.batch_size"], hint=hint))
+        pulled_pushed = 3 * nbytes + bn + servers * 2 * _HEAD_BYTES  # the flat copy, pushes, replies
+        worker = RankMemory(
+            "worker",
+            {**copy, "buffers": copy["buffers"] + pulled_pushed},
+            tuple((f, s, "a batch") for f, s in act.step),
+            cfg["data.batch_size"],
+        )
+        return out + [worker] * workers
 
     @classmethod
     def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
@@ -706,7 +750,7 @@ class ParameterServer(Strategy):
                 lo, hi = self._range(j)
                 comm.Recv(flat[lo:hi], source=j, tag=_SHARD)
             self._load_master(flat, self.master_bn)
-            parts = self.ctx.evaluation_parts(self.model, 512)  # the workers wait anyway: large parts
+            parts = self.ctx.evaluation_parts(self.model, EVAL_PART)  # the workers wait anyway: large parts
             while result is None:
                 try:
                     next(parts)

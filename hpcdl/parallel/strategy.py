@@ -580,6 +580,28 @@ class Strategy:
         raise NotImplementedError
 
     @classmethod
+    def memory(
+        cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
+    ) -> list[Any] | None:
+        """What each rank will allocate, estimated before anything is built (``--plan`` prints it;
+        the driver refuses a run that cannot fit).
+
+        Args:
+            cfg: the config.
+            placement: the strategy's placement.
+            probe: a :class:`~hpcdl.nn.MemoryProbe` of a model of the config's: the parameters and
+                the measured activations of any slice of its top-level layers.
+            test_size: the test images an evaluation runs through.
+            eval_batch: the most test images the driver's evaluation (``ctx.evaluate``) runs
+                through a model at once.
+
+        Returns:
+            One :class:`~hpcdl.parallel.memory.RankMemory` per rank; None: no estimate (nothing
+            is checked).
+        """
+        return None
+
+    @classmethod
     def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
         """Lines ``--plan`` adds below the placement (a parameter server's shards).
 

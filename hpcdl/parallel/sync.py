@@ -19,9 +19,11 @@ from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module 
 from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator, notes
 from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
+from hpcdl.comm.pack import wire_dtype
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import GradientExchange, make_exchange
+from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
@@ -54,6 +56,35 @@ class SyncDataParallel(Strategy):
         """Every rank a worker holding the whole model; rank r reads member r's batches."""
         ranks = tuple(RankPlace("worker", "model", r) for r in range(world))
         return Placement(cls.name, ranks, cfg["data.batch_size"], cfg["exchange.accumulate"])
+
+    @classmethod
+    def memory(
+        cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
+    ) -> list[RankMemory]:
+        """Every rank: the model, its gradients, the optimizer's state, the exchange's buffers (the
+        flat allreduce: a packed copy and the sum; bucketed: the buckets in the wire format and as
+        much for the collectives' rounds; accumulation: the kept sum), and one micro-step's
+        activations or an evaluation's (of its share of the test set)."""
+        nbytes, largest = probe.parameters()
+        act = probe.activations()
+        exchange = 0
+        if placement.world > 1:
+            if cfg["exchange.name"] == "bucketed":
+                itemsize = probe.dtype.itemsize
+                exchange = 2 * nbytes * wire_dtype(_wire_mode(cfg), probe.dtype).itemsize // itemsize
+            else:
+                exchange = 2 * nbytes
+        if placement.micro_steps > 1:
+            exchange += nbytes
+        share = -(-test_size // placement.width)  # the test images one rank evaluates
+        one = RankMemory(
+            "worker",
+            {**model_parts(cfg, nbytes, largest), "exchange": exchange},
+            tuple([(f, s, "a batch") for f, s in act.step] + evaluation(act, min(eval_batch, share))),
+            cfg["data.batch_size"],
+            hint="(and raise exchange.accumulate by as much to keep the global batch)",
+        )
+        return [one] * placement.world
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
@@ -227,6 +258,11 @@ def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExc
     return make_exchange(
         cfg["exchange.name"], comm, model.parameters(), debug=cfg["exchange.debug"], **options
     )
+
+
+def _wire_mode(cfg: Any) -> str:
+    """The buckets' packing mode for ``exchange.compression``."""
+    return "plain" if cfg["exchange.compression"] == "none" else cfg["exchange.compression"]
 
 
 def auto_table(cfg: Any, comm: Communicator) -> AutoTable:

@@ -18,7 +18,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcdl.driver.cli import ArgumentParser, parse_args
+from hpcdl.driver.cli import ArgumentParser, nonnegative_int, parse_args
 from hpcdl.driver.figures import RATE_UNIT, rate_text, samples_per_s, wall_text
 from hpcdl.errors import file_error
 from hpcdl.report.gantt import STEPS as GANTT_STEPS
@@ -378,22 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--gantt-steps",
         default=GANTT_STEPS,
-        type=_steps,
+        type=nonnegative_int,
         metavar="N",
         help="the Gantt chart (gantt.png, from trace/) draws each run's last N steps; 0 for every step",
     )
     return parser
-
-
-def _steps(text: str) -> int:
-    """``--gantt-steps``: a whole number, 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps, 0 or more (got {text!r})")
-    return value
 
 
 def run_files(paths: list[Path]) -> list[Path]:

@@ -104,6 +104,10 @@ class SimComm(CommBase):
         group = [self._group[i] for i in ranks]
         return SimComm(self._engine, self._world_rank, (self._context, "group", key, k), group)
 
+    def host_ranks(self) -> list[int]:
+        """Every rank: the virtual ranks all run in this one process, sharing its memory."""
+        return list(range(self._size))
+
     # -- collectives on buffers -------------------------------------------------------------------
 
     def _schedule(self, schedule: Any) -> None:

@@ -81,7 +81,7 @@ def test_the_commands_help_is_printed_once(capsys: pytest.CaptureFixture[str]) -
 def test_bad_options_of_the_simulator_itself() -> None:
     from hpcdl.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="-n must be a positive"):
+    with pytest.raises(ConfigError, match=r"argument -n: expected a whole number above 0 \(got '0'\)"):
         main(["-n", "0", "-m", "hpcdl.train"])
     with pytest.raises(ConfigError, match="cannot import it"):
         main(["-n", "2", "-m", "hpcdl.no_such_command"])
@@ -89,6 +89,24 @@ def test_bad_options_of_the_simulator_itself() -> None:
         main(["-n", "2", "--straggler", "1", "-m", "hpcdl.train"])
     with pytest.raises(ConfigError, match="outside"):
         main(["-n", "2", "--straggler", "5:2", "-m", "hpcdl.train"])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--stall-s", "-1", "a number above 0"),
+        ("--stall-s", "0", "a number above 0"),
+        ("--stall-s", "nan", "a number above 0"),
+        ("--poll-cost-us", "-1", "a number, 0 or more"),
+        ("--poll-cost-us", "inf", "a number, 0 or more"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_in_one_line(option: str, value: str, expected: str) -> None:
+    """``--stall-s -1`` was accepted (and ``nan`` a traceback): each refused by the option's type."""
+    from hpcdl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"argument {option}: expected {expected} \(got '{value}'\)"):
+        main(["-n", "2", option, value, *TRAIN])
 
 
 def test_a_deadlocked_command_exits_3_with_the_waits(
