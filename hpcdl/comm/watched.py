@@ -216,6 +216,13 @@ class WatchedComm:
         self._dog.members_barrier(members, ("subcomm of ranks", None, None, f"{self.name} {list(ranks)}"))
         return self._derived(mpi.subcomm(self._comm, ranks), "sub")
 
+    def host_ranks(self) -> list[int]:
+        """:func:`hpcdl.comm.host_ranks`, watched (a watched barrier first: MPI's ``Split_type`` blocks)."""
+        from hpcdl.comm import mpi
+
+        self.Barrier()
+        return mpi.host_ranks(self._comm)
+
     def Free(self) -> None:  # noqa: N802
         self._comm.Free()
 
