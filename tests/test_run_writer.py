@@ -125,14 +125,14 @@ def test_a_second_job_on_a_live_run_is_refused_with_locking_off(tmp_path: Path) 
         assert job.poll() is None and Path(f"/proc/{rank0}").exists()  # the writer runs
 
         newest = int(list_checkpoints(out)[0].name.split("ckpt-")[1][:8])
-        second = subprocess.run(  # (were it to resume, it would end soon: no wait for a timeout)
-            [*train, "--set", f"train.steps={newest + 3}", "--resume", "auto"],
-            env=locking_off,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+
+        def resume_auto() -> subprocess.CompletedProcess[str]:  # a second job's --resume auto
+            argv = [*train, "--set", f"train.steps={newest + 3}", "--resume", "auto"]
+            return subprocess.run(
+                argv, env=locking_off, capture_output=True, text=True, timeout=300, check=False
+            )
+
+        second = resume_auto()  # (were it to resume, it would end soon: no wait for a timeout)
         assert second.returncode == 2, second.stderr
         errors = [
             line for line in second.stderr.splitlines() if "error" in line and not line.startswith("Abort(")
@@ -151,14 +151,7 @@ def test_a_second_job_on_a_live_run_is_refused_with_locking_off(tmp_path: Path) 
         job.communicate(timeout=60)
     with h5py.File(out, "r") as f:
         assert f.attrs["status"] == "running" and int(f.attrs["pid"]) == rank0
-    resumed = subprocess.run(
-        [*train, "--set", f"train.steps={newest + 3}", "--resume", "auto"],
-        env=locking_off,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    resumed = resume_auto()
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr, resumed.stderr
     assert not orphan.exists()  # removed once the run was taken, as before
