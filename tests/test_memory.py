@@ -212,6 +212,9 @@ def test_what_is_in_use_counts_and_off_skips_the_check() -> None:
 def test_sizes_read_as_written() -> None:
     sizes = [format_bytes(n) for n in (512, 3277, 1020 * 1024, 41.5 * 2**30, 1100 * 2**40)]
     assert sizes == ["512 B", "3.2 KiB", "1020 KiB", "41.5 GiB", "1100 TiB"]
+    # rounding never prints an exponent, nor 1024 of a unit
+    edges = [format_bytes(n) for n in (99.97 * 1024, 999.7 * 1024, 1023.7 * 1024)]
+    assert edges == ["100 KiB", "1000 KiB", "1 MiB"]
 
 
 def test_ranks_sharing_a_host_or_a_process_are_summed() -> None:

@@ -23,8 +23,10 @@ def format_bytes(nbytes: float) -> str:
     """``512 B``, ``3.2 KiB``, ``1020 KiB``, ``41.5 GiB`` (binary units, three significant digits)."""
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" or abs(value) >= 1000 else f"{value:.3g} {unit}"
+        whole = unit == "B" or abs(value) >= 99.95  # 100 and up: no decimals (and no exponent)
+        shown = round(value) if whole else float(f"{value:.3g}")
+        if abs(shown) < 1024 or unit == "TiB":  # as printed: 1023.7 KiB is 1024 KiB, so 1 MiB
+            return f"{shown:.0f} {unit}" if whole else f"{shown:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 
