@@ -168,3 +168,10 @@ def test_a_stalled_run_says_why_under_the_table(tmp_path: Path) -> None:
     lines = format_table([row, fine]).splitlines()
     assert lines[-1] == f"stuck: stalled: {head}"
     assert not any(line.startswith("fine:") for line in lines)
+
+
+def test_a_resumed_run_drops_the_error_of_the_segment_before(tmp_path: Path) -> None:
+    path = _write(tmp_path / "again.h5", status="stalled", error="stall: rank 2 did not respond")
+    RunFile.resume(path, step=4, ranks=2).close()
+    row = summarize(path, now=NOW)
+    assert row["error"] is None and all("stall" not in line for line in format_table([row]).splitlines())

@@ -325,6 +325,8 @@ class RunFile:
         h5.attrs["rows_cut"] = int(h5.attrs["rows_cut"]) + cut
         h5.attrs["resumed_at"] = np.append(h5.attrs["resumed_at"], step).astype(np.int64)
         h5.attrs["status"] = "running"
+        if "error" in h5.attrs:  # why an earlier segment failed or stalled: not this one's
+            del h5.attrs["error"]
         for key, value in _alive().items():
             h5.attrs[key] = value
         h5.flush()
