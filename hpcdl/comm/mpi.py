@@ -38,6 +38,7 @@ __all__ = [
     "library_version",
     "new_status",
     "subcomm",
+    "wait",
     "waitall",
     "waitany",
     "wtime",
@@ -116,6 +117,11 @@ def _with_nulls(reqs: Sequence[MPI.Request | None]) -> Sequence[MPI.Request]:
         if r is None:
             return [MPI.REQUEST_NULL if r is None else r for r in reqs]
     return reqs
+
+
+def wait(req: MPI.Request, status: MPI.Status | None = None) -> None:
+    """MPI's own ``Request.Wait`` (a :class:`WatchedRequest`'s too: unwatched)."""
+    MPI.Request.Wait(req, status)
 
 
 def waitall(reqs: Sequence[MPI.Request | None]) -> None:

@@ -168,7 +168,16 @@ class Watchdog:
             now = clock()
 
     def wait_one(self, req: Any, status: Any = None) -> None:
-        """``req.Wait(status)`` of a :class:`~hpcdl.comm.mpi.WatchedRequest`: :meth:`wait` for it alone."""
+        """``req.Wait(status)`` of a :class:`~hpcdl.comm.mpi.WatchedRequest`: :meth:`wait` for it alone.
+
+        After :meth:`free` (the request outlived its ``watch`` block) it is MPI's own wait,
+        unwatched, as every wait outside the block is.
+        """
+        if self._notes is None:
+            from hpcdl.comm import mpi
+
+            mpi.wait(req, status)
+            return
         self.wait([req], "wait", status)
 
     def wait_any(self, reqs: Sequence[Any], what: Any, status: Any = None) -> int | None:
@@ -198,7 +207,13 @@ class Watchdog:
                 self._serve(what, waiting.pending(), now - t0)
             if now - t0 >= limit:  # checked on every call: a server's short waits outlive a late push
                 late = _AnyOf(reqs, [i for i, t in zip(active, since) if now - t >= limit], status)
-                self._stalled(late, what, t0)
+                if late.poll():  # it came (it is tested first: the others may always be ready)
+                    return late.found
+                try:
+                    self._stalled(late, what, t0)
+                except StallError as err:  # the caller must complete them all, not only the late
+                    err.requests = waiting.pending()
+                    raise
                 return late.found
             if waiting.poll():
                 return waiting.found

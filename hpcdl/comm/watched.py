@@ -58,10 +58,22 @@ class WatchedComm:
         self.Abort = comm.Abort
 
     def __getattr__(self, name: str) -> Any:
-        """Anything else (``Get_name``, ``Ibcast``, ...) is the MPI communicator's."""
+        """Anything else (``Get_name``, ``Ibcast``, ...) is the MPI communicator's; the requests
+        of its nonblocking calls (``Ibarrier``, ``Ibcast``, ...) are watched."""
         if name.startswith("_"):
             raise AttributeError(name)
-        return getattr(self._comm, name)
+        attr = getattr(self._comm, name)
+        if name[:1] == "I" and callable(attr):  # a call whose result is a request: watched
+            return functools.partial(self._watched_call, attr, name)
+        return attr
+
+    def _watched_call(self, call: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        from hpcdl.comm import mpi
+
+        result = call(*args, **kwargs)
+        if result is not None and mpi.all_requests([result]):
+            return self._request(result, self._wait_one, (name, None, None, self.name))
+        return result
 
     def __repr__(self) -> str:
         return f"<WatchedComm {self.name} rank {self.rank} of {self.size}, stall_s={self._dog.stall_s:g}>"
