@@ -73,7 +73,10 @@ def build_parser() -> ArgumentParser:
         "(per-layer costs from a run file, TOML or CSV)",
     )
     parser.add_argument(
-        "--speed", type=float, default=1.0, help="compute speed factor; 2 stands for a device twice as fast"
+        "--speed",
+        type=positive_float,
+        default=1.0,
+        help="compute speed factor; 2 stands for a device twice as fast",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the compute jitter")
     parser.add_argument(
@@ -156,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("-m") + 2 if "-m" in argv else len(argv)  # after -m MODULE: the command's own
     args = parse_args(build_parser(), argv[:split])
     cmd_args = argv[split:]
-    if args.speed <= 0:
-        raise ConfigError(f"--speed must be positive (got {args.speed})")
     command = _command(args.module)
     stragglers = _stragglers(args.straggler)
     bad = [r for r in stragglers if not 0 <= r < args.ranks]

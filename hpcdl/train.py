@@ -26,6 +26,7 @@ from hpcdl.driver.factory import build, load_data
 from hpcdl.driver.memory import estimate, plan_lines, read_limits
 from hpcdl.driver.run import RunResult, plan
 from hpcdl.driver.run import train as run
+from hpcdl.driver.runlog import refuse_directory
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
 from hpcdl.parallel import strategy_class
@@ -180,11 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("-n RANKS goes with --plan; to train on N ranks, run under mpiexec -n N")
     if args.take_over and args.resume is None:
         raise ConfigError("--take-over goes with --resume: it continues a run whose writer looks alive")
-    if args.out is not None and args.out.endswith(("/", os.sep)):
-        raise ConfigError(
-            f"--out {args.out} names a directory: --out names the run file, its checkpoints go beside it; "
-            f"give a file in it, e.g. --out {Path(args.out) / (cfg['name'] + '.h5')}"
-        )
+    if args.out is not None:
+        refuse_directory(args.out, cfg["name"])  # as typed: a trailing "/" is gone from a Path
     with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
         launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
         if comm.Get_rank() == 0:

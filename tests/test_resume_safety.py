@@ -229,7 +229,7 @@ def test_out_naming_a_directory_says_so_and_what_to_give_instead(tmp_path: Path,
         f"give a file in it, e.g. --out {tmp_path / 'digits-mlp.h5'}"
     )
     assert _files(tmp_path) == before
-    with pytest.raises(HpcdlError, match=r"--out .*new/ names a directory: --out names the run file"):
+    with pytest.raises(HpcdlError, match=r"--out .*new/ is a directory: --out names the run file"):
         main(["--config", "digits-mlp", "--progress", "none", "--out", f"{tmp_path}/new/", *resume])
     assert not (tmp_path / "new").exists()
 

@@ -214,6 +214,19 @@ class RunLog:
             self.runfile = None
 
 
+def refuse_directory(out: str, name: str) -> None:
+    """Refuse ``--out`` naming a directory (an existing one, or a path ending in a separator).
+
+    Raises:
+        RunFileError: one line saying what to give instead.
+    """
+    if out.endswith(("/", os.sep)) or Path(out).is_dir():
+        raise RunFileError(
+            f"--out {out} is a directory: --out names the run file, its checkpoints go beside it; "
+            f"give a file in it, e.g. --out {Path(out) / (name + '.h5')}"
+        )
+
+
 @dataclass
 class Opened:
     """What :func:`open_run` found: the run file (rank 0) and the checkpoint to continue from.
@@ -292,11 +305,7 @@ def _open_on_root(
         raise ConfigError("--resume auto needs --out RUN.h5: the run whose checkpoints to continue")
     if run_path is None:
         return (find_resume(resume, Path(resume), cfg, placement, strategy) if resume else None), None
-    if run_path.is_dir():
-        raise RunFileError(
-            f"--out {run_path} is a directory: --out names the run file, its checkpoints go beside it; "
-            f"give a file in it, e.g. --out {run_path / (cfg['name'] + '.h5')}"
-        )
+    refuse_directory(str(run_path), cfg["name"])
     changes: dict[str, tuple[Any, Any]] = {}
     attrs: dict[str, Any] = {}
     exists = run_path.exists()
