@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import operator
 import re
 import tomllib
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcdl.components import SHARED, Key, _type_name, all_declared, load, strategy_names
 from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS
-from hpcdl.parallel import EXCHANGES, STRATEGIES
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.driver.cli import ArgumentParser
@@ -23,8 +23,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "add_set_argument",
     "stored_values",
+    "DRIVER_FIT_KEYS",
+    "DRIVER_KEYS",
     "Key",
     "SCHEMA",
+    "schema",
     "Config",
     "load_config",
     "preset_names",
@@ -35,61 +38,10 @@ __all__ = [
 ]  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Key:
-    """One config key: its type, default, allowed values and meaning.
-
-    Numbers lie in ``[minimum, below)`` and above ``above`` (each bound only when
-    given), or are one of ``also`` (a value with a meaning of its own, such as 0 for
-    "infer"); floats must be finite.
-    """
-
-    type: type
-    default: Any
-    doc: str
-    choices: tuple[Any, ...] = ()
-    minimum: float | None = None
-    below: float | None = None  # exclusive upper bound
-    item: type | None = None  # lists: the type of every element (positive when numeric)
-    above: float | None = None  # exclusive lower bound
-    also: tuple[Any, ...] = ()  # values allowed outside the bounds
-    pattern: str = ""  # lists of strings: the regular expression every element matches
-    pattern_doc: str = ""  # ... and how it reads, for the table and errors
-    or_list: bool = False  # a string of ``choices`` or a non-empty list of positive ``item``s
-
-    @property
-    def type_name(self) -> str:
-        """The type column of the README's table: ``str``, or ``str or list`` for ``or_list`` keys."""
-        return f"{self.type.__name__} or list" if self.or_list else self.type.__name__
-
-    def bounds(self) -> str:
-        """The allowed values in words, e.g. ``>= 2, or 0``, ``> 0``, ``>= 0, < 1``; '' if any."""
-        if self.choices:
-            text = " / ".join(map(str, self.choices))
-            if self.or_list and self.item is not None:
-                text += f", or a list of {_type_name(self.item).split()[-1]}s > 0"
-            return text
-        parts = []
-        if self.minimum is not None:
-            parts.append(f">= {self.minimum:g}")
-        if self.above is not None:
-            parts.append(f"> {self.above:g}")
-        if self.below is not None:
-            parts.append(f"< {self.below:g}")
-        if self.item is str:
-            parts.append(f"strings {self.pattern_doc}")
-        elif self.item is not None:
-            parts.append(f"{_type_name(self.item).split()[-1]}s > 0")
-        text = ", ".join(parts)
-        if self.also:
-            text += ", or " + " or ".join(map(str, self.also))
-        return text
-
-
-_OPTIMIZERS = ("sgd", "adam", "adamw")
-
-#: Every config key, by dotted name. README's key table is generated from this.
-SCHEMA: dict[str, Key] = {
+#: The driver's own config keys (the run, model, data, train, profile, checkpoint, log and
+#: debug sections, and ``parallel.strategy``); every other key is a component's
+#: (:mod:`hpcdl.components`): the optimizer's, the exchange's, each strategy's section.
+DRIVER_KEYS: dict[str, Key] = {
     "name": Key(str, "", "run name (defaults to the preset or file name)"),
     "seed": Key(int, 0, "seed of every random stream (init, epoch permutation, dropout)", minimum=0),
     "device": Key(str, "cpu", "array device", choices=("cpu", "gpu")),
@@ -135,137 +87,11 @@ SCHEMA: dict[str, Key] = {
         "seconds without one, however few steps passed (virtual seconds in the simulator); 0: by steps only",
         minimum=0.0,
     ),
-    "optimizer.name": Key(str, "sgd", "optimizer", choices=_OPTIMIZERS),
-    "optimizer.lr": Key(float, 0.1, "base learning rate (before rank scaling)", minimum=0.0),
-    "optimizer.momentum": Key(float, 0.9, "sgd: momentum", minimum=0.0),
-    "optimizer.nesterov": Key(bool, False, "sgd: Nesterov momentum"),
-    "optimizer.weight_decay": Key(
-        float, 0.0, "L2 (sgd, adam) or decoupled (adamw) weight decay", minimum=0.0
-    ),
-    "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0, below=1.0),
-    "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0, below=1.0),
-    "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", above=0.0),
-    "schedule.name": Key(
-        str, "constant", "LR schedule after warm-up", choices=("constant", "step", "cosine")
-    ),
-    "schedule.warmup_epochs": Key(
-        float, 0.0, "linear warm-up from lr/ranks-scale to the scaled lr", minimum=0.0
-    ),
-    "schedule.step_epochs": Key(float, 30.0, "step: epochs between decays", above=0.0),
-    "schedule.gamma": Key(float, 0.1, "step: decay factor", above=0.0),
-    "schedule.min_lr": Key(float, 0.0, "cosine: final learning rate", minimum=0.0),
-    "schedule.scale": Key(
-        str,
-        "none",
-        "scale lr with the rank count N: none, linear (x N) or sqrt (x sqrt N)",
-        choices=("none", "linear", "sqrt"),
-    ),
     "parallel.strategy": Key(
         str,
         "sync",
-        f"how training is spread over the ranks: a strategy of hpcdl.parallel ({', '.join(STRATEGIES)})",
-    ),
-    "parallel.servers": Key(
-        int, 1, "ps: parameter servers (ranks 0 .. S-1), each holding a shard of the parameters", minimum=1
-    ),
-    "parallel.mode": Key(
-        str,
-        "async",
-        "ps: async (apply pushes on arrival), ssp (bounded staleness) or sync (sum the W pushes of a round)",
-        choices=("async", "ssp", "sync"),
-    ),
-    "parallel.staleness": Key(
-        int, 1, "ps ssp: the bound s (a worker at clock c waits until every clock is >= c - s)", minimum=0
-    ),
-    "parallel.compensation": Key(
-        str,
-        "none",
-        "ps: none, lr (the push's lr divided by max(tau, 1)) or dc (DC-ASGD's delay compensation)",
-        choices=("none", "lr", "dc"),
-    ),
-    "parallel.dc_lambda": Key(float, 0.04, "ps dc: lambda of g + lambda g*g*(w_now - w_used)", minimum=0.0),
-    "pipeline.microbatches": Key(
-        int,
-        4,
-        "pipeline: microbatches of data.batch_size per step (m: the stages overlap on them)",
-        minimum=1,
-    ),
-    "pipeline.schedule": Key(
-        str,
-        "1f1b",
-        "pipeline: gpipe (all forwards, then all backwards), 1f1b (at most p - s microbatches held "
-        "on stage s) or interleaved (1F1B over pipeline.virtual_stages chunks per stage)",
-        choices=("gpipe", "1f1b", "interleaved"),
-    ),
-    "pipeline.virtual_stages": Key(
-        int,
-        1,
-        "pipeline interleaved: model chunks per stage (v >= 2; stage s holds virtual stages s, s + p, ...; "
-        "pipeline.microbatches a multiple of p)",
-        minimum=1,
-    ),
-    "pipeline.balance": Key(
-        str,
-        "uniform",
-        "pipeline: top-level layers per stage [n1, ..., np], or the automatic contiguous partition "
-        "minimising the slowest stage by layer count, parameters, profiled time or output bytes",
-        choices=("uniform", "params", "time", "memory"),
-        item=int,
-        or_list=True,
-    ),
-    "pipeline.split": Key(
-        list,
-        [],
-        "pipeline: names of the top-level layers at which stages 1, 2, ... start (instead of "
-        "pipeline.balance)",
-        item=str,
-        pattern=r"[A-Za-z0-9_.]+",
-        pattern_doc="naming top-level layers",
-    ),
-    "pipeline.profile": Key(
-        str,
-        "",
-        'pipeline balance = "time": a run file made with profile.layers = true, or a TOML/CSV cost '
-        "table; empty: rank 0 profiles a few steps first",
-    ),
-    "exchange.name": Key(
-        str,
-        "bucketed",
-        "gradient exchange under mpiexec: bucketed (overlaps backward) or allreduce (one flat)",
-        choices=tuple(EXCHANGES),
-    ),
-    "exchange.bucket_mb": Key(float, 25.0, "bucketed: bucket size in MiB (0: one bucket)", minimum=0.0),
-    "exchange.algorithm": Key(
-        str,
-        "auto",
-        "bucketed: allreduce algorithm (hpcdl's own, mpi: the library's, auto: by size)",
-        choices=("auto", "ring", "doubling", "rabenseifner", "mpi"),
-    ),
-    "exchange.auto_table": Key(
-        str,
-        "",
-        "auto: the table of algorithms by size and rank count (bench allreduce --calibrate); '': packaged",
-    ),
-    "exchange.auto_threshold_kb": Key(
-        float,
-        0.0,
-        "auto: if > 0, MPI's own allreduce below this bucket size and the ring above, not the table",
-        minimum=0.0,
-    ),
-    "exchange.compression": Key(
-        str,
-        "none",
-        "bucketed: gradients on the wire as float16/bfloat16 (summed in float32) or int32 (global-max scale)",
-        choices=("none", "float16", "bfloat16", "int32"),
-    ),
-    "exchange.accumulate": Key(
-        int,
-        1,
-        "micro-steps of data.batch_size per optimizer step, one exchange each (gradient accumulation)",
-        minimum=1,
-    ),
-    "exchange.debug": Key(
-        bool, False, "check buffer sizes and finite gradients across ranks before exchange"
+        f"how training is spread over the ranks: a registered strategy ({', '.join(strategy_names())}) or "
+        "module:Class of your own",
     ),
     "profile.layers": Key(bool, False, "record per-layer forward/backward times and output sizes"),
     "checkpoint.every": Key(int, 200, "steps between checkpoints (0: only at the end or a stop)", minimum=0),
@@ -298,21 +124,53 @@ SCHEMA: dict[str, Key] = {
 }
 
 
-def _type_name(t: type) -> str:
-    return {str: "a string", int: "an integer", float: "a float", bool: "a boolean", list: "a list"}[t]
+#: the driver's keys that fix a run's trajectory: a resume with another value is refused
+DRIVER_FIT_KEYS = (
+    "seed", "dtype", "model.name", "model.depth", "model.width", "model.width_mult", "model.channels",
+    "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
+    "data.train_size", "data.test_size", "parallel.strategy",
+)  # fmt: skip
+
+_HEAD = ("", "model", "data", "train")  # the driver's sections shown before the components'
 
 
-def _nearest(key: str) -> str:
-    close = difflib.get_close_matches(key, SCHEMA, n=1, cutoff=0.0)
+@functools.cache
+def schema(strategy: str = "") -> dict[str, Key]:
+    """Every key a config may set, by dotted name: the driver's and every registered component's,
+    and, when ``strategy`` is an outside ``module:Class``, its own (README's table: the registered).
+
+    Raises:
+        ConfigError: ``strategy`` names a module that cannot be imported.
+    """
+    head = {k: v for k, v in DRIVER_KEYS.items() if k.rpartition(".")[0] in _HEAD}
+    tail = {k: v for k, v in DRIVER_KEYS.items() if k not in head}
+    keys = all_declared(strategy).keys
+    first = load(SHARED[0]).keys  # the optimizer's: then the strategy's choice, their sections, the rest
+    chosen = {k: tail.pop(k) for k in ("parallel.strategy",)}
+    shared = {k: v for t in SHARED[1:] for k, v in load(t).keys.items()}
+    strategies = {k: v for k, v in keys.items() if k not in first and k not in shared}
+    return {**head, **first, **chosen, **strategies, **shared, **tail}
+
+
+def _renamed(strategy: str = "") -> dict[str, str]:
+    return dict(all_declared(strategy).renamed)
+
+
+#: every registered component's keys and the driver's, by dotted name (README's key table)
+SCHEMA: dict[str, Key] = schema()
+
+
+def _nearest(key: str, keys: dict[str, Key]) -> str:
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.0)
     best = close[0] if close else "name"
-    return f"{best!r} ({_type_name(SCHEMA[best].type)})"
+    return f"{best!r} ({_type_name(keys[best].type)})"
 
 
-def _check(key: str, value: Any) -> Any:
-    """Validate one value against the schema and return it normalised."""
-    spec = SCHEMA.get(key)
+def _check(key: str, value: Any, keys: dict[str, Key]) -> Any:
+    """Validate one value against the schema ``keys`` and return it normalised."""
+    spec = keys.get(key)
     if spec is None:
-        raise ConfigError(f"unknown config key {key!r}; nearest valid key: {_nearest(key)}")
+        raise ConfigError(f"unknown config key {key!r}; nearest valid key: {_nearest(key, keys)}")
     t = spec.type
     if spec.or_list and isinstance(value, list):
         ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)  # type: ignore[arg-type]
@@ -327,7 +185,7 @@ def _check(key: str, value: Any) -> Any:
     if not isinstance(value, t) or (t is int and isinstance(value, bool)):
         raise ConfigError(
             f"config key {key!r} expects {_type_name(t)}, got {type(value).__name__} {value!r} "
-            f"(nearest valid key: {_nearest(key)})"
+            f"(nearest valid key: {_nearest(key, keys)})"
         )
     if t is float and not math.isfinite(value):
         raise ConfigError(f"config key {key!r} expects a finite float (got {value!r})")
@@ -370,15 +228,18 @@ def stored_values(text: str) -> dict[str, Any]:
     """The values of a config as TOML text (a run file's ``config``), by dotted key, unchecked.
 
     A config stored by an older hpcdl may hold keys or values this one refuses; they are
-    returned as they are, for comparison.
+    returned as they are, for comparison, under their names now (``ps.mode`` is
+    ``ps.mode``).
 
     Raises:
         ConfigError: the text is not valid TOML.
     """
     try:
-        return _flatten(tomllib.loads(text))
+        values = _flatten(tomllib.loads(text))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"a stored config is not valid TOML: {err}") from None
+    renamed = _renamed(str(values.get("parallel.strategy", "")))
+    return {renamed.get(k, k): v for k, v in values.items()}  # old names: a file of an older hpcdl
 
 
 def add_set_argument(parser: Any, help_prefix: str = "") -> None:
@@ -415,31 +276,52 @@ def preset_names() -> list[str]:
 
 
 class Config:
-    """A validated config: every key of :data:`SCHEMA`, defaults filled in.
+    """A validated config: every key of its :func:`schema`, defaults filled in.
 
     Read values with ``cfg["optimizer.lr"]``; ``cfg.toml()`` gives the full
-    config back as TOML text (stored in run files).
+    config back as TOML text (stored in run files). A key given under an old name
+    (:attr:`Declares.renamed <hpcdl.components.Declares>`) is read under its name now, and
+    :attr:`notes` says so in one line each (the commands print them once).
+
+    Raises:
+        ConfigError: a key is unknown, of the wrong type or out of range; ``parallel.strategy``
+            names a ``module:Class`` that cannot be imported.
     """
 
     def __init__(self, values: dict[str, Any] | None = None) -> None:
-        self.values: dict[str, Any] = {k: spec.default for k, spec in SCHEMA.items()}
-        for k, v in (values or {}).items():
-            self.values[k] = _check(k, v)
+        given = dict(values or {})
+        strategy = str(given.get("parallel.strategy", ""))
+        renamed = _renamed(strategy)
+        #: one line per key given under an old name
+        self.notes: list[str] = []
+        for old in [k for k in given if k in renamed]:
+            new = renamed[old]
+            if new in given:
+                raise ConfigError(f"{old} and {new} are both set: {old} is {new}'s old name; keep {new}")
+            given[new] = given.pop(old)
+            self.notes.append(f"{old} is now {new}: read as {new} = {given[new]!r} (rename it in the config)")
+        #: the keys this config may hold, by dotted name
+        self.schema = schema(strategy if ":" in strategy else "")
+        self.values: dict[str, Any] = {k: spec.default for k, spec in self.schema.items()}
+        for k, v in given.items():
+            self.values[k] = _check(k, v, self.schema)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
 
     def is_set(self, key: str) -> bool:
         """True when ``key`` differs from its default."""
-        return bool(self.values[key] != SCHEMA[key].default)
+        return bool(self.values[key] != self.schema[key].default)
 
     def changed(self) -> list[str]:
         """The keys that differ from their defaults, in the schema's order."""
-        return [k for k in SCHEMA if self.is_set(k)]
+        return [k for k in self.schema if self.is_set(k)]
 
     def with_updates(self, updates: dict[str, Any]) -> Config:
         """A new config with ``updates`` (dotted keys) applied and checked."""
-        return Config({**self.values, **updates})
+        cfg = Config({**self.values, **updates})
+        cfg.notes = [*self.notes, *cfg.notes]
+        return cfg
 
     def toml(self) -> str:
         """The whole config as TOML text, one table per section."""
@@ -496,7 +378,7 @@ def load_config(source: str, sets: list[str] | tuple[str, ...] = ()) -> Config:
 def markdown_table() -> str:
     """The README's table of config keys (``python -m hpcdl.config`` prints it)."""
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
-    for key, spec in SCHEMA.items():
+    for key, spec in schema().items():
         rows.append(
             f"| `{key}` | {spec.type_name} | `{_toml_value(spec.default)}` | {spec.bounds() or 'any'} "
             f"| {spec.doc} |"

@@ -158,7 +158,7 @@ def print_plan(cfg: Config, world_size: int) -> None:
         f"{steps_per_epoch} step{'s' * (steps_per_epoch > 1)} per epoch of {samples} training samples; "
         f"{total} steps in all"
     )
-    for line in ignored_keys(cfg):
+    for line in [*cfg.notes, *ignored_keys(cfg)]:
         print(f"! {line}")
     if placement.global_batch > samples and cfg["data.sampler"] == "shuffle":
         print(
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
         launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
         if comm.Get_rank() == 0:
-            for line in ignored_keys(cfg):
+            for line in [*cfg.notes, *ignored_keys(cfg)]:
                 print(f"hpcdl.train: ! {line}", file=sys.stderr, flush=True)
         if args.out is not None:
             out = Path(args.out)

@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-import toy_strategy  # noqa: F401  (registers the toy strategy)
+
 
 from hpcdl.config import load_config
 from hpcdl.driver import train
@@ -50,7 +50,7 @@ def test_plan_of_sync(n: int, table_line: str, arithmetic: str, capsys: pytest.C
 
 
 def test_plan_of_a_strategy_with_two_roles(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--config", "digits-mlp", "--set", 'parallel.strategy="toy"', "--plan", "-n", "4"]
+    argv = ["--config", "digits-mlp", "--set", 'parallel.strategy="toy_strategy:KeeperAveraging"', "--plan", "-n", "4"]
     assert train_command(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("strategy toy on 4 ranks: data-parallel width 3, global batch 96")
@@ -119,7 +119,7 @@ def _pieces_digest(path: Path) -> str:
 
 
 def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: Path) -> None:
-    sets = ["--set", 'parallel.strategy="toy"', "--set", "train.steps=12", "--set", "model.width=32",
+    sets = ["--set", 'parallel.strategy="toy_strategy:KeeperAveraging"', "--set", "train.steps=12", "--set", "model.width=32",
             "--set", "checkpoint.every=8", "--progress", "none"]  # fmt: skip
     sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
            "--config", "digits-mlp"]  # fmt: skip

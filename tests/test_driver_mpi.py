@@ -24,7 +24,7 @@ from hpcdl.store.checkpoint import checkpoint_path, load_checkpoint
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-TOY = ['parallel.strategy="toy"', "train.steps=12", "checkpoint.every=8", "log.flush_every=1",
+TOY = ['parallel.strategy="toy_strategy:KeeperAveraging"', "train.steps=12", "checkpoint.every=8", "log.flush_every=1",
        "model.width=32"]  # fmt: skip
 #: the collectives of the contract
 COLLECTIVES = {"Barrier", "Bcast", "Reduce", "Allreduce", "Iallreduce", "Allgather", "Gather",
@@ -74,8 +74,7 @@ def test_the_driver_meets_only_at_the_strategys_meetings(comm: Communicator, tmp
     out = _shared(comm, tmp_path) / "toy.h5"
     events: list[tuple[str, int]] = []
     Counting.steps[0] = 0
-    toy_strategy.STRATEGIES["toy-counting"] = "test_driver_mpi:Counting"
-    cfg = load_config("digits-mlp", [*TOY, 'parallel.strategy="toy-counting"'])
+    cfg = load_config("digits-mlp", [*TOY, 'parallel.strategy="test_driver_mpi:Counting"'])
     result = train(cfg, Recorder(comm, events, Counting.steps), out=out)
     assert result.steps == 12 and result.strategy.meetings == 3
     during = {step for _, step in events if 0 < step < 12}

@@ -113,7 +113,7 @@ def held_arrays(strategy: Any) -> int:
         (1, []),
         (2, ["exchange.name=allreduce"]),
         (2, ["exchange.name=bucketed", "exchange.compression=float16"]),
-        (3, ["parallel.strategy=ps", "parallel.servers=2", "parallel.compensation=dc"]),
+        (3, ["parallel.strategy=ps", "ps.servers=2", "ps.compensation=dc"]),
         (3, ["parallel.strategy=pipeline", "optimizer.name=adam"]),
     ],
     ids=str,

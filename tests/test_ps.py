@@ -51,7 +51,7 @@ def staleness(path: Path) -> dict[str, np.ndarray]:
 
 def test_one_worker_async_is_single_process_training_bit_for_bit(tmp_path: Path) -> None:
     alone = train(cfg("train.steps=30", "parallel.strategy=sync"))
-    ps = sim(2, cfg("train.steps=30", "parallel.mode=async"), out=tmp_path / "ps.h5")
+    ps = sim(2, cfg("train.steps=30", "ps.mode=async"), out=tmp_path / "ps.h5")
     np.testing.assert_array_equal(flat(ps[0]), flat(alone))
     assert [r["loss"] for r in ps[0].history] == [r["loss"] for r in alone.history]
     rows = staleness(tmp_path / "ps.h5")
@@ -63,8 +63,8 @@ def test_one_worker_async_is_single_process_training_bit_for_bit(tmp_path: Path)
 def test_sync_mode_is_sync_data_parallel_on_the_same_batches(workers: int, servers: int) -> None:
     steps = 8
     dp = sim(workers, cfg(f"train.steps={steps}", "parallel.strategy=sync"))
-    ps = sim(workers + servers, cfg(f"train.steps={steps * workers}", "parallel.mode=sync",
-                                    f"parallel.servers={servers}"))  # fmt: skip
+    ps = sim(workers + servers, cfg(f"train.steps={steps * workers}", "ps.mode=sync",
+                                    f"ps.servers={servers}"))  # fmt: skip
     expected = flat(dp[0])
     shards = [flat(r) for r in ps[:servers]]  # server k's shard: its range of the packed buffer
     np.testing.assert_array_equal(np.concatenate(shards), expected)
@@ -74,7 +74,7 @@ def test_sync_mode_is_sync_data_parallel_on_the_same_batches(workers: int, serve
 def test_homogeneous_async_staleness_is_w_minus_1_after_the_first_round(tmp_path: Path) -> None:
     workers = 6
     out = tmp_path / "ps.h5"
-    sim(workers + 1, cfg("train.steps=60", "parallel.mode=async"), out=out, compute=equal_costs(tmp_path))
+    sim(workers + 1, cfg("train.steps=60", "ps.mode=async"), out=out, compute=equal_costs(tmp_path))
     rows = staleness(out)
     first = rows["worker"][:workers]
     assert sorted(first.tolist()) == list(range(workers))
@@ -90,18 +90,18 @@ def test_ssp_bounds_staleness_with_a_3x_straggler(tmp_path: Path, bound: int) ->
     limit = max_staleness(workers, bound)
     out = tmp_path / f"ssp{bound}.h5"
     straggler = [f"debug.slowdown=['{n - 1}:3']"]
-    sim(n, cfg("train.steps=90", "parallel.mode=ssp", f"parallel.staleness={bound}", *straggler), out=out,
+    sim(n, cfg("train.steps=90", "ps.mode=ssp", f"ps.staleness={bound}", *straggler), out=out,
         compute=equal_costs(tmp_path))  # fmt: skip
     tau = staleness(out)["tau"]
     assert tau.max() <= limit, (tau.max(), limit)
     # without the bound the straggler's pushes are staler than any bound s = 0 allows
     out = tmp_path / "async.h5"
-    sim(n, cfg("train.steps=90", "parallel.mode=async", *straggler), out=out, compute=equal_costs(tmp_path))
+    sim(n, cfg("train.steps=90", "ps.mode=async", *straggler), out=out, compute=equal_costs(tmp_path))
     assert staleness(out)["tau"].max() > max_staleness(workers, 0)
 
 
 def test_resume_at_a_quiesce_point_repeats_the_run_bit_for_bit(tmp_path: Path) -> None:
-    sets = ["train.steps=40", "checkpoint.every=20", "parallel.mode=async", "parallel.servers=2"]
+    sets = ["train.steps=40", "checkpoint.every=20", "ps.mode=async", "ps.servers=2"]
     compute = equal_costs(tmp_path)
     whole = sim(5, cfg(*sets), out=tmp_path / "whole.h5", compute=compute)
     stopped = sim(5, cfg(*sets, "train.stop_at=20"), out=tmp_path / "part.h5", compute=compute)
@@ -123,7 +123,7 @@ def test_staleness_rows_past_the_checkpoint_are_cut_on_resume(tmp_path: Path) ->
         "train.steps=30",
         "checkpoint.every=10",
         "checkpoint.keep=5",
-        "parallel.mode=async",
+        "ps.mode=async",
         "log.flush_every=1",
     ]
     sim(3, cfg(*sets), out=out)
@@ -148,7 +148,7 @@ def test_a_loss_gone_bad_ends_the_run_and_keeps_the_rows_before_it(tmp_path: Pat
 
     out = tmp_path / "bad.h5"
     with pytest.raises((HpcdlError, RankFailure)) as info:
-        sim(3, cfg("train.steps=400", "optimizer.lr=1e6", "parallel.mode=async"), out=out)
+        sim(3, cfg("train.steps=400", "optimizer.lr=1e6", "ps.mode=async"), out=out)
     assert "loss is not finite at step" in str(info.value)
     bad = int(str(info.value).split("at step ")[1].split(":")[0])
     assert 1 < bad < 400
@@ -162,7 +162,7 @@ def test_a_loss_gone_bad_ends_the_run_and_keeps_the_rows_before_it(tmp_path: Pat
 def test_phases_shorter_than_w_pushes_grant_the_workers_in_turn(tmp_path: Path) -> None:
     """A checkpoint every 2 pushes with 4 workers: each phase grants the workers that pushed least."""
     out = tmp_path / "turns.h5"
-    sim(5, cfg("train.steps=16", "checkpoint.every=2", "checkpoint.keep=1", "parallel.mode=async"), out=out,
+    sim(5, cfg("train.steps=16", "checkpoint.every=2", "checkpoint.keep=1", "ps.mode=async"), out=out,
         compute=equal_costs(tmp_path))  # fmt: skip
     assert np.bincount(staleness(out)["worker"]).tolist() == [4, 4, 4, 4]
 
@@ -174,12 +174,12 @@ def test_sync_mode_counts_in_whole_rounds() -> None:
     with pytest.raises(
         ConfigError, match="train.steps = 10 is not a whole number of sync rounds of 4 pushes: use 8 or 12"
     ):
-        plan(cfg("train.steps=10", "parallel.mode=sync"), 5)
+        plan(cfg("train.steps=10", "ps.mode=sync"), 5)
     with pytest.raises(ConfigError, match="checkpoint.every = 6 .* use 4 or 8"):
-        plan(cfg("train.steps=8", "checkpoint.every=6", "parallel.mode=sync"), 5)
-    placement = plan(cfg("train.steps=0", "train.epochs=2", "parallel.mode=sync"), 4)  # W = 3
+        plan(cfg("train.steps=8", "checkpoint.every=6", "ps.mode=sync"), 5)
+    placement = plan(cfg("train.steps=0", "train.epochs=2", "ps.mode=sync"), 4)  # W = 3
     _, per_epoch, total = arithmetic(
-        cfg("train.steps=0", "train.epochs=2", "parallel.mode=sync"), placement, 1437
+        cfg("train.steps=0", "train.epochs=2", "ps.mode=sync"), placement, 1437
     )
     assert (
         per_epoch == 3 * (1437 // (3 * 16)) and total == 2 * per_epoch
@@ -207,7 +207,7 @@ def test_rows_reach_the_file_during_a_phase_and_outlive_a_crash(
     monkeypatch.setattr(ps_module, "forward_backward", dies)
     out = tmp_path / "crash.h5"
     with pytest.raises(RankFailure, match="a worker dies"):
-        sim(3, cfg("train.steps=200", "log.flush_every=10", "parallel.mode=async"), out=out)
+        sim(3, cfg("train.steps=200", "log.flush_every=10", "ps.mode=async"), out=out)
     import gc
 
     gc.collect()  # the failed run's file handle
@@ -233,8 +233,8 @@ def test_compensation_formulas() -> None:
 @pytest.mark.parametrize(
     ("sets", "world", "fragment"),
     [
-        (["parallel.servers=2"], 2, "parallel.servers = 2 on 2 ranks leaves no worker"),
-        (["parallel.servers=3"], 3, "run on at least 4 ranks"),
+        (["ps.servers=2"], 2, "ps.servers = 2 on 2 ranks leaves no worker"),
+        (["ps.servers=3"], 3, "run on at least 4 ranks"),
         (["exchange.accumulate=2"], 3, "a push is one batch"),
     ],
 )
@@ -250,7 +250,7 @@ def test_layouts_that_do_not_fit_are_one_line(sets: list[str], world: int, fragm
 def test_plan_shows_roles_and_shards(capsys: pytest.CaptureFixture[str]) -> None:
     from hpcdl.train import print_plan
 
-    print_plan(cfg("parallel.servers=2", "parallel.mode=ssp", "parallel.staleness=2"), 6)
+    print_plan(cfg("ps.servers=2", "ps.mode=ssp", "ps.staleness=2"), 6)
     out = capsys.readouterr().out
     assert "rank 0        server        shard 0" in out and "rank 1        server        shard 1" in out
     assert "ranks 2-5" in out and "worker" in out
@@ -263,12 +263,12 @@ def test_a_checkpoint_of_another_server_count_is_refused_in_one_line(tmp_path: P
     from hpcdl.sim.errors import RankFailure
 
     out = tmp_path / "run.h5"
-    sets = ["train.steps=20", "checkpoint.every=10", "parallel.mode=async"]
+    sets = ["train.steps=20", "checkpoint.every=10", "ps.mode=async"]
     sim(4, cfg(*sets, "train.stop_at=10"), out=out)
     with pytest.raises((HpcdlError, RankFailure)) as info:
-        sim(4, cfg(*sets, "parallel.servers=2"), out=out, resume="auto")
+        sim(4, cfg(*sets, "ps.servers=2"), out=out, resume="auto")
     message = str(info.value)
-    assert "parallel.servers" in message or "another placement" in message, message
+    assert "ps.servers" in message or "another placement" in message, message
     with h5py.File(out) as f:  # nothing of the run was changed
         assert f["metrics/step"][-1] == 10
 
@@ -280,10 +280,10 @@ def test_a_layout_that_does_not_fit_exits_2_with_one_line(
     from hpcdl.simulate import main as simulate_main
 
     argv = ["-n", "3", "-m", "hpcdl.train", "--config", "digits-mlp", "--set", "parallel.strategy=ps",
-            "--set", f"parallel.servers={servers}", "--progress", "none"]  # fmt: skip
+            "--set", f"ps.servers={servers}", "--progress", "none"]  # fmt: skip
     assert simulate_main(argv) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "parallel.servers" in err[0], err
+    assert len(err) == 1 and "ps.servers" in err[0], err
 
 
 def test_bench_train_refuses_a_free_running_strategy() -> None:

@@ -46,7 +46,7 @@ def test_one_worker_async_is_single_process_training_bit_for_bit() -> None:
     pair = comm.Split(0 if comm.Get_rank() < 2 else 1, comm.Get_rank())
     try:
         if comm.Get_rank() < 2:
-            ps = run(cfg("train.steps=24", "parallel.mode=async"), pair)
+            ps = run(cfg("train.steps=24", "ps.mode=async"), pair)
             got = master(ps, pair, 1)
             losses = [r["loss"] for r in ps.history]
     finally:
@@ -65,7 +65,7 @@ def test_one_worker_async_is_single_process_training_bit_for_bit() -> None:
 def test_sync_mode_is_sync_data_parallel_on_the_same_batches() -> None:
     comm = world()
     workers, steps = comm.Get_size() - 1, 6
-    ps = run(cfg(f"train.steps={steps * workers}", "parallel.mode=sync"), comm)
+    ps = run(cfg(f"train.steps={steps * workers}", "ps.mode=sync"), comm)
     got = master(ps, comm, 1)
     dp_comm = comm.Split(0 if comm.Get_rank() < workers else 1, comm.Get_rank())
     try:
@@ -88,7 +88,7 @@ def test_ssp_never_exceeds_its_staleness_bound_with_a_3x_straggler(tmp_path: Pat
     n = comm.Get_size()
     out = shared_path(comm, tmp_path, "ssp.h5")
     straggler = f"debug.slowdown=['{n - 1}:3']"
-    sets = ["train.steps=60", "parallel.mode=ssp", f"parallel.staleness={bound}", straggler]
+    sets = ["train.steps=60", "ps.mode=ssp", f"ps.staleness={bound}", straggler]
     result = run(cfg(*sets), comm, out=out)
     if comm.Get_rank() == 0:
         with h5py.File(out) as f:
@@ -106,7 +106,7 @@ def test_every_mode_finishes_with_a_row_per_push_and_shard(tmp_path: Path, mode:
     servers = 2 if n >= 3 else 1
     out = shared_path(comm, tmp_path, f"{mode}.h5")
     steps = 12 * (n - servers)
-    result = run(cfg(f"train.steps={steps}", f"parallel.mode={mode}", f"parallel.servers={servers}",
+    result = run(cfg(f"train.steps={steps}", f"ps.mode={mode}", f"ps.servers={servers}",
                      "train.eval_every=10"), comm, out=out)  # fmt: skip
     if comm.Get_rank() == 0:
         with h5py.File(out) as f:
@@ -133,7 +133,7 @@ def test_a_stop_and_resume_at_a_checkpoint_repeat_the_sync_mode_run(tmp_path: Pa
     comm = world()
     workers = comm.Get_size() - 1
     steps = 8 * workers
-    sets = [f"train.steps={steps}", f"checkpoint.every={4 * workers}", "parallel.mode=sync"]
+    sets = [f"train.steps={steps}", f"checkpoint.every={4 * workers}", "ps.mode=sync"]
     whole = run(cfg(*sets), comm, out=shared_path(comm, tmp_path, "whole.h5"))
     part = shared_path(comm, tmp_path, "part.h5")
     stopped = run(cfg(*sets, f"train.stop_at={4 * workers}"), comm, out=part)
@@ -174,7 +174,7 @@ def test_waits_for_a_slow_worker_do_not_trip_the_stall_watchdog(
     steps = 3 * (n - 1)
     with watch(1.0, grace_s=0.5) as comm:
         assert isinstance(comm, WatchedComm)
-        result = run(cfg(f"train.steps={steps}", f"parallel.mode={mode}", "parallel.staleness=0",
+        result = run(cfg(f"train.steps={steps}", f"ps.mode={mode}", "ps.staleness=0",
                          "debug.stall_s=1.0"), comm)  # fmt: skip
     assert result.steps == steps
     assert "longer than debug.stall_s" not in capfd.readouterr().err

@@ -35,7 +35,7 @@ def test_a_shard_plan_prints_one_line_per_server() -> None:
 def test_layouts_that_do_not_fit_are_one_line() -> None:
     with pytest.raises(ConfigError, match="at least 1 server"):
         shard_plan(10, 0)
-    with pytest.raises(ConfigError, match="parallel.servers = 11 for a model of 10 parameters"):
+    with pytest.raises(ConfigError, match="ps.servers = 11 for a model of 10 parameters"):
         shard_plan(10, 11)
 
 

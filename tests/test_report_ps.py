@@ -17,7 +17,8 @@ import pytest
 
 from hpcdl.report import format_table, load, main, samples_per_step, summarize
 from hpcdl.report.plots import rank_times
-from hpcdl.report.strategy import mode_label, tau_histogram
+from hpcdl.parallel.ps_schema import tau_histogram
+from hpcdl.report.strategy import mode_label
 from hpcdl.store.runfile import RunFile
 
 NAN = math.nan
@@ -309,7 +310,7 @@ def test_a_ps_runs_ranks_plot_is_per_push_against_pushes(tmp_path: Path, figures
     from simulated import sim
 
     out = tmp_path / "ps.h5"
-    sim(3, cfg("train.steps=40", "checkpoint.every=10", "parallel.mode=async"), out=out)
+    sim(3, cfg("train.steps=40", "checkpoint.every=10", "ps.mode=async"), out=out)
     capsys.readouterr()
     run = load(out)
     r = run.ranks

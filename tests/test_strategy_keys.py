@@ -16,7 +16,8 @@ import pytest
 from hpcdl.config import SCHEMA, load_config
 from hpcdl.driver.run import plan
 from hpcdl.errors import ConfigError
-from hpcdl.parallel import STRATEGIES, strategy_class
+from hpcdl.components import STRATEGIES
+from hpcdl.parallel import strategy_class
 from hpcdl.parallel.strategy import ignored_keys
 
 
@@ -58,12 +59,12 @@ def test_sync_honours_the_exchange_keys() -> None:
 def test_keys_of_another_strategy_are_named() -> None:
     cfg = load_config(
         "digits-mlp",
-        ["pipeline.microbatches=8", "parallel.mode=ssp", "parallel.staleness=2", "exchange.bucket_mb=1"],
+        ["pipeline.microbatches=8", "ps.mode=ssp", "ps.staleness=2", "exchange.bucket_mb=1"],
     )
     lines = ignored_keys(cfg)
     assert lines == [
-        "parallel.mode = 'ssp' is a key of parallel.strategy = 'ps': this 'sync' run ignores it",
-        "parallel.staleness = 2 is a key of parallel.strategy = 'ps': this 'sync' run ignores it",
+        "ps.mode = 'ssp' is a key of parallel.strategy = 'ps': this 'sync' run ignores it",
+        "ps.staleness = 2 is a key of parallel.strategy = 'ps': this 'sync' run ignores it",
         "pipeline.microbatches = 8 is a key of parallel.strategy = 'pipeline': this 'sync' run ignores it",
     ]
     under_ps = ignored_keys(cfg.with_updates({"parallel.strategy": "ps"}))
@@ -80,10 +81,10 @@ def test_the_train_command_names_each_ignored_key_once(tmp_path: Path) -> None:
     """Three virtual ranks, one line each on rank 0's stderr; the run goes on."""
     proc = subprocess.run(
         [sys.executable, "-m", "hpcdl.simulate", "-n", "3", "-m", "hpcdl.train", "--config", "digits-mlp",
-         "--set", "train.steps=2", "--set", "pipeline.schedule=gpipe", "--set", "parallel.servers=2",
+         "--set", "train.steps=2", "--set", "pipeline.schedule=gpipe", "--set", "ps.servers=2",
          "--progress", "none", "--out", str(tmp_path / "r.h5")],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    for key in ("pipeline.schedule = 'gpipe'", "parallel.servers = 2"):
+    for key in ("pipeline.schedule = 'gpipe'", "ps.servers = 2"):
         assert proc.stderr.count(f"hpcdl.train: ! {key} is a key of parallel.strategy") == 1, proc.stderr

@@ -80,9 +80,9 @@ STOPPED = [
     ("pipeline-1f1b", ["parallel.strategy=pipeline", "pipeline.schedule=1f1b"], (0, 1, 2)),
     ("pipeline-gpipe", ["parallel.strategy=pipeline", "pipeline.schedule=gpipe"], (1,)),
     ("ps-async", ["parallel.strategy=ps"], (0, 2, 1)),
-    ("ps-ssp", ["parallel.strategy=ps", "parallel.mode=ssp", "parallel.staleness=1"], (2, 0)),
-    ("ps-sync", ["parallel.strategy=ps", "parallel.mode=sync", "train.steps=1000000"], (1,)),
-    ("ps-2-servers", ["parallel.strategy=ps", "parallel.servers=2"], (1, 2)),
+    ("ps-ssp", ["parallel.strategy=ps", "ps.mode=ssp", "ps.staleness=1"], (2, 0)),
+    ("ps-sync", ["parallel.strategy=ps", "ps.mode=sync", "train.steps=1000000"], (1,)),
+    ("ps-2-servers", ["parallel.strategy=ps", "ps.servers=2"], (1, 2)),
 ]
 #: cases of ``make test``: each role once (sync's worker; the first, a middle and the last stage; a
 #: server, a second server, a worker, an ssp-held worker); the others (``make test-slow``) repeat a

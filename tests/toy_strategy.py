@@ -21,13 +21,11 @@ from hpcdl.backend import to_numpy
 from hpcdl.comm import wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.nn import SoftmaxCrossEntropy
-from hpcdl.parallel import STRATEGIES, Agreement, Placement, RankPlace, RankState, StepStats, Strategy
+from hpcdl.parallel import Agreement, Placement, RankPlace, RankState, StepStats, Strategy
 from hpcdl.parallel.sync import forward_backward, mean_over_members
 
 #: steps between meetings
 TOY_K = 4
-
-STRATEGIES["toy"] = "toy_strategy:KeeperAveraging"
 
 
 class KeeperAveraging(Strategy):

@@ -15,21 +15,32 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.comm import Communicator, recv_object, scatter_objects, send_object, subcomm
-from hpcdl.config import Config, stored_values
+from hpcdl.components import all_declared, declared
+from hpcdl.config import DRIVER_FIT_KEYS, Config, stored_values
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.parallel import Placement, RankState, Strategy
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint
 
-__all__ = ["DRIVER", "capture", "distribute", "check_fits", "check_run_config", "find_resume", "FIT_KEYS"]
+__all__ = ["DRIVER", "capture", "distribute", "check_fits", "check_run_config", "find_resume", "fit_keys"]
 
-#: config keys a checkpoint must agree on: they fix the trajectory of the run
-FIT_KEYS = (
-    "seed", "dtype", "model.name", "model.depth", "model.width", "model.width_mult", "model.channels",
-    "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
-    "data.train_size", "data.test_size", "exchange.accumulate", "parallel.strategy",
-    "parallel.servers", "parallel.mode", "parallel.staleness", "parallel.compensation", "parallel.dc_lambda",
-    "pipeline.microbatches", "pipeline.schedule", "pipeline.virtual_stages",
-)  # fmt: skip
+
+def fit_keys(config: Config) -> tuple[str, ...]:
+    """The config keys a checkpoint or run file must agree on: they fix the trajectory of the run —
+    the driver's (:data:`~hpcdl.config.DRIVER_FIT_KEYS`), and those the run's components declare
+    (:func:`hpcdl.components.declared`: the exchange's ``exchange.accumulate``, a strategy's own)."""
+    return (*DRIVER_FIT_KEYS, *declared(config["parallel.strategy"]).fit_keys)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "FIT_KEYS":  # moved: each component declares its own
+        import warnings  # noqa: PLC0415
+
+        warnings.warn("FIT_KEYS is fit_keys(config) now: components declare their own", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return (*DRIVER_FIT_KEYS, *all_declared().fit_keys)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 
 #: the key of the driver's counters in each rank's meta (the strategy's part holds the rest)
 DRIVER = "driver"
@@ -121,13 +132,19 @@ def distribute(comm: Communicator, ckpt: Checkpoint | None, placement: Placement
 
 
 def _fit(config: Config) -> dict[str, Any]:
-    return {k: config[k] for k in FIT_KEYS}
+    return {k: config[k] for k in fit_keys(config)}
+
+
+def _saved_fit(fit: dict[str, Any], config: Config) -> dict[str, Any]:
+    """A checkpoint's fit keys under their names now (an older file's ``ps.mode`` is ``ps.mode``)."""
+    renamed = all_declared(config["parallel.strategy"]).renamed
+    return {renamed.get(k, k): v for k, v in fit.items()}
 
 
 def check_fits(
     ckpt: Checkpoint, config: Config, placement: Placement, strategy: Strategy | None = None
 ) -> None:
-    """Refuse a checkpoint of another rank count, trajectory (:data:`FIT_KEYS`), placement, or
+    """Refuse a checkpoint of another rank count, trajectory (:func:`fit_keys`), placement, or
     pieces the strategy cannot take (:meth:`~hpcdl.parallel.Strategy.check_state`: another model).
 
     Raises:
@@ -140,7 +157,7 @@ def check_fits(
             f"{ckpt.world} ranks, or start a new run with another --out"
         )
     for key, value in _fit(config).items():
-        saved = ckpt.meta["fit"].get(key, value)  # a key newer than the file: its default then
+        saved = _saved_fit(ckpt.meta["fit"], config).get(key, value)  # a key newer than the file: its default
         if saved != value:
             raise CheckpointError(f"{where} was written with {key} = {saved!r}; this run has {value!r}")
     theirs = Placement.from_json(ckpt.placement)
@@ -198,7 +215,7 @@ def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[
     """Check that an existing run file can be continued by this run; its other changed settings.
 
     The run file's ``config`` attribute must agree with ``config`` on every key of
-    :data:`FIT_KEYS` (they fix the trajectory), and its rank count with ``ranks``: a run
+    :func:`fit_keys` (they fix the trajectory), and its rank count with ``ranks``: a run
     may have no checkpoint yet, so this is checked on the run file itself.
 
     Args:
@@ -211,7 +228,7 @@ def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[
         resume may change (more steps, another learning rate), recorded in the run file.
 
     Raises:
-        CheckpointError: the rank count or a key of :data:`FIT_KEYS` differs (named, with
+        CheckpointError: the rank count or a key of :func:`fit_keys` differs (named, with
             both values).
     """
     path = attrs.get("path", "the run file")
@@ -225,10 +242,11 @@ def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[
     except ConfigError as err:
         raise CheckpointError(f"{path} has a damaged config attribute ({err}): start a new run") from None
     changed = {}
+    fit = fit_keys(config)
     for key, value in config.values.items():
         if key not in saved or saved[key] == value:
             continue
-        if key in FIT_KEYS:
+        if key in fit:
             raise CheckpointError(
                 f"{path} was written with {key} = {saved[key]!r}; this run has {value!r}: continue it "
                 "with its own settings, or start a new run with another --out (nothing was changed)"

@@ -238,7 +238,7 @@ class Trainer:
         if agreed.bad >= 0:
             self._fail(
                 f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
-                "kept (lower optimizer.lr, or parallel.compensation = 'lr' for stale pushes)"
+                "kept (lower optimizer.lr, or ps.compensation = 'lr' for stale pushes)"
             )
         if shown:
             self._progress(self.history[-1]["loss"])

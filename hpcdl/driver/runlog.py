@@ -15,6 +15,7 @@ import numpy as np
 
 from hpcdl import __version__
 from hpcdl.comm import Communicator, on_root
+from hpcdl.components import declared
 from hpcdl.config import Config
 from hpcdl.driver.checkpoints import check_run_config, find_resume
 from hpcdl.errors import ConfigError, HpcdlError
@@ -22,7 +23,7 @@ from hpcdl.parallel import Placement, Strategy
 from hpcdl.store import RunFile, RunFileError
 from hpcdl.store.checkpoint import Checkpoint, list_checkpoints, orphaned_temporaries
 from hpcdl.store.liveness import ago, writer
-from hpcdl.store.runfile import heartbeat_now, read_attrs
+from hpcdl.store.runfile import TableSpec, heartbeat_now, read_attrs
 
 __all__ = ["Opened", "RunLog", "open_run", "checkpoint_attrs", "peak_rss_mb"]
 
@@ -243,6 +244,12 @@ class Opened:
     step: int | None = None
 
 
+def _declared_rows(cfg: Config) -> tuple[dict[str, Any], dict[str, TableSpec]]:
+    """The metric columns and row groups the run's components declare (:mod:`hpcdl.components`)."""
+    mine = declared(cfg["parallel.strategy"])
+    return dict(mine.metrics), {name: (dict(t.columns), t.cut_by) for name, t in mine.tables.items()}
+
+
 def open_run(
     comm: Communicator,
     cfg: Config,
@@ -331,14 +338,14 @@ def _open_on_root(
             "nothing was changed; start a new run with another --out"
         )
     if resume is not None and exists:  # continue it; no checkpoint yet (killed before one): from step 0
-        runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, ranks)
+        runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, ranks, *_declared_rows(cfg))
         if changes:
             step = ckpt.step if ckpt else 0
             runfile.record_config_change(step, changes, cfg.toml())
             shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
             print(f"hpcdl.train: {run_path} continues with changed settings: {shown}", file=sys.stderr)
     else:
-        runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks)
+        runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks, *_declared_rows(cfg))
     _remove_orphans(run_path)
     return ckpt, runfile
 

@@ -10,7 +10,6 @@ from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.bucketed import DEFAULT_BUCKET_MB, BucketedExchange
 from hpcdl.parallel.exchange import AllreduceExchange, ExchangeError, GradientExchange, LocalExchange
 from hpcdl.parallel.strategy import (
-    STRATEGIES,
     Agreement,
     PhaseStats,
     Placement,
@@ -23,7 +22,6 @@ from hpcdl.parallel.strategy import (
 )
 
 __all__ = [
-    "STRATEGIES",
     "Agreement",
     "Placement",
     "RankPlace",
@@ -62,3 +60,15 @@ def make_exchange(
     if name == "bucketed":
         return BucketedExchange(comm, params, debug=debug, **options)
     return EXCHANGES[name](comm, params, debug=debug)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":  # moved: the registry is hpcdl.components's
+        import warnings  # noqa: PLC0415
+
+        from hpcdl import components  # noqa: PLC0415
+
+        warnings.warn("hpcdl.parallel.STRATEGIES is hpcdl.components.STRATEGIES now", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return components.STRATEGIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

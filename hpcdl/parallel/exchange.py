@@ -9,10 +9,72 @@ from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module 
 from hpcdl.backend import get_array_module, synchronize, to_numpy
 from hpcdl.comm import Communicator, wtime
 from hpcdl.comm.pack import Packer
+from hpcdl.components import Declares, Key
 from hpcdl.errors import HpcdlError
 from hpcdl.nn.parameter import Parameter
 
-__all__ = ["GradientExchange", "LocalExchange", "AllreduceExchange", "ExchangeError", "broadcast_parameters"]
+__all__ = [
+    "DECLARES",
+    "EXCHANGE_NAMES",
+    "AllreduceExchange",
+    "ExchangeError",
+    "GradientExchange",
+    "LocalExchange",
+    "broadcast_parameters",
+]
+
+
+#: ``exchange.name`` values (``hpcdl.parallel.EXCHANGES`` maps each to its class)
+EXCHANGE_NAMES = ("allreduce", "bucketed")
+
+#: the gradient exchange's config section (sync's, and a pipeline's stage replicas')
+DECLARES = Declares(
+    keys={
+        "exchange.name": Key(
+            str,
+            "bucketed",
+            "gradient exchange under mpiexec: bucketed (overlaps backward) or allreduce (one flat)",
+            choices=EXCHANGE_NAMES,
+        ),
+        "exchange.bucket_mb": Key(float, 25.0, "bucketed: bucket size in MiB (0: one bucket)", minimum=0.0),
+        "exchange.algorithm": Key(
+            str,
+            "auto",
+            "bucketed: allreduce algorithm (hpcdl's own, mpi: the library's, auto: by size)",
+            choices=("auto", "ring", "doubling", "rabenseifner", "mpi"),
+        ),
+        "exchange.auto_table": Key(
+            str,
+            "",
+            "auto: the table of algorithms by size and rank count (bench allreduce --calibrate); "
+            "'': packaged",
+        ),
+        "exchange.auto_threshold_kb": Key(
+            float,
+            0.0,
+            "auto: if > 0, MPI's own allreduce below this bucket size and the ring above, "
+            "not the table",
+            minimum=0.0,
+        ),
+        "exchange.compression": Key(
+            str,
+            "none",
+            "bucketed: gradients on the wire as float16/bfloat16 (summed in float32) or int32 "
+            "(global-max scale)",
+            choices=("none", "float16", "bfloat16", "int32"),
+        ),
+        "exchange.accumulate": Key(
+            int,
+            1,
+            "micro-steps of data.batch_size per optimizer step, one exchange each (gradient accumulation)",
+            minimum=1,
+        ),
+        "exchange.debug": Key(
+            bool, False, "check buffer sizes and finite gradients across ranks before exchange"
+        ),
+    },
+    fit_keys=("exchange.accumulate",),
+)
 
 
 class ExchangeError(HpcdlError, RuntimeError):

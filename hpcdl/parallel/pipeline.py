@@ -38,6 +38,7 @@ from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, cache_nbyte
 from hpcdl.parallel import make_exchange
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.pipe_plan import LayerInfo, Op, Partition, Schedule, partition, schedule
+from hpcdl.parallel.pipe_schema import DECLARES
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
@@ -188,6 +189,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     rank_series = ("bubble", "busy_time", "activation_bytes", "in_flight")
     keys = ("pipeline.",)
+    declares = DECLARES
     cannot_honour = {
         "exchange.accumulate": "a pipeline accumulates over its microbatches: "
         "set pipeline.microbatches instead",

@@ -1,6 +1,6 @@
 """``parallel.strategy = "ps"``: parameter servers, asynchronous, bounded-staleness or synchronous.
 
-Ranks ``0 .. S-1`` are servers (``parallel.servers = S``); the other ``W = N - S`` ranks
+Ranks ``0 .. S-1`` are servers (``ps.servers = S``); the other ``W = N - S`` ranks
 are workers. The model's parameters, packed into one flat buffer in the model's order,
 are cut into S contiguous shards balanced by bytes (:func:`~hpcdl.parallel.ps_plan.shard_plan`;
 a shard may cut a tensor). Server k holds shard k of the master parameters and that
@@ -15,10 +15,10 @@ each push on arrival and counts its version (pushes applied).
 schedule count pushes applied (server 0's version); an epoch is as many pushes as
 batches fit in the training set. Worker w samples as rank w of W.
 
-**Modes** (``parallel.mode``):
+**Modes** (``ps.mode``):
 
 * ``async``: a server applies a push on arrival and answers it at once.
-* ``ssp`` (``parallel.staleness = s``): a worker's clock is its pushes applied; a server
+* ``ssp`` (``ps.staleness = s``): a worker's clock is its pushes applied; a server
   answers the push that brings worker w to clock c only when every worker's clock is
   ``>= c - s`` (:func:`~hpcdl.parallel.ps_plan.ssp_may_pull`). Every server sees every
   push and enforces the same gate; ``s = 0`` is bulk-synchronous through the servers.
@@ -28,7 +28,7 @@ batches fit in the training set. Worker w samples as rank w of W.
 
 **Staleness** ``tau`` of a push, per shard: the server's version when applying it less
 the version of the shard the worker computed it from. **Compensation**
-(``parallel.compensation``): ``lr`` divides the push's learning rate by ``max(tau, 1)``
+(``ps.compensation``): ``lr`` divides the push's learning rate by ``max(tau, 1)``
 (Zhang et al., IJCAI 2016); ``dc`` applies ``g + lambda g*g*(w_now - w_used)`` (DC-ASGD,
 Zheng et al., ICML 2017; the server keeps the shard each worker was sent).
 
@@ -69,6 +69,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.ps_plan import ShardPlan, shard_plan, ssp_may_pull
+from hpcdl.parallel.ps_schema import DECLARES
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
@@ -133,8 +134,8 @@ class ParameterServer(Strategy):
 
     name = "ps"
     runs_free = True
-    keys = ("parallel.servers", "parallel.mode", "parallel.staleness", "parallel.compensation",
-            "parallel.dc_lambda")  # fmt: skip
+    keys = ("ps.",)
+    declares = DECLARES
     cannot_honour = {
         "exchange.accumulate": "a push is one batch; raise data.batch_size instead",
         "exchange.compression": "pushes and replies carry the parameters' dtype uncompressed; "
@@ -150,16 +151,16 @@ class ParameterServer(Strategy):
         Raises:
             ConfigError: fewer than one server, or no rank left for a worker.
         """
-        servers = cfg["parallel.servers"]
+        servers = cfg["ps.servers"]
         if servers < 1:
-            raise ConfigError(f"parallel.servers = {servers}: a parameter server job needs at least 1 server")
+            raise ConfigError(f"ps.servers = {servers}: a parameter server job needs at least 1 server")
         if servers >= world:
             raise ConfigError(
-                f"parallel.servers = {servers} on {world} rank{'s' * (world > 1)} leaves no worker: run on "
-                f"at least {servers + 1} ranks (mpiexec -n {servers + 1}) or lower parallel.servers"
+                f"ps.servers = {servers} on {world} rank{'s' * (world > 1)} leaves no worker: run on "
+                f"at least {servers + 1} ranks (mpiexec -n {servers + 1}) or lower ps.servers"
             )
         workers = world - servers
-        mode = cfg["parallel.mode"]
+        mode = cfg["ps.mode"]
         if mode == "sync":
             for key in ("train.steps", "checkpoint.every", "train.stop_at", "train.eval_every"):
                 if cfg[key] % workers:
@@ -172,10 +173,10 @@ class ParameterServer(Strategy):
         ranks += [RankPlace("worker", "", w) for w in range(workers)]
         how = {
             "async": "async: pushes applied on arrival",
-            "ssp": f"ssp: staleness bound s = {cfg['parallel.staleness']}",
+            "ssp": f"ssp: staleness bound s = {cfg['ps.staleness']}",
             "sync": f"sync: the {workers} pushes of a round summed and applied once",
         }[mode]
-        notes_ = (f"parameter servers, {how}; compensation {cfg['parallel.compensation']}",)
+        notes_ = (f"parameter servers, {how}; compensation {cfg['ps.compensation']}",)
         return Placement(
             cls.name, tuple(ranks), cfg["data.batch_size"], 1, notes_, step_batches=1,
             update_batches=workers if mode == "sync" else 1, step_multiple=workers if mode == "sync" else 1,
@@ -193,7 +194,7 @@ class ParameterServer(Strategy):
         act = probe.activations()
         itemsize = probe.dtype.itemsize
         bn = sum(int(b.nbytes) for _, b in probe.model.named_buffers())
-        servers = cfg["parallel.servers"]
+        servers = cfg["ps.servers"]
         workers = placement.world - servers
         shards = shard_plan(nbytes // itemsize, servers, itemsize)
         copy = {"parameters": nbytes, "gradients": nbytes, "buffers": nbytes}  # the model, its packer
@@ -201,7 +202,7 @@ class ParameterServer(Strategy):
         for k in range(servers):
             shard = shards.nbytes(k)
             own = model_parts(cfg, shard, shard)
-            copies = 2 + (cfg["parallel.compensation"] == "dc")  # a push, a reply (and what w was sent)
+            copies = 2 + (cfg["ps.compensation"] == "dc")  # a push, a reply (and what w was sent)
             per_worker = copies * shard + (bn if k == 0 else 0) + 2 * _HEAD_BYTES
             buffers = copy["buffers"] + workers * per_worker + shard + (nbytes if k == 0 else 0)
             parts = {"parameters": nbytes + shard, "gradients": nbytes + shard, "optimizer": own["optimizer"],
@@ -211,7 +212,7 @@ class ParameterServer(Strategy):
                 if k == 0
                 else ()
             )
-            hint = "or more servers (parallel.servers)"
+            hint = "or more servers (ps.servers)"
             out.append(RankMemory("server", parts, lines, cfg["data.batch_size"], hint=hint))
         pulled_pushed = 3 * nbytes + bn + servers * 2 * _HEAD_BYTES  # the flat copy, pushes, replies
         worker = RankMemory(
@@ -227,17 +228,17 @@ class ParameterServer(Strategy):
         """The shards of the model's packed parameters, one line per server."""
         params = model().parameters()
         elements = sum(int(p.data.size) for p in params)
-        plan = shard_plan(elements, cfg["parallel.servers"], np.dtype(cfg["dtype"]).itemsize)
+        plan = shard_plan(elements, cfg["ps.servers"], np.dtype(cfg["dtype"]).itemsize)
         return [f"shards of the {elements:,} packed parameters:", *str(plan).splitlines()]
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         cfg, placement = ctx.cfg, ctx.placement
         self.comm = ctx.comm.Dup()  # the strategy's own tags
-        self.servers = cfg["parallel.servers"]
+        self.servers = cfg["ps.servers"]
         self.workers = placement.world - self.servers
-        self.mode, self.bound = cfg["parallel.mode"], cfg["parallel.staleness"]
-        self.compensation, self.dc_lambda = cfg["parallel.compensation"], cfg["parallel.dc_lambda"]
+        self.mode, self.bound = cfg["ps.mode"], cfg["ps.staleness"]
+        self.compensation, self.dc_lambda = cfg["ps.compensation"], cfg["ps.dc_lambda"]
         self.model: Sequential = ctx.build_model()  # every rank: the layout; server 0 evaluates with it
         self.params = self.model.parameters()
         self.buffers = [b for _, b in self.model.named_buffers()]

@@ -62,10 +62,10 @@ def shard_plan(elements: int, servers: int, itemsize: int = 4) -> ShardPlan:
         ConfigError: fewer than one server, or more servers than elements (one line).
     """
     if servers < 1:
-        raise ConfigError(f"parallel.servers = {servers}: a parameter server job needs at least 1 server")
+        raise ConfigError(f"ps.servers = {servers}: a parameter server job needs at least 1 server")
     if servers > elements:
         raise ConfigError(
-            f"parallel.servers = {servers} for a model of {elements} parameters: every server needs "
+            f"ps.servers = {servers} for a model of {elements} parameters: every server needs "
             "at least one; use fewer servers"
         )
     bounds = [k * elements // servers for k in range(servers + 1)]

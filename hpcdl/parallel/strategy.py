@@ -14,13 +14,13 @@ each rank does and holds, which ranks read which batches, and the batch arithmet
 learning-rate scaling rule and the global batch use its data-parallel width, not the
 world size. ``python -m hpcdl.train --plan`` prints it; checkpoints record it.
 
-A strategy lives in one module of :mod:`hpcdl.parallel` and is registered in
-:data:`STRATEGIES` under the name ``parallel.strategy`` gives.
+A strategy lives in one module of :mod:`hpcdl.parallel` (with the small modules of its own
+it uses) and is registered in :data:`hpcdl.components.STRATEGIES` under the name
+``parallel.strategy`` gives; an outside one is named by ``module:Class``.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,10 +29,10 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from hpcdl.comm import Communicator
+from hpcdl.components import Declares, load, strategy_names, strategy_target
 from hpcdl.errors import ConfigError
 
 __all__ = [
-    "STRATEGIES",
     "Agreement",
     "Batches",
     "PhaseStats",
@@ -51,12 +51,18 @@ __all__ = [
     "strategy_class",
 ]
 
-#: strategy name (``parallel.strategy``) -> ``module:Class``, imported on first use
-STRATEGIES: dict[str, str] = {
-    "sync": "hpcdl.parallel.sync:SyncDataParallel",
-    "ps": "hpcdl.parallel.ps:ParameterServer",
-    "pipeline": "hpcdl.parallel.pipeline:Pipeline",
-}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":  # moved: the registry is hpcdl.components's
+        import warnings  # noqa: PLC0415
+
+        from hpcdl import components  # noqa: PLC0415
+
+        warnings.warn("hpcdl.parallel.strategy.STRATEGIES is hpcdl.components.STRATEGIES now",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return components.STRATEGIES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _reads(cls: type[Strategy], key: str) -> bool:
@@ -85,7 +91,7 @@ def ignored_keys(cfg: Any) -> list[str]:
     """
     name = cfg["parallel.strategy"]
     mine = strategy_class(name)
-    others = [(other, strategy_class(other)) for other in STRATEGIES if other != name]
+    others = [(other, strategy_class(other)) for other in strategy_names() if other != name]
     lines = []
     for key in cfg.changed():
         owners = [other for other, cls in others if _reads(cls, key)]
@@ -131,17 +137,15 @@ def differing_parameters(model: Any, params: dict[str, Any]) -> list[tuple[str, 
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    """The strategy registered as ``name``.
+    """The strategy ``name`` selects: a registered one (:mod:`hpcdl.components`) or ``module:Class``.
 
     Raises:
-        ConfigError: no strategy has that name.
+        ConfigError: no strategy has that name, or its module cannot be imported.
     """
-    target = STRATEGIES.get(name)
-    if target is None:
-        known = ", ".join(STRATEGIES)
-        raise ConfigError(f"parallel.strategy = {name!r} is not a strategy; strategies: {known}")
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    cls = load(strategy_target(name))
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ConfigError(f"parallel.strategy = {name!r} names {cls!r}, which is not a hpcdl Strategy class")
+    return cls
 
 
 class Batches:
@@ -536,6 +540,9 @@ class Strategy:
     #: section as ``"pipeline."``; set under another strategy they would do nothing, so the
     #: driver says so once (:func:`ignored_keys`)
     keys: ClassVar[tuple[str, ...]] = ()
+    #: what the strategy owns beyond the driver's: its config section, fit keys, metric columns,
+    #: row tables, plots and legend (:class:`hpcdl.components.Declares`)
+    declares: ClassVar[Declares] = Declares()
     #: keys of other strategies whose meaning this one cannot give, set to anything but the
     #: default -> why not and what to set instead: refused (:func:`check_keys`)
     cannot_honour: ClassVar[dict[str, str]] = {}

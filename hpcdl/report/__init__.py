@@ -24,7 +24,7 @@ from hpcdl.errors import file_error
 from hpcdl.report.gantt import STEPS as GANTT_STEPS
 from hpcdl.report.plots import output_prefix, plot
 from hpcdl.report.stages import format_stages, stage_stats
-from hpcdl.report.strategy import samples_per_step, samples_processed
+from hpcdl.report.strategy import run_config, samples_per_step, samples_processed, workers
 from hpcdl.report.trace import write_chrome_trace
 from hpcdl.store.checkpoint import checkpoint_run_file
 from hpcdl.store.liveness import run_status
@@ -125,17 +125,21 @@ by + for several runs), all runs on one figure:
   python -m hpcdl.report runs/pipe.h5 --gantt-steps 1          # runs/pipe-gantt.png: the last step"""
 
 
+#: the run file's groups the driver writes; every other group is a row table a strategy declared
+_DRIVER_GROUPS = ("metrics", "ranks", "trace", "profile")
+
+
 @dataclass
 class Run:
-    """A run file read into memory: root attributes, ``metrics/``, ``ranks/``, ``staleness/`` and ``trace/``.
+    """A run file read into memory: root attributes, ``metrics/``, ``ranks/``, row groups and ``trace/``.
 
     Attributes:
         path: the run file.
         attrs: root attributes (strings decoded).
         metrics: ``metrics/`` series as recorded, one row per step.
         ranks: ``ranks/`` series, each (steps, ranks).
-        staleness: ``staleness/`` columns (``update``, ``worker``, ``server``, ``tau``,
-            ``time``), one row per applied push and server; empty when the run has none.
+        tables: the row groups a strategy declared (``staleness/`` of a parameter server: one
+            row per applied push and server), name -> column -> array.
         trace: ``trace/`` columns (``rank``, ``kind`` as str, ``start``, ``end``,
             ``microbatch``), one row per timeline event; empty when the run has none.
         samples: training samples processed up to each metrics row (see
@@ -146,7 +150,7 @@ class Run:
     attrs: dict[str, Any]
     metrics: dict[str, np.ndarray]
     ranks: dict[str, np.ndarray] = field(default_factory=dict)
-    staleness: dict[str, np.ndarray] = field(default_factory=dict)
+    tables: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     samples: np.ndarray | None = None
     trace: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -154,9 +158,24 @@ class Run:
     def rows(self) -> int:
         return len(self.metrics.get("step", ()))
 
+    @property
+    def staleness(self) -> dict[str, np.ndarray]:
+        """The ``staleness/`` columns (a parameter server's); empty when the run has none."""
+        return self.tables.get("staleness", {})
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's config values by dotted key (:func:`~hpcdl.report.strategy.run_config`)."""
+        return run_config(self.attrs)
+
+    @property
+    def workers(self) -> int | None:
+        """Ranks whose role is ``worker`` (None: unknown)."""
+        return workers(self.attrs)
+
 
 def load(path: str | Path) -> Run:
-    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, ``staleness/``, ``trace/``).
+    """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, the row groups, ``trace/``).
 
     Series of one group of unequal length (a crash between two appends) are cut to the
     shortest. ``Run.samples`` is the recorded ``metrics/samples`` or, for older files,
@@ -196,14 +215,14 @@ def load(path: str | Path) -> Run:
         attrs = {key: _plain(value) for key, value in h5.attrs.items()}
         metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
         ranks = _series(h5.get("ranks"))
-        staleness = _series(h5.get("staleness"))
+        tables = {name: _cut(_series(group)) for name, group in h5.items()
+                  if isinstance(group, h5py.Group) and name not in _DRIVER_GROUPS}  # fmt: skip
         trace = _series(h5.get("trace"))
     metrics = _cut(metrics)
     trace = _cut(trace)
     if "kind" in trace:
         trace["kind"] = np.array([k.decode() if isinstance(k, bytes) else str(k) for k in trace["kind"]])
-    return Run(path, attrs, metrics, _cut(ranks), _cut(staleness), samples_processed(metrics, attrs),
-               trace)  # fmt: skip
+    return Run(path, attrs, metrics, _cut(ranks), tables, samples_processed(metrics, attrs), trace)
 
 
 def _series(group: h5py.Group | None) -> dict[str, np.ndarray]:

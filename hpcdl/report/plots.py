@@ -2,9 +2,8 @@
 
 ``loss.png`` and ``accuracy.png`` draw every run against steps, samples processed and
 time: runs of different strategies compare at equal samples and equal time, not at
-equal steps (a ``ps`` step is one push). ``staleness.png`` has the τ histogram of each
-run that recorded ``staleness/`` (parameter servers), as fractions of its applied
-pushes, with SSP's bound where one applies.
+equal steps (a ``ps`` step is one push). A strategy's own figures are those it declares
+(:class:`hpcdl.components.Plot`): a parameter server's ``staleness.png``, say.
 
 ``ranks.png`` has two panels per run (:mod:`hpcdl.report.ranks`): each rank's mean time
 per step, stacked (per push it made or served when the run's ``ranks/`` rows are
@@ -28,7 +27,7 @@ from hpcdl.atomic import write_atomic
 from hpcdl.errors import file_error
 from hpcdl.report import gantt, ranks, stages
 from hpcdl.report.ranks import RankTimes, rank_times
-from hpcdl.report.strategy import config_value, mode_label, roles, tau_histogram, workers
+from hpcdl.report.strategy import roles, strategy_declares
 
 if TYPE_CHECKING:  # pragma: no cover
     from hpcdl.report import Run
@@ -36,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
 #: the figures, in the order they are written: ``<prefix>-<name>.png``
-FIGURES = ("loss", "accuracy", "ranks", "staleness", "stages", "gantt")
+FIGURES = ("loss", "accuracy", "ranks", "stages", "gantt")
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
 _PREFIX_MAX = 80
 
@@ -150,11 +149,14 @@ def plot(
         fig.text(0.01, 0.01, text, fontsize="x-small")
         save(fig, "ranks", layout=False)
 
-    stale = [(r, n) for r, n in pairs if len(r.staleness.get("tau", ()))]
-    if stale:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        _staleness(ax, stale)
-        save(fig, "staleness")
+    declared: dict[str, tuple[Any, list[tuple[Run, str]]]] = {}  # the strategies' own figures
+    for run, name in pairs:
+        for figure in strategy_declares(run.attrs).plots:
+            declared.setdefault(figure.name, (figure, []))[1].append((run, name))
+    for figure, of_runs in declared.values():
+        fig = figure.draw(of_runs)
+        if fig is not None:
+            save(fig, figure.name)
 
     staged = [(st, n) for st, n in ((stages.stage_stats(r), n) for r, n in pairs) if st is not None]
     if staged:
@@ -231,40 +233,3 @@ def _axes(axes: Any, panels: list, pairs: list[tuple[Run, str]], ylabel: str) ->
                     ha="right", va="bottom", fontsize="x-small")  # fmt: skip
 
 
-def _staleness(ax: Any, stale: list[tuple[Run, str]]) -> None:
-    """Each run's τ histogram (integer bins, fractions of its applied pushes, log y), SSP's bound dashed."""
-    from matplotlib.ticker import MaxNLocator
-
-    smallest = 1.0
-    for run, name in stale:
-        values, frequency = tau_histogram(run.staleness["tau"])
-        label = f"{name}: {mode_label(run.attrs)}"
-        bound = _ssp_bound(run.attrs)
-        if bound is not None:
-            label += f" (SSP allows τ <= {bound})"
-        shown = np.where(frequency > 0, frequency, np.nan)  # a log axis: an empty bin is a gap
-        (line,) = ax.plot(values, shown, drawstyle="steps-mid", lw=1.5, label=label)
-        ax.plot(values, shown, "o", ms=3, color=line.get_color())  # a lone bin (sync: all at 0) shows
-        if bound is not None:
-            ax.axvline(bound, color=line.get_color(), ls="--", lw=1)
-        smallest = min(smallest, float(frequency[frequency > 0].min()))
-    ax.set_yscale("log")
-    ax.set_ylim(smallest / 3, 1.5)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("staleness τ (server versions between a worker's pull and its push's apply)")
-    ax.set_ylabel("fraction of applied pushes (log scale)")
-    ax.set_title("staleness of the applied pushes (one count per push and server)", fontsize="medium")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize="small")
-
-
-def _ssp_bound(attrs: dict[str, Any]) -> int | None:
-    """The largest τ SSP allows for an ``ssp`` run, ``(W - 1)(2 s + 1)`` (None: not ssp, or unknown)."""
-    if attrs.get("strategy") != "ps" or config_value(attrs, "parallel.mode") != "ssp":
-        return None
-    s, w = config_value(attrs, "parallel.staleness"), workers(attrs)
-    if not isinstance(s, int) or w is None:
-        return None
-    from hpcdl.parallel.ps_plan import max_staleness
-
-    return max_staleness(w, s)

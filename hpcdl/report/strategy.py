@@ -1,8 +1,10 @@
-"""What the report reads of a run's strategy: samples per step, the parameter servers' mode, τ histograms.
+"""What the report reads of a run's strategy: samples per step, its label, what it declares.
 
 Runs of different strategies are compared at equal samples processed and at equal time,
 never at equal steps (DESIGN.md): a ``ps`` step is one worker's push, a ``sync`` step
-is every member's batch. These functions are pure (attributes and arrays in, data out),
+is every member's batch — the placement the file stores says which. What a strategy
+draws and how it labels its runs, it declares (:mod:`hpcdl.components`); the report
+never names a strategy. These functions are pure (attributes and arrays in, data out),
 so that what the plots draw is tested as data.
 """
 
@@ -10,9 +12,14 @@ from __future__ import annotations
 
 import json
 import tomllib
+import warnings
 from typing import Any
 
 import numpy as np
+
+from hpcdl.components import Declares, declared
+from hpcdl.config import stored_values
+from hpcdl.errors import ConfigError
 
 __all__ = [
     "samples_per_step",
@@ -22,16 +29,17 @@ __all__ = [
     "roles",
     "micro_steps",
     "mode_label",
-    "tau_histogram",
+    "run_config",
+    "strategy_declares",
 ]
 
 
 def samples_per_step(attrs: dict[str, Any]) -> int | None:
     """Training samples one metrics step stands for, from the ``placement`` attribute.
 
-    For ``ps`` a step is one push of ``batch_size`` samples; for every other strategy
-    it is ``width x micro_steps x batch_size``, the width being the number of distinct
-    data-parallel members (``member >= 0``).
+    A step is ``step_batches x batch_size`` where the placement has step batches (a
+    parameter server's step is one push: 1), else ``width x micro_steps x batch_size``,
+    the width being the number of distinct data-parallel members (``member >= 0``).
 
     Returns:
         None when the file has no placement (written before placements were stored) or
@@ -43,8 +51,10 @@ def samples_per_step(attrs: dict[str, Any]) -> int | None:
     try:
         placement = json.loads(text)
         batch = int(placement["batch_size"])
-        if placement.get("strategy", attrs.get("strategy")) == "ps":
-            return batch
+        if int(placement.get("step_batches", 0)) > 0:
+            return int(placement["step_batches"]) * batch
+        if "step_batches" not in placement and _runs_free(attrs):  # placements before step_batches
+            return batch  # (hpcdl of 2026-11-24): a free-running strategy's step was one push
         width = len({int(r["member"]) for r in placement["ranks"] if int(r["member"]) >= 0})
         return width * int(placement.get("micro_steps", 1)) * batch
     except (ValueError, TypeError, KeyError):
@@ -75,7 +85,7 @@ def samples_processed(metrics: dict[str, np.ndarray], attrs: dict[str, Any]) -> 
 
 
 def config_value(attrs: dict[str, Any], key: str, default: Any = None) -> Any:
-    """A setting of the run's config (the ``config`` attribute, TOML), such as ``parallel.mode``."""
+    """A setting of the run's config (the ``config`` attribute, TOML), such as ``ps.mode``."""
     try:
         value: Any = tomllib.loads(str(attrs.get("config", "")))
     except tomllib.TOMLDecodeError:
@@ -113,36 +123,50 @@ def micro_steps(attrs: dict[str, Any]) -> int | None:
     return m if isinstance(m, int) and m > 0 else None
 
 
+def _runs_free(attrs: dict[str, Any]) -> bool:
+    """The run's strategy runs free (its steps are pushes), as far as this hpcdl knows it."""
+    from hpcdl.parallel import strategy_class  # noqa: PLC0415 (the registry's classes, on demand)
+
+    name = run_config(attrs).get("parallel.strategy") or attrs.get("strategy") or "sync"
+    try:
+        return bool(strategy_class(str(name)).runs_free)
+    except ConfigError:
+        return False
+
+
+def run_config(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The run's config values by dotted key, under their names now (``ps.mode`` is
+    ``ps.mode``); empty when the file has none or it is damaged."""
+    try:
+        return stored_values(str(attrs.get("config", "")))
+    except ConfigError:
+        return {}
+
+
+def strategy_declares(attrs: dict[str, Any]) -> Declares:
+    """What the run's strategy declares (its plots, its legend); nothing when it is unknown here
+    (an outside ``module:Class`` that cannot be imported, say)."""
+    name = run_config(attrs).get("parallel.strategy") or attrs.get("strategy") or "sync"
+    try:
+        return declared(str(name))
+    except ConfigError:
+        return Declares()
+
+
 def mode_label(attrs: dict[str, Any]) -> str:
-    """How a run exchanges, for legends: ``async``, ``ssp s=1``, ``sync`` for ``ps`` runs.
-
-    A ``ps`` run names its ``parallel.mode`` (with ``s`` for ``ssp``) and its
-    ``parallel.compensation`` when not ``none`` (``async, dc``); any other run names its
-    strategy.
-    """
-    strategy = attrs.get("strategy") or config_value(attrs, "parallel.strategy", "sync")
-    if strategy != "ps":
-        return str(strategy)
-    mode = str(config_value(attrs, "parallel.mode", "async"))
-    label = f"ssp s={config_value(attrs, 'parallel.staleness', '?')}" if mode == "ssp" else mode
-    compensation = config_value(attrs, "parallel.compensation", "none")
-    return label if compensation in (None, "none") else f"{label}, {compensation}"
+    """How a run trains, for legends: its strategy's declared label (a ``ps`` run's mode:
+    ``async``, ``ssp s=1``, ``async, dc``), else the strategy's name."""
+    legend = strategy_declares(attrs).legend
+    if legend is not None:
+        return legend(run_config(attrs))
+    return str(attrs.get("strategy") or run_config(attrs).get("parallel.strategy", "sync"))
 
 
-def tau_histogram(tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distribution of staleness over integer bins, as fractions of the applied pushes.
+def __getattr__(name: str) -> Any:
+    if name == "tau_histogram":  # moved: the parameter server's own (hpcdl.parallel.ps_schema)
+        from hpcdl.parallel import ps_schema  # noqa: PLC0415
 
-    Args:
-        tau: one τ per applied push and server (``staleness/tau``).
-
-    Returns:
-        ``(values, frequency)``: every integer from ``min(0, min τ)`` to ``max τ``, and
-        the fraction of the rows with that τ (summing to 1; zero for values never seen),
-        so that runs of different lengths compare. Both empty when ``tau`` is.
-    """
-    tau = np.asarray(tau, dtype=np.int64)
-    if not tau.size:
-        return np.zeros(0, dtype=np.int64), np.zeros(0)
-    low = min(0, int(tau.min()))
-    counts = np.bincount(tau - low)
-    return np.arange(low, low + len(counts), dtype=np.int64), counts / tau.size
+        warnings.warn("tau_histogram is hpcdl.parallel.ps_schema.tau_histogram now", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return ps_schema.tau_histogram
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

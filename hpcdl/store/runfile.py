@@ -87,7 +87,7 @@ __all__ = [
     "FORMAT_VERSION",
     "METRICS",
     "RANK_SERIES",
-    "TABLES",
+    "TableSpec",
     "TRACE_FIELDS",
     "heartbeat_now",
     "read_attrs",
@@ -95,9 +95,13 @@ __all__ = [
     "unreadable",
 ]
 
-FORMAT_VERSION = 1
+#: 2: the metric columns and row groups are those the run's components declare (a row group
+#: carries the column a resume cuts it by); a strategy's keys in its own section (``ps.mode``).
+#: Files of format 1 are read and continued (a resume makes them format 2).
+FORMAT_VERSION = 2
+_READABLE = (1, 2)
 
-#: the metrics/ series and their dtypes
+#: the driver's metrics/ series and their dtypes (a strategy declares more of its own)
 METRICS: dict[str, Any] = {
     "step": np.int64,
     "epoch": np.int64,
@@ -114,14 +118,22 @@ METRICS: dict[str, Any] = {
 }
 #: the ranks/ series, each (steps, ranks)
 RANK_SERIES = ("compute_time", "comm_time", "wait_time", "exposed_comm_time", "other_time")
-#: row groups beside metrics/ (created by their first rows): name -> (column dtypes, the
-#: column a resume cuts by: rows whose value is past the checkpoint's step go)
-TABLES: dict[str, tuple[dict[str, Any], str]] = {
-    "staleness": (
-        {"update": np.int64, "worker": np.int32, "server": np.int32, "tau": np.int64, "time": np.float64},
-        "update",
-    ),
-}
+#: a row group's columns (name -> dtype) and the column a resume cuts it by
+TableSpec = tuple[Mapping[str, Any], str]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TABLES":  # moved: each strategy declares its row groups (hpcdl.components.Declares)
+        import warnings  # noqa: PLC0415
+
+        from hpcdl.components import all_declared  # noqa: PLC0415
+
+        warnings.warn("TABLES is declared by each strategy now (hpcdl.components.all_declared().tables)",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return {n: (dict(t.columns), t.cut_by) for n, t in all_declared().tables.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: the trace/ fields
 TRACE_FIELDS: dict[str, Any] = {
     "rank": np.int32,
@@ -153,8 +165,17 @@ class RunFile:
     left it. After that the handle writes nothing more (closing it included).
     """
 
-    def __init__(self, h5: h5py.File) -> None:
+    def __init__(
+        self,
+        h5: h5py.File,
+        metrics: Mapping[str, Any] | None = None,
+        tables: Mapping[str, TableSpec] | None = None,
+    ) -> None:
         self.h5 = h5
+        #: the metrics/ columns a row may carry: the driver's and those the run declares
+        self.metrics: dict[str, Any] = {**METRICS, **(metrics or {})}
+        #: the row groups the run declares: name -> (columns, the column a resume cuts by)
+        self.tables: dict[str, TableSpec] = dict(tables or {})
         self.path = Path(h5.filename)
         self.failed: FileError | None = None  # the write error after which nothing is written
         self._padded = False  # space reserved past HDF5's end of file, trimmed by close()
@@ -210,8 +231,18 @@ class RunFile:
 
     # -- opening ------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | os.PathLike[str], attrs: Mapping[str, Any], ranks: int) -> RunFile:
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        attrs: Mapping[str, Any],
+        ranks: int,
+        metrics: Mapping[str, Any] | None = None,
+        tables: Mapping[str, TableSpec] | None = None,
+    ) -> RunFile:
         """Create a new run file with its groups and empty series.
+
+        ``metrics``: the metric columns the run declares beyond :data:`METRICS`; ``tables``:
+        its row groups (created by their first rows).
 
         Raises:
             RunFileError: the file exists (nothing is overwritten) or cannot be written.
@@ -241,9 +272,9 @@ class RunFile:
             h5.attrs["config_changes"] = "[]"
             for key, value in {**attrs, **_alive()}.items():
                 h5.attrs[key] = value
-            metrics = h5.create_group("metrics")
-            for name, dtype in METRICS.items():
-                _metric_series(metrics, name, dtype, 0)
+            group = h5.create_group("metrics")
+            for name, dtype in {**METRICS, **(metrics or {})}.items():
+                _metric_series(group, name, dtype, 0)
             group = h5.create_group("ranks")
             for name in RANK_SERIES:
                 _rank_series(group, name, 0, ranks)
@@ -259,11 +290,22 @@ class RunFile:
                 pass
             path.unlink(missing_ok=True)
             raise file_error(path, err, what="run file", verb="create", fix=fix) from None
-        return cls(h5)
+        return cls(h5, metrics, tables)
 
     @classmethod
-    def resume(cls, path: str | os.PathLike[str], step: int, ranks: int) -> RunFile:
+    def resume(
+        cls,
+        path: str | os.PathLike[str],
+        step: int,
+        ranks: int,
+        metrics: Mapping[str, Any] | None = None,
+        tables: Mapping[str, TableSpec] | None = None,
+    ) -> RunFile:
         """Open an existing run file to continue after a checkpoint of ``step``.
+
+        ``metrics`` and ``tables``: what the run declares (as for :meth:`create`); a column
+        newer than the file is added with its default for the rows kept. A file of format 1
+        becomes format 2.
 
         Rows of ``metrics/`` and ``ranks/`` past ``step`` (logged after the checkpoint,
         then lost with the job) are cut; their number is added to the ``rows_cut``
@@ -279,7 +321,7 @@ class RunFile:
             h5 = h5py.File(path, "r+")
         except OSError as err:
             raise unreadable(path, err) from None
-        if h5.attrs.get("format_version") != FORMAT_VERSION or "metrics" not in h5:
+        if h5.attrs.get("format_version") not in _READABLE or "metrics" not in h5:
             h5.close()
             raise RunFileError(f"{path} is not an hpcdl run file (format {FORMAT_VERSION})")
         written_by = int(h5.attrs["ranks"])
@@ -289,7 +331,7 @@ class RunFile:
                 f"{path} was written by {written_by} ranks and this run has {ranks}: continue it on "
                 f"{written_by} ranks, or start a new run with another --out"
             )
-        runfile = cls(h5)
+        runfile = cls(h5, metrics, tables)
         runfile._reserve(0)
         runfile._written("resume", runfile._cut, step, ranks)
         return runfile
@@ -301,10 +343,11 @@ class RunFile:
         keep = int(np.searchsorted(steps, step, side="right"))  # steps are increasing
         cut = len(steps) - keep
         last_time = float(h5["metrics/time"][keep - 1]) if keep else 0.0
-        for name, dtype in METRICS.items():
+        for name, dtype in self.metrics.items():
             if name not in h5["metrics"]:  # a series newer than the file: its default for the rows
                 _metric_series(h5["metrics"], name, dtype, len(steps))
-            h5["metrics"][name].resize((keep,))
+        for dataset in h5["metrics"].values():
+            dataset.resize((keep,))
         for name in RANK_SERIES:
             if name not in h5["ranks"]:  # a series newer than the file: NaN for the rows it has
                 _rank_series(h5["ranks"], name, len(steps), ranks, fill=np.nan)
@@ -313,10 +356,14 @@ class RunFile:
             kept = int(np.count_nonzero(h5["ranks/step"][...] <= step))
         for dataset in h5["ranks"].values():  # a strategy's own series too
             dataset.resize((kept, *dataset.shape[1:]))
-        for table, (_, by) in TABLES.items():
-            if table in h5:
-                kept = int(np.count_nonzero(h5[table][by][...] <= step))  # rows of the kept pushes
-                for dataset in h5[table].values():
+        for table, group in h5.items():
+            by = group.attrs.get("cut_by") if isinstance(group, h5py.Group) else None
+            if by is None and table in self.tables:  # format 1: the strategy's declaration says
+                by = self.tables[table][1]
+                group.attrs["cut_by"] = by
+            if by is not None:
+                kept = int(np.count_nonzero(group[by][...] <= step))  # rows of the kept pushes, say
+                for dataset in group.values():
                     dataset.resize((kept,))
         starts = h5["trace/start"][...]
         n_events = int(np.count_nonzero(starts <= last_time)) if keep else 0
@@ -325,6 +372,7 @@ class RunFile:
         h5.attrs["rows_cut"] = int(h5.attrs["rows_cut"]) + cut
         h5.attrs["resumed_at"] = np.append(h5.attrs["resumed_at"], step).astype(np.int64)
         h5.attrs["status"] = "running"
+        h5.attrs["format_version"] = FORMAT_VERSION
         if "error" in h5.attrs:  # why an earlier segment failed or stalled: not this one's
             del h5.attrs["error"]
         for key, value in _alive().items():
@@ -332,16 +380,40 @@ class RunFile:
         h5.flush()
 
     # -- appending ----------------------------------------------------------------------
+    def _table_columns(self, name: str, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The columns of row group ``name`` (:attr:`tables`), in their dtypes.
+
+        Raises:
+            ValueError: a group nobody declared, or columns that are not the group's.
+        """
+        if name not in self.tables:
+            raise ValueError(f"row group {name!r} is declared by no component (Declares.tables)")
+        dtypes, _ = self.tables[name]
+        if set(columns) != set(dtypes):
+            raise ValueError(f"{name}/ has columns {sorted(dtypes)}, not {sorted(columns)}")
+        return {column: np.asarray(columns[column], dtype=dtype) for column, dtype in dtypes.items()}
+
     def append_metrics(self, rows: Sequence[Mapping[str, float]]) -> None:
-        """Append rows (dicts of :data:`METRICS` names; missing values become NaN or 0)."""
+        """Append rows (dicts of :attr:`metrics` names; missing values become NaN or 0)."""
         if not rows:
             return
         self._append_all(self.h5["metrics"], self._metric_columns(rows), "metrics")
 
-    @staticmethod
-    def _metric_columns(rows: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
+    def _metric_columns(self, rows: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
+        """The rows as columns.
+
+        Raises:
+            ValueError: a row has a key no component declared (a strategy's metric column is
+                declared in its ``Declares.metrics``): never dropped in silence.
+        """
+        unknown = sorted({k for row in rows for k in row} - set(self.metrics))
+        if unknown:
+            raise ValueError(
+                f"metrics rows carry {', '.join(map(repr, unknown))}, which no component declares: "
+                "declare them in the strategy's Declares.metrics"
+            )
         columns = {}
-        for name, dtype in METRICS.items():
+        for name, dtype in self.metrics.items():
             default = np.nan if np.dtype(dtype).kind == "f" else 0
             columns[name] = np.array([row.get(name, default) for row in rows], dtype=dtype)
         return columns
@@ -376,7 +448,7 @@ class RunFile:
         rank_steps: Sequence[int] | None = None,
     ) -> None:
         """A flush of the training log: metrics rows, per-rank blocks, row groups
-        (:data:`TABLES`), heartbeat, then to disk.
+        (:attr:`tables`), heartbeat, then to disk.
 
         ``series`` holds every :data:`RANK_SERIES` block and may hold a strategy's own
         (created on first use, NaN for the rows before). ``rank_steps``: the ``ranks/``
@@ -389,7 +461,7 @@ class RunFile:
         ranks = {name: np.asarray(values, dtype=np.float64) for name, values in series.items()}
         if rank_steps is not None:
             ranks["step"] = np.asarray(rank_steps, dtype=np.int64)
-        groups = {name: _table_columns(name, columns) for name, columns in (tables or {}).items()}
+        groups = {name: self._table_columns(name, columns) for name, columns in (tables or {}).items()}
         new = set(ranks) - set(self.h5["ranks"]) or any(name not in self.h5 for name in groups)
         if new:  # the new datasets' headers are written into reserved space too
             self._reserve(0)
@@ -438,6 +510,7 @@ class RunFile:
                 _rank_series(group, name, rows, nranks, fill=np.nan)
         for name, columns in groups.items():
             table = self.h5.require_group(name)
+            table.attrs["cut_by"] = self.tables[name][1]
             for column, values in columns.items():
                 if column not in table:
                     table.create_dataset(column, shape=(0,), maxshape=(None,), dtype=values.dtype,
@@ -521,18 +594,6 @@ def _alive() -> dict[str, Any]:
 def _metric_series(group: h5py.Group, name: str, dtype: Any, rows: int) -> None:
     fill = np.nan if np.dtype(dtype).kind == "f" else 0
     group.create_dataset(name, shape=(rows,), maxshape=(None,), dtype=dtype, chunks=(_CHUNK,), fillvalue=fill)
-
-
-def _table_columns(name: str, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The columns of row group ``name`` (:data:`TABLES`), in their dtypes.
-
-    Raises:
-        ValueError: an unknown group, or columns that are not the group's.
-    """
-    dtypes, _ = TABLES[name]
-    if set(columns) != set(dtypes):
-        raise ValueError(f"{name}/ has columns {sorted(dtypes)}, not {sorted(columns)}")
-    return {column: np.asarray(columns[column], dtype=dtype) for column, dtype in dtypes.items()}
 
 
 def _rank_series(group: h5py.Group, name: str, rows: int, ranks: int, fill: float = 0.0) -> None:

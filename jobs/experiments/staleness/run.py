@@ -54,11 +54,11 @@ PARTS = ("profile", "scan", "jitter", "straggler", "real", "accuracy", "scale")
 WORKERS = (1, 2, 4, 8, 16, 64, 256, 1024)
 #: mode name -> the settings on top of the ps preset (``dp``: the sync strategy itself)
 MODES: dict[str, list[str]] = {
-    "async": ["parallel.mode=async"],
-    "async-lr": ["parallel.mode=async", "parallel.compensation=lr"],
-    "ssp1": ["parallel.mode=ssp", "parallel.staleness=1"],
-    "ssp4": ["parallel.mode=ssp", "parallel.staleness=4"],
-    "sync": ["parallel.mode=sync"],
+    "async": ["ps.mode=async"],
+    "async-lr": ["ps.mode=async", "ps.compensation=lr"],
+    "ssp1": ["ps.mode=ssp", "ps.staleness=1"],
+    "ssp4": ["ps.mode=ssp", "ps.staleness=4"],
+    "sync": ["ps.mode=sync"],
     "dp": [],
 }
 #: digits-mlp sampled with replacement (1,024 x 32 exceeds the 1,437 training samples), no checkpoints
@@ -193,7 +193,7 @@ def part_jitter(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     absorbs most of the jitter; on ib-hdr the workers are compute-bound and it shows.
     """
     rows = []
-    settings = ["parallel.mode=async", "parallel.compensation=lr", "train.steps=2000"]
+    settings = ["ps.mode=async", "ps.compensation=lr", "train.steps=2000"]
     for network in ("eth10g", "ib-hdr"):
         for jitter in (0.0, 0.1):
             sim = ["--network", network, "--compute", table(work), "--jitter", str(jitter)]
@@ -310,7 +310,7 @@ def push_interval_cv(path: str) -> float:
 def part_real(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for n in (3, 4):
-        settings = ["parallel.mode=async", "train.steps=3000", "data.sampler=shuffle"]
+        settings = ["ps.mode=async", "train.steps=3000", "data.sampler=shuffle"]
         real = [train(work, f"real-n{n}-{i}", n, settings) for i in range(args.repeats)]
         jitter = statistics.median(push_interval_cv(r["path"]) for r in real)
         shm, costs = ["--network", "shm-local"], ["--compute", table(work)]
@@ -351,7 +351,7 @@ def part_accuracy(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def part_scale(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     sim = ["--network", "eth10g", "--compute", table(work)]
-    settings = ["parallel.mode=async", "parallel.compensation=lr", "train.steps=10000"]
+    settings = ["ps.mode=async", "ps.compensation=lr", "train.steps=10000"]
     row = train(work, "scale-w1024", 1025, settings,
                 sim=sim)  # fmt: skip
     print(f"scale: exit {row['exit']} wall {row['wall_s']} s peak {row.get('peak_rss_mib')} MiB "

@@ -1,0 +1,61 @@
+"""What the pipeline strategy declares (:class:`hpcdl.components.Declares`): its config section
+``[pipeline]`` and the keys that fix its trajectory (a resume with another value is refused)."""
+
+from __future__ import annotations
+
+from hpcdl.components import Declares, Key
+
+__all__ = ["DECLARES"]
+
+#: the section's keys
+KEYS: dict[str, Key] = {
+    "pipeline.microbatches": Key(
+        int,
+        4,
+        "microbatches of data.batch_size per step (m: the stages overlap on them)",
+        minimum=1,
+    ),
+    "pipeline.schedule": Key(
+        str,
+        "1f1b",
+        "gpipe (all forwards, then all backwards), 1f1b (at most p - s microbatches held "
+        "on stage s) or interleaved (1F1B over pipeline.virtual_stages chunks per stage)",
+        choices=("gpipe", "1f1b", "interleaved"),
+    ),
+    "pipeline.virtual_stages": Key(
+        int,
+        1,
+        "interleaved: model chunks per stage (v >= 2; stage s holds virtual stages s, s + p, ...; "
+        "pipeline.microbatches a multiple of p)",
+        minimum=1,
+    ),
+    "pipeline.balance": Key(
+        str,
+        "uniform",
+        "top-level layers per stage [n1, ..., np], or the automatic contiguous partition "
+        "minimising the slowest stage by layer count, parameters, profiled time or output bytes",
+        choices=("uniform", "params", "time", "memory"),
+        item=int,
+        or_list=True,
+    ),
+    "pipeline.split": Key(
+        list,
+        [],
+        "names of the top-level layers at which stages 1, 2, ... start (instead of "
+        "pipeline.balance)",
+        item=str,
+        pattern=r"[A-Za-z0-9_.]+",
+        pattern_doc="naming top-level layers",
+    ),
+    "pipeline.profile": Key(
+        str,
+        "",
+        'balance = "time": a run file made with profile.layers = true, or a TOML/CSV cost '
+        "table; empty: rank 0 profiles a few steps first",
+    ),
+}
+
+#: what the pipeline declares
+DECLARES = Declares(
+    keys=KEYS, fit_keys=("pipeline.microbatches", "pipeline.schedule", "pipeline.virtual_stages")
+)
