@@ -11,7 +11,6 @@ import h5py
 import numpy as np
 import pytest
 
-
 from hpcdl.config import load_config
 from hpcdl.driver import train
 from hpcdl.driver.checkpoints import check_fits

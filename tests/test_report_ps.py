@@ -15,9 +15,9 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcdl.parallel.ps_schema import tau_histogram
 from hpcdl.report import format_table, load, main, samples_per_step, summarize
 from hpcdl.report.plots import rank_times
-from hpcdl.parallel.ps_schema import tau_histogram
 from hpcdl.report.strategy import mode_label
 from hpcdl.store.runfile import RunFile
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from hpcdl.components import STRATEGIES
 from hpcdl.config import SCHEMA, load_config
 from hpcdl.driver.run import plan
 from hpcdl.errors import ConfigError
-from hpcdl.components import STRATEGIES
 from hpcdl.parallel import strategy_class
 from hpcdl.parallel.strategy import ignored_keys
 
