@@ -129,6 +129,20 @@ def continue_command(argv: list[str], out: Path, comm: Communicator) -> str:
     return " ".join([*mpi, python, "-m hpcdl.train", *args])
 
 
+class _PlanModel:
+    """``--plan``'s model builder, handed to a strategy's ``describe``: each call builds the
+    config's model on the plan's stream. Its ``data`` is the loaded data set, for a strategy
+    that plans from samples (a pipeline's time balance): the driver loads, the strategy reads."""
+
+    def __init__(self, cfg: Config, data: Any) -> None:
+        self.cfg, self.data = cfg, data
+
+    def __call__(self) -> Any:
+        cfg = self.cfg
+        xp = array_module(cfg["device"])
+        return build(cfg, self.data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
+
+
 def print_plan(cfg: Config, world_size: int) -> None:
     """``--plan``: the strategy's placement for ``world_size`` ranks, the batch and step arithmetic,
     and each rank's memory (:func:`hpcdl.driver.memory.estimate`) against this host's limits.
@@ -143,10 +157,7 @@ def print_plan(cfg: Config, world_size: int) -> None:
     batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])
 
-    def model() -> Any:
-        xp = array_module(cfg["device"])
-        return build(cfg, data, 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
-
+    model = _PlanModel(cfg, data)
     lines = strategy_class(cfg["parallel.strategy"]).describe(cfg, placement, model)
     memory = plan_lines(estimate(cfg, placement, data, model()), read_limits())
     print(placement.table())

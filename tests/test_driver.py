@@ -21,6 +21,9 @@ from hpcdl.simulate import main as simulate
 from hpcdl.store.checkpoint import CheckpointError, checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.train import main as train_command
 
+#: the toy strategy (tests/toy_strategy.py), named as an outside strategy is
+TOY = "toy_strategy:KeeperAveraging"
+
 # -- --plan: the placement, for any rank count, without starting ranks -------------------------
 
 
@@ -49,7 +52,7 @@ def test_plan_of_sync(n: int, table_line: str, arithmetic: str, capsys: pytest.C
 
 
 def test_plan_of_a_strategy_with_two_roles(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--config", "digits-mlp", "--set", 'parallel.strategy="toy_strategy:KeeperAveraging"', "--plan", "-n", "4"]
+    argv = ["--config", "digits-mlp", "--set", f"parallel.strategy={TOY!r}", "--plan", "-n", "4"]
     assert train_command(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("strategy toy on 4 ranks: data-parallel width 3, global batch 96")
@@ -118,7 +121,7 @@ def _pieces_digest(path: Path) -> str:
 
 
 def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: Path) -> None:
-    sets = ["--set", 'parallel.strategy="toy_strategy:KeeperAveraging"', "--set", "train.steps=12", "--set", "model.width=32",
+    sets = ["--set", f"parallel.strategy={TOY!r}", "--set", "train.steps=12", "--set", "model.width=32",
             "--set", "checkpoint.every=8", "--progress", "none"]  # fmt: skip
     sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
            "--config", "digits-mlp"]  # fmt: skip

@@ -24,8 +24,8 @@ from hpcdl.store.checkpoint import checkpoint_path, load_checkpoint
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
-TOY = ['parallel.strategy="toy_strategy:KeeperAveraging"', "train.steps=12", "checkpoint.every=8", "log.flush_every=1",
-       "model.width=32"]  # fmt: skip
+TOY = ["parallel.strategy='toy_strategy:KeeperAveraging'", "train.steps=12", "checkpoint.every=8",
+       "log.flush_every=1", "model.width=32"]  # fmt: skip
 #: the collectives of the contract
 COLLECTIVES = {"Barrier", "Bcast", "Reduce", "Allreduce", "Iallreduce", "Allgather", "Gather",
                "bcast", "gather", "allgather", "allreduce"}  # fmt: skip

@@ -39,10 +39,10 @@ def test_data_parallel_equals_one_process_on_global_batches(optimizer: str, exch
     finally:
         alone_comm.Free()
     assert parallel.steps == alone.steps == 12
-    for p, q in zip(ps.model.parameters(), alone.model.parameters()):
+    for p, q in zip(parallel.model.parameters(), alone.model.parameters()):
         np.testing.assert_allclose(p.data, q.data, rtol=1e-9, atol=1e-12, err_msg=p.name)
     # and every rank holds the same parameters, bit for bit
-    mine = np.concatenate([p.data.ravel() for p in ps.model.parameters()])
+    mine = np.concatenate([p.data.ravel() for p in parallel.model.parameters()])
     theirs = comm.bcast(mine, root=0)
     np.testing.assert_array_equal(mine, theirs)
 
@@ -65,7 +65,7 @@ def test_accumulation_equals_one_process_on_the_whole_global_batch(exchange: str
         alone_comm.Free()
     assert parallel.steps == alone.steps == 6
     assert parallel.history[0]["samples_per_s"] > 0 and parallel.samples_per_s > 0
-    for p, q in zip(ps.model.parameters(), alone.model.parameters()):
+    for p, q in zip(parallel.model.parameters(), alone.model.parameters()):
         np.testing.assert_allclose(p.data, q.data, rtol=1e-9, atol=1e-12, err_msg=p.name)
 
 
