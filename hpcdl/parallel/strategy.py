@@ -543,6 +543,10 @@ class Strategy:
     #: what the strategy owns beyond the driver's: its config section, fit keys, metric columns,
     #: row tables, plots and legend (:class:`hpcdl.components.Declares`)
     declares: ClassVar[Declares] = Declares()
+    #: how the conformance suite (``tests/strategies/``) exercises the strategy: a small run, where
+    #: it is deterministic, its reference (:class:`hpcdl.parallel.conformance.Conformance`);
+    #: None: the suite only checks its plan
+    conformance: ClassVar[Any] = None
     #: keys of other strategies whose meaning this one cannot give, set to anything but the
     #: default -> why not and what to set instead: refused (:func:`check_keys`)
     cannot_honour: ClassVar[dict[str, str]] = {}
