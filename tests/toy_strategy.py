@@ -21,14 +21,14 @@ from hpcdl.backend import to_numpy
 from hpcdl.comm import wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.nn import SoftmaxCrossEntropy
-from hpcdl.parallel import Agreement, Placement, RankPlace, RankState, StepStats, Strategy
+from hpcdl.parallel import Agreement, LockstepStrategy, Placement, RankPlace, RankState, StepStats
 from hpcdl.parallel.sync import forward_backward, mean_over_members
 
 #: steps between meetings
 TOY_K = 4
 
 
-class KeeperAveraging(Strategy):
+class KeeperAveraging(LockstepStrategy):
     """Workers step alone; every :data:`TOY_K` steps their weights are averaged (the keeper keeps it)."""
 
     name = "toy"

@@ -47,13 +47,19 @@ class Context:
         samples = len(self._data.y_train)
         self.batches, self.steps_per_epoch, self.total_steps = arithmetic(cfg, placement, samples)
         self._schedule: Schedule | None = None
-        self._t0 = wtime()
+        self._before = 0.0  # the run's time before this segment (a resumed run's earlier ones)
+        self._t_segment = wtime()  # when this segment began on this rank's clock
         #: this rank's timeline events since the last write: (kind, start, end, microbatch)
         self.events: list[tuple[str, float, float, int]] = []
 
     def elapsed(self) -> float:
-        """Seconds since the run began, on this rank's clock (the driver counts every segment)."""
-        return wtime() - self._t0
+        """Seconds since the run began, on this rank's clock, every segment of a resumed run included."""
+        return self._before + wtime() - self._t_segment
+
+    def start_segment(self, before: float, at: float) -> None:
+        """The run's time is ``before`` at this rank's clock time ``at`` (the driver, when a run or a
+        resumed part of it begins training)."""
+        self._before, self._t_segment = before, at
 
     def trace(self, kind: str, start: float, end: float, microbatch: int = -1) -> None:
         """A timeline event of this rank from ``start`` to ``end`` (:func:`hpcdl.comm.wtime`

@@ -8,7 +8,7 @@ each epoch's end), progress, stops (a signal, ``train.stop_at``) and checkpoints
 (``train.stop_at = 6`` with meetings every 4 steps stops after step 8); the ranks also
 meet after the last step.
 
-A strategy that runs free (``Strategy.runs_free``: parameter servers) is not stepped:
+A strategy that runs free (a :class:`~hpcdl.parallel.FreeRunningStrategy`: parameter servers) is not stepped:
 :meth:`Trainer.run` lets it run until the next step at which the driver has work that
 needs every rank — a checkpoint, ``train.stop_at``, the end — and it returns the steps
 it did (pushes applied); then the ranks meet as above. Such a strategy evaluates on its
@@ -33,7 +33,7 @@ from hpcdl.driver.runlog import RunLog
 from hpcdl.driver.signals import StopRequest
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
-from hpcdl.parallel import StepStats, Strategy
+from hpcdl.parallel import FreeRunningStrategy, StepStats, Strategy
 from hpcdl.parallel.strategy import crossed
 from hpcdl.store.runfile import heartbeat_now
 
@@ -112,10 +112,10 @@ class Trainer:
         total = self.ctx.total_steps
         self.ctx.comm.Barrier()  # every rank's clock starts together: run times (trace/) line up across ranks
         self._met, self._t_segment = self.step, wtime()
-        self.ctx.elapsed = self.elapsed  # type: ignore[method-assign]  (the run's time, every segment)
+        self.ctx.start_segment(self.counters.elapsed_s, self._t_segment)  # the run's time, every segment
         self._mark(self.step)
         while self.step < total and not self.stopped_by:
-            if self.strategy.runs_free:
+            if isinstance(self.strategy, FreeRunningStrategy):
                 self._phase()
                 continue
             self._one_step()
@@ -123,13 +123,14 @@ class Trainer:
                 self._meeting()
 
     def elapsed(self) -> float:
-        """Seconds since the run began, every segment included."""
-        return self.counters.elapsed_s + wtime() - self._t_segment
+        """Seconds since the run began, every segment included (the context's clock)."""
+        return self.ctx.elapsed()
 
     def end_segment(self) -> None:
         """Add this segment's time to ``counters.elapsed_s`` (once, when the run ends or stops)."""
         self.counters.elapsed_s = self.elapsed()
         self._t_segment = wtime()
+        self.ctx.start_segment(self.counters.elapsed_s, self._t_segment)
 
     def train_time(self, at: float | None = None) -> float:
         """The training time up to run time ``at`` (default: now): the run's time less the

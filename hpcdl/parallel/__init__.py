@@ -11,6 +11,9 @@ from hpcdl.parallel.bucketed import DEFAULT_BUCKET_MB, BucketedExchange
 from hpcdl.parallel.exchange import AllreduceExchange, ExchangeError, GradientExchange, LocalExchange
 from hpcdl.parallel.strategy import (
     Agreement,
+    FreeRunningStrategy,
+    LockstepStrategy,
+    PhaseAgreement,
     PhaseStats,
     Placement,
     RankPlace,
@@ -23,6 +26,9 @@ from hpcdl.parallel.strategy import (
 
 __all__ = [
     "Agreement",
+    "FreeRunningStrategy",
+    "LockstepStrategy",
+    "PhaseAgreement",
     "Placement",
     "RankPlace",
     "RankState",

@@ -52,12 +52,12 @@ from hpcdl.parallel.pipe_schema import DECLARES
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
+    LockstepStrategy,
     Placement,
     RankPlace,
     RankState,
     RunContext,
     StepStats,
-    Strategy,
     differing_parameters,
     load_model_piece,
     model_piece,
@@ -82,7 +82,7 @@ EVAL_BATCH = 512
 # -- the strategy --------------------------------------------------------------------------------
 
 
-class Pipeline(Strategy):
+class Pipeline(LockstepStrategy):
     """Pipeline parallel (GPipe, 1F1B): one stage per rank, m microbatches per step.
 
     Args:

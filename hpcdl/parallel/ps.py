@@ -71,14 +71,14 @@ from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.ps_plan import ShardPlan, shard_plan, ssp_may_pull
 from hpcdl.parallel.ps_schema import DECLARES
 from hpcdl.parallel.strategy import (
-    Agreement,
     Batches,
+    FreeRunningStrategy,
+    PhaseAgreement,
     PhaseStats,
     Placement,
     RankPlace,
     RankState,
     RunContext,
-    Strategy,
     crossed,
 )
 from hpcdl.parallel.sync import forward_backward
@@ -125,7 +125,7 @@ def dc_gradient(
     return out
 
 
-class ParameterServer(Strategy):
+class ParameterServer(FreeRunningStrategy):
     """Parameter servers and workers (module docstring): one role per rank.
 
     Args:
@@ -703,7 +703,7 @@ class ParameterServer(Strategy):
         rate = self._phase_pushes / wall if wall > 0 else float("nan")
         return PhaseStats(comm_s=self._phase_comm, bytes_sent=self.bytes_sent, series={"pushes_per_s": rate})
 
-    def meet(self, phase: PhaseStats, stop: bool) -> Agreement:
+    def meet(self, phase: PhaseStats, stop: bool) -> PhaseAgreement:
         """Server 0's rows of the phase (rank 0 keeps them), the staleness rows of every server,
         and for every rank the steps, the evaluations, a non-finite loss and the stop votes.
 
@@ -714,10 +714,10 @@ class ParameterServer(Strategy):
         with long_wait("a rank waits for the pushes in flight to be applied", self._wait_limit()):
             return self._meet(table, stop)
 
-    def _meet(self, table: np.ndarray, stop: bool) -> Agreement:
+    def _meet(self, table: np.ndarray, stop: bool) -> PhaseAgreement:
         gathered = self.comm.gather((bool(stop), table), root=0)
         summary: Any = None
-        agreement = Agreement(rows=[], stop_votes=0)
+        agreement = PhaseAgreement(rows=[], stop_votes=0)
         if self.rank == 0:
             assert gathered is not None
             keys = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss", "bytes_sent")

@@ -21,9 +21,8 @@ it uses) and is registered in :data:`hpcdl.components.STRATEGIES` under the name
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -31,9 +30,13 @@ import numpy as np
 from hpcdl.comm import Communicator
 from hpcdl.components import Declares, load, strategy_names, strategy_target
 from hpcdl.errors import ConfigError
+from hpcdl.parallel.placement import Placement, RankPlace
 
 __all__ = [
     "Agreement",
+    "FreeRunningStrategy",
+    "LockstepStrategy",
+    "PhaseAgreement",
     "Batches",
     "PhaseStats",
     "Placement",
@@ -170,180 +173,6 @@ class Batches:
         self._epoch = None
 
 
-# -- placement: what each rank does, as data ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """One rank's place in a strategy.
-
-    Attributes:
-        role: what the rank does (``worker``, ``server``, ``stage 2``, ``switch``, ...).
-        holds: the piece of training state it holds (``model``, ``shard 1``, ...); ranks
-            holding the same piece hold equal copies of it, and a checkpoint stores it once
-            (from its first holder). ``""``: none.
-        member: the data-parallel member whose batches this rank processes (the index of
-            its stream of samples, ``0 <= member < width``); -1: it reads no batches.
-    """
-
-    role: str
-    holds: str = ""
-    member: int = -1
-
-
-@dataclass(frozen=True)
-class Placement:
-    """What every rank of a run does, before anything is built (pure data).
-
-    Attributes:
-        strategy: the strategy's name.
-        ranks: one :class:`RankPlace` per world rank.
-        batch_size: samples per data-parallel member and micro-step (``data.batch_size``).
-        micro_steps: micro-steps per optimizer step (``exchange.accumulate`` for sync).
-        notes: lines a strategy adds to the ``--plan`` printout (a partition, a schedule).
-        step_batches: batches of ``batch_size`` one step (one row of the run file) processes;
-            0: ``width x micro_steps`` (a global batch). A parameter server's step is one
-            push: 1.
-        update_batches: batches one optimizer update averages, which ``schedule.scale``
-            scales the learning rate by; 0: ``width x micro_steps``. A parameter server's
-            asynchronous push: 1; its synchronous round: the W workers' batches.
-        step_multiple: steps come in groups of this many (a synchronous round of W
-            pushes): an epoch is a whole number of groups.
-    """
-
-    strategy: str
-    ranks: tuple[RankPlace, ...]
-    batch_size: int
-    micro_steps: int = 1
-    notes: tuple[str, ...] = field(default=())
-    step_batches: int = 0
-    update_batches: int = 0
-    step_multiple: int = 1
-
-    @property
-    def world(self) -> int:
-        """Number of ranks."""
-        return len(self.ranks)
-
-    @property
-    def width(self) -> int:
-        """Data-parallel width: the number of members whose batches make one global batch."""
-        return len({p.member for p in self.ranks if p.member >= 0})
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step: width x micro-steps x batch."""
-        return self.width * self.micro_steps * self.batch_size
-
-    @property
-    def step_samples(self) -> int:
-        """Training samples one step processes (the unit of ``train.steps`` and of epochs)."""
-        return (self.step_batches or self.width * self.micro_steps) * self.batch_size
-
-    @property
-    def scale_batches(self) -> int:
-        """Batches one optimizer update averages (what ``schedule.scale`` scales by)."""
-        return self.update_batches or self.width * self.micro_steps
-
-    def holders(self, piece: str) -> list[int]:
-        """The ranks holding ``piece``, in rank order (the first writes it to checkpoints)."""
-        return [r for r, p in enumerate(self.ranks) if p.holds == piece]
-
-    def pieces(self) -> list[str]:
-        """The pieces of state held, in order of their first holder."""
-        return list(dict.fromkeys(p.holds for p in self.ranks if p.holds))
-
-    def __post_init__(self) -> None:
-        if self.ranks and self.width < 1:
-            raise ConfigError(f"strategy {self.strategy!r} has no rank read batches: nothing would train")
-
-    def same_as(self, other: Placement) -> bool:
-        """The same roles, pieces, members and batch arithmetic (``notes`` are only words)."""
-        return self._key() == other._key()
-
-    def _key(self) -> tuple[Any, ...]:
-        return (self.strategy, self.ranks, self.batch_size, self.micro_steps, self.step_samples,
-                self.scale_batches, self.step_multiple)  # fmt: skip
-
-    def to_json(self) -> str:
-        """The placement as JSON text (stored in checkpoints)."""
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> Placement:
-        """The placement :meth:`to_json` wrote."""
-        d = json.loads(text)
-        return cls(
-            strategy=d["strategy"],
-            ranks=tuple(RankPlace(**p) for p in d["ranks"]),
-            batch_size=int(d["batch_size"]),
-            micro_steps=int(d.get("micro_steps", 1)),
-            notes=tuple(d.get("notes", ())),
-            step_batches=int(d.get("step_batches", 0)),
-            update_batches=int(d.get("update_batches", 0)),
-            step_multiple=int(d.get("step_multiple", 1)),
-        )
-
-    def summary(self) -> str:
-        """One line: ``sync on 3 ranks: ranks 0-2 worker holding model``."""
-        groups = ", ".join(
-            f"{_ranks(rs)} {place.role}" + (f" holding {place.holds}" if place.holds else "")
-            for place, rs in self._runs()
-        )
-        return f"{self.strategy} on {self.world} rank{'s' * (self.world > 1)}: {groups}"
-
-    def table(self) -> str:
-        """The placement as a table (``--plan``): runs of like ranks on one line each."""
-        if self.step_batches:  # steps that are not global batches (a push)
-            arithmetic = (
-                f"data-parallel width {self.width}, one step = {self.step_batches} batch"
-                f"{'es' * (self.step_batches > 1)} of {self.batch_size} ({self.step_samples} samples), "
-                f"one update averages {self.scale_batches} batch{'es' * (self.scale_batches > 1)}"
-            )
-        else:
-            arithmetic = (
-                f"data-parallel width {self.width}, global batch {self.global_batch} = {self.width} x "
-                f"{self.micro_steps} micro-step{'s' * (self.micro_steps > 1)} x {self.batch_size}"
-            )
-        lines = [
-            f"strategy {self.strategy} on {self.world} rank{'s' * (self.world > 1)}: {arithmetic}",
-            "",
-            f"{'ranks':<14}{'role':<14}{'holds':<24}data-parallel member",
-        ]
-        for place, rs in self._runs():
-            members = [self.ranks[r].member for r in rs]
-            member = "-" if members[0] < 0 else _span(members)
-            lines.append(f"{_ranks(rs):<14}{place.role:<14}{place.holds or '-':<24}{member}")
-        return "\n".join([*lines, *(["", *self.notes] if self.notes else [])])
-
-    def _runs(self) -> list[tuple[RankPlace, list[int]]]:
-        """Consecutive ranks with the same role and piece, whose members count up with them."""
-        runs: list[tuple[RankPlace, list[int]]] = []
-        for r, place in enumerate(self.ranks):
-            if runs:
-                head, rs = runs[-1]
-                last = self.ranks[rs[-1]]
-                steps_with = place.member < 0 and last.member < 0 or place.member == last.member + 1
-                if (place.role, place.holds) == (head.role, head.holds) and steps_with:
-                    rs.append(r)
-                    continue
-            runs.append((place, [r]))
-        return runs
-
-
-def _span(values: Sequence[int]) -> str:
-    """``3``, ``0-7`` (consecutive), ``1,4,9``."""
-    if len(values) == 1:
-        return str(values[0])
-    if list(values) == list(range(values[0], values[-1] + 1)):
-        return f"{values[0]}-{values[-1]}"
-    return ",".join(map(str, values))
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {_span(ranks)}"
-
-
 # -- what a strategy reports ---------------------------------------------------------------------
 
 
@@ -397,22 +226,15 @@ class Agreement:
     """What the ranks agreed on at a meeting: one row per step since the last one, and the stop.
 
     Attributes:
-        rows: per step, the global metrics (``loss``, ``train_accuracy`` and whatever the
-            strategy records), the same on every rank.
+        rows: per step, the global metrics (``loss``, ``train_accuracy`` and the metric
+            columns the strategy declares: :attr:`Strategy.declares`), the same on every rank.
         stop_votes: how many ranks asked to stop (a signal); > 0 stops every rank.
         comm_s: seconds this rank communicated at the meeting beyond agreeing (weights
             averaged, say): counted as the last step's communication.
         bytes_sent: this rank's running total of bytes sent after the meeting, when the
             meeting sent some (None: the last step's total stands).
-        tables: row groups of the run file beside ``metrics/`` (``staleness``: one row per
-            applied push and shard), as columns, on rank 0; rows past a checkpoint's step
-            are cut on resume by their ``update`` column.
-        steps: (a free-running strategy's meeting) the steps done in the phase; its rows
-            (with ``lr``) are rank 0's only, to spare every rank a copy of every row.
-        evaluated: (a free-running strategy's meeting) ``(index of the step in the phase,
-            test accuracy, test loss)`` of each evaluation the phase finished, on every rank.
-        bad: (a free-running strategy's meeting) the index of the phase's first step whose
-            loss is not finite, on every rank; -1: none.
+        tables: rows of the row groups the strategy declares (``staleness``: one row per
+            applied push and shard), as columns, on rank 0.
     """
 
     rows: list[dict[str, float]]
@@ -420,6 +242,20 @@ class Agreement:
     comm_s: float = 0.0
     bytes_sent: int | None = None
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class PhaseAgreement(Agreement):
+    """A free-running strategy's meeting (:meth:`FreeRunningStrategy.meet`): also what the phase did.
+
+    Attributes:
+        steps: the steps done in the phase; its rows (with ``lr``) are rank 0's only, to spare
+            every rank a copy of every row.
+        evaluated: ``(index of the step in the phase, test accuracy, test loss)`` of each
+            evaluation the phase finished, on every rank.
+        bad: the index of the phase's first step whose loss is not finite, on every rank; -1: none.
+    """
+
     steps: int = 0
     evaluated: list[tuple[int, float, float]] = field(default_factory=list)
     bad: int = -1
@@ -500,7 +336,13 @@ class RunContext(Protocol):
         ...
 
     def elapsed(self) -> float:
-        """Seconds since the run began, on this rank's clock (a row's ``time``)."""
+        """Seconds since the run began, on this rank's clock, every segment of a resumed run
+        included (a row's ``time``)."""
+        ...
+
+    def trace(self, kind: str, start: float, end: float, microbatch: int = -1) -> None:
+        """A timeline event of this rank from ``start`` to ``end`` (:func:`hpcdl.comm.wtime` times),
+        written to the run file's ``trace/`` (``log.trace``): a pipeline's forward of a microbatch."""
         ...
 
     def random_state(self) -> dict[str, Any]:
@@ -513,13 +355,16 @@ class RunContext(Protocol):
 
 
 class Strategy:
-    """A way of spreading training over ranks: the driver's updater.
+    """A way of spreading training over ranks: the driver's updater. Subclass one of its two kinds:
+    :class:`LockstepStrategy` (the ranks step together: sync, pipeline) or
+    :class:`FreeRunningStrategy` (the ranks run their own loops between meetings: ps).
 
-    Subclasses set :attr:`name`, implement :meth:`plan` (pure) and build what their rank
-    holds in ``__init__``. Strategies whose ranks step together implement :meth:`step`
-    and meet after the steps :meth:`meets_after` says (every step by default); at a
-    meeting every rank calls :meth:`agree`, and, when due, :meth:`evaluate` and
-    :meth:`state` (a checkpoint). :meth:`close` releases what the strategy owns.
+    Every strategy sets :attr:`name`, implements :meth:`plan` (pure), builds what its rank
+    holds in ``__init__``, and gives its part of a checkpoint (:meth:`state`,
+    :meth:`load_state`, :meth:`check_state`) and an evaluation (:meth:`evaluate`) at a
+    meeting; :meth:`close` releases what it owns. What it owns beyond the driver — its
+    config section, fit keys, metric columns, row tables, plots — it declares
+    (:attr:`declares`).
 
     Attributes a driver or a benchmark may read when a strategy has them: ``model`` and
     ``optimizer`` (this rank's).
@@ -527,15 +372,11 @@ class Strategy:
 
     #: the name ``parallel.strategy`` selects it by
     name: ClassVar[str] = ""
-    #: True: the ranks run their own loops between meetings (servers and workers): the
-    #: driver calls :meth:`run_until` and :meth:`meet`, not :meth:`step` and :meth:`agree`;
-    #: the strategy evaluates on its own schedule, and ``ranks/`` gets a row per meeting
+    #: True for a :class:`FreeRunningStrategy` (set by the two kinds, read by benchmarks and the report)
     runs_free: ClassVar[bool] = False
     #: the strategy's own per-rank series (``ranks/``), from ``StepStats.series`` (a row per
     #: step) or, running free, ``PhaseStats.series`` (a row per meeting)
     rank_series: ClassVar[tuple[str, ...]] = ()
-    #: a free-running strategy: the rank whose clock times the steps (``PhaseStats.ended``)
-    row_rank: ClassVar[int] = 0
     #: config keys this strategy reads and the driver's common ones are not: a key, or a
     #: section as ``"pipeline."``; set under another strategy they would do nothing, so the
     #: driver says so once (:func:`ignored_keys`)
@@ -562,33 +403,6 @@ class Strategy:
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
-
-    def step(self, step: int) -> StepStats:
-        """Step ``step`` (0-based: the steps done before it) on this rank."""
-        raise NotImplementedError
-
-    def run_until(self, step: int, target: int, stop: Any, early: Any = None) -> PhaseStats:
-        """Run free from ``step`` steps done until ``target`` or a stop, then quiesce (``runs_free``).
-
-        Args:
-            step: steps done when the call begins (the same on every rank).
-            target: the step of the next meeting; a strategy whose steps come in rounds may
-                end past it, at the end of the round that reaches it.
-            stop: this rank's stop flag (``requested``): asked, the strategy ends early.
-            early: on the row rank, ``early(rows, ended, tables)`` takes the phase's first
-                rows that are final (every ``log.flush_every``, in order, none past a
-                non-finite loss), with when each step ended and their row groups, so that
-                the run file grows during a long phase; :meth:`meet` then gives the rows
-                again, all of them, and the row groups not given yet.
-
-        Returns:
-            What this rank did; the ranks then meet (:meth:`meet`).
-        """
-        raise NotImplementedError
-
-    def meet(self, phase: PhaseStats, stop: bool) -> Agreement:
-        """After :meth:`run_until`: the phase's steps and rows, its evaluations, the stop (collective)."""
-        raise NotImplementedError
 
     @classmethod
     def memory(
@@ -623,14 +437,6 @@ class Strategy:
         """
         return []
 
-    def meets_after(self, step: int) -> bool:
-        """True when the ranks meet after ``step`` (1-based): the driver's work fires there."""
-        return True
-
-    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
-        """The global metrics of the steps since the last meeting, and the stop (collective)."""
-        raise NotImplementedError
-
     def evaluate(self) -> tuple[float, float]:
         """Test accuracy and loss of the trained model (collective, at a meeting)."""
         raise NotImplementedError
@@ -661,3 +467,60 @@ class Strategy:
     def close(self) -> None:
         """Release what the strategy owns (communicators it duplicated or split; collective)."""
         return None
+
+
+class LockstepStrategy(Strategy):
+    """A strategy whose ranks step together: the driver calls :meth:`step` on every rank, and after
+    the steps :meth:`meets_after` says — and after every step at which the driver needs all
+    ranks (a checkpoint, an evaluation, ``train.stop_at``, the end) — every rank calls
+    :meth:`agree`, then, when due, :meth:`evaluate` and :meth:`state` (a checkpoint).
+    """
+
+    def step(self, step: int) -> StepStats:
+        """Step ``step`` (0-based: the steps done before it) on this rank."""
+        raise NotImplementedError
+
+    def meets_after(self, step: int) -> bool:
+        """True when the ranks meet after ``step`` (1-based) of their own accord (every step by
+        default): the driver also makes them meet where its work needs every rank."""
+        return True
+
+    def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
+        """The global metrics of the steps since the last meeting, and the stop (collective)."""
+        raise NotImplementedError
+
+
+class FreeRunningStrategy(Strategy):
+    """A strategy whose ranks run their own loops between meetings (servers and workers): the
+    driver calls :meth:`run_until` on every rank up to the next step at which it needs every
+    rank (a checkpoint, ``train.stop_at``, the end), then :meth:`meet`. The strategy evaluates
+    on its own schedule, and ``ranks/`` gets a row per meeting.
+    """
+
+    runs_free: ClassVar[bool] = True
+    #: the rank whose clock times the steps (``PhaseStats.ended``)
+    row_rank: ClassVar[int] = 0
+
+    def run_until(self, step: int, target: int, stop: Any, early: Any = None) -> PhaseStats:
+        """Run free from ``step`` steps done until ``target`` or a stop, then quiesce (``runs_free``).
+
+        Args:
+            step: steps done when the call begins (the same on every rank).
+            target: the step of the next meeting; a strategy whose steps come in rounds may
+                end past it, at the end of the round that reaches it.
+            stop: this rank's stop flag (``requested``): asked, the strategy ends early.
+            early: on the row rank, ``early(rows, ended, tables)`` takes the phase's first
+                rows that are final (every ``log.flush_every``, in order, none past a
+                non-finite loss), with when each step ended and their row groups, so that
+                the run file grows during a long phase; :meth:`meet` then gives the rows
+                again, all of them, and the row groups not given yet.
+
+        Returns:
+            What this rank did; the ranks then meet (:meth:`meet`).
+        """
+        raise NotImplementedError
+
+    def meet(self, phase: PhaseStats, stop: bool) -> PhaseAgreement:
+        """After :meth:`run_until`: the phase's steps and rows, its evaluations, the stop (collective)."""
+        raise NotImplementedError
+

@@ -27,12 +27,12 @@ from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
+    LockstepStrategy,
     Placement,
     RankPlace,
     RankState,
     RunContext,
     StepStats,
-    Strategy,
     differing_parameters,
     load_model_piece,
     model_piece,
@@ -41,7 +41,7 @@ from hpcdl.parallel.strategy import (
 __all__ = ["SyncDataParallel", "exchange_for", "forward_backward", "mean_over_members"]
 
 
-class SyncDataParallel(Strategy):
+class SyncDataParallel(LockstepStrategy):
     """Synchronous data parallel (DDP, Horovod): N replicas, one global batch, one update.
 
     Args:
