@@ -21,8 +21,9 @@ the protocol's interleavings).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from hpcdl.errors import ConfigError
@@ -49,13 +50,13 @@ class PsSettings:
     dc_lambda: float
 
     #: each setting's config key: the one place that names them (messages name them from here)
-    KEYS: ClassVar[dict[str, str]] = {
+    KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
         "servers": "parallel.servers",
         "mode": "parallel.mode",
         "staleness": "parallel.staleness",
         "compensation": "parallel.compensation",
         "dc_lambda": "parallel.dc_lambda",
-    }
+    })  # fmt: skip
 
     @classmethod
     def from_config(cls, cfg: Any) -> PsSettings:
