@@ -75,7 +75,15 @@ from hpcdl.parallel.ps_math import compensated_lr, dc_gradient
 from hpcdl.parallel.ps_plan import PsSettings, shard_plan
 from hpcdl.parallel.ps_server import EVAL_PART, PsServer, check_shards
 from hpcdl.parallel.ps_worker import PsWorker
-from hpcdl.parallel.strategy import Agreement, Placement, RankPlace, RankState, RunContext, Strategy
+from hpcdl.parallel.strategy import (
+    Agreement,
+    PhaseStats,
+    Placement,
+    RankPlace,
+    RankState,
+    RunContext,
+    Strategy,
+)
 
 __all__ = ["ParameterServer", "PsSettings", "compensated_lr", "dc_gradient"]
 
@@ -243,7 +251,7 @@ class ParameterServer(Strategy):
         raise AttributeError("a parameter-server worker holds no shard")
 
     # -- the driver's calls ------------------------------------------------------------------
-    def run_until(self, step: int, target: int, stop: Any, early: Any = None) -> Any:
+    def run_until(self, step: int, target: int, stop: Any, early: Any = None) -> PhaseStats:
         """Serve or work from ``step`` pushes applied until server 0 has granted ``target``; quiesce.
 
         Server 0 hands ``early`` its rows every ``log.flush_every`` pushes, as they become final.
@@ -252,7 +260,7 @@ class ParameterServer(Strategy):
             return self.role.run_until(step, target, stop, early)
         return self.role.run_until(stop)
 
-    def meet(self, phase: Any, stop: bool) -> Agreement:
+    def meet(self, phase: PhaseStats, stop: bool) -> Agreement:
         """Server 0's rows of the phase (rank 0 keeps them), the staleness rows of every server,
         and for every rank the steps, the evaluations, a non-finite loss and the stop votes.
 
