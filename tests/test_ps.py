@@ -192,11 +192,11 @@ def test_rows_reach_the_file_during_a_phase_and_outlive_a_crash(
     """One phase of 200 pushes (no checkpoint): server 0's rows go to the file every
     log.flush_every pushes, so a worker that dies at its 70th batch leaves them there
     (without the once-a-second limit: the run takes milliseconds of virtual time)."""
-    import hpcdl.parallel.ps as ps_module
+    from hpcdl.parallel import ps_server, ps_worker
     from hpcdl.sim.errors import RankFailure
 
-    monkeypatch.setattr(ps_module, "EARLY_ROWS_S", 0.0)
-    compute, batches = ps_module.forward_backward, [0]
+    monkeypatch.setattr(ps_server, "EARLY_ROWS_S", 0.0)
+    compute, batches = ps_worker.forward_backward, [0]
 
     def dies(*args: Any) -> Any:
         batches[0] += 1
@@ -204,7 +204,7 @@ def test_rows_reach_the_file_during_a_phase_and_outlive_a_crash(
             raise RuntimeError("a worker dies")
         return compute(*args)
 
-    monkeypatch.setattr(ps_module, "forward_backward", dies)
+    monkeypatch.setattr(ps_worker, "forward_backward", dies)
     out = tmp_path / "crash.h5"
     with pytest.raises(RankFailure, match="a worker dies"):
         sim(3, cfg("train.steps=200", "log.flush_every=10", "ps.mode=async"), out=out)
@@ -245,6 +245,34 @@ def test_layouts_that_do_not_fit_are_one_line(sets: list[str], world: int, fragm
         plan(cfg(*sets), world)
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("sets", "said"),
+    [
+        (["checkpoint.every=10"], True),  # 2 workers: below 10 x 2 pushes
+        (["checkpoint.every=10", "ps.mode=ssp"], True),
+        (["checkpoint.every=10", "ps.mode=sync"], False),  # a round quiesces anyway
+        (["checkpoint.every=0"], False),
+        (["checkpoint.every=20"], False),  # not below 10 x 2,
+    ],
+)
+def test_frequent_checkpoints_are_remarked_once_on_rank_0(
+    sets: list[str], said: bool, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from hpcdl.driver.run import plan
+    from hpcdl.parallel.ps import ParameterServer
+
+    config = cfg("train.steps=40", *sets)
+    lines = ParameterServer.advice(config, plan(config, 3))
+    assert lines == (
+        ["checkpoint.every = 10 pushes with 2 workers: every checkpoint quiesces the job and drains the "
+         "workers' pipeline, which shapes the staleness; for a staleness study make it well above 20 "
+         "(0: the end only)"] if said else []
+    )  # fmt: skip
+    sim(3, config)
+    err = capfd.readouterr().err
+    assert err.count("hpcdl.train: ! checkpoint.every = ") == int(said)
 
 
 def test_plan_shows_roles_and_shards(capsys: pytest.CaptureFixture[str]) -> None:

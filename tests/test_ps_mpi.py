@@ -159,7 +159,7 @@ def test_waits_for_a_slow_worker_do_not_trip_the_stall_watchdog(
     under sync: tests/test_watchdog.py stops a worker.)"""
     import time
 
-    import hpcdl.parallel.ps as ps_module
+    import hpcdl.parallel.ps_worker as ps_module
     from hpcdl.comm import WatchedComm, watch
 
     n = world().Get_size()

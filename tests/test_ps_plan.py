@@ -87,3 +87,14 @@ def test_max_staleness_arguments() -> None:
     assert max_staleness(1024, 0) == 1023 and max_staleness(4, 3) == 21
     with pytest.raises(ValueError, match="workers >= 1 and bound >= 0"):
         max_staleness(0, 1)
+
+
+def test_settings_are_read_from_the_keys_they_name() -> None:
+    from hpcdl.config import load_config
+    from hpcdl.parallel.ps_plan import PsSettings
+
+    sets = ["parallel.strategy=ps", "ps.servers=2", "ps.mode=ssp", "ps.staleness=3",
+            "ps.compensation=dc", "ps.dc_lambda=0.25"]  # fmt: skip
+    got = PsSettings.from_config(load_config("digits-mlp", sets))
+    assert got == PsSettings(servers=2, mode="ssp", staleness=3, compensation="dc", dc_lambda=0.25)
+    assert set(PsSettings.KEYS) == {"servers", "mode", "staleness", "compensation", "dc_lambda"}

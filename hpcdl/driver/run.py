@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,12 @@ def build(cfg: Config, comm: Communicator) -> tuple[Context, Strategy]:
     """
     ctx = Context(cfg, comm, plan(cfg, comm.Get_size()))
     check_memory(comm, cfg, ctx.placement, ctx.data())
-    return ctx, strategy_class(cfg["parallel.strategy"])(ctx)
+    cls = strategy_class(cfg["parallel.strategy"])
+    strategy = cls(ctx)
+    if comm.Get_rank() == 0:
+        for line in cls.advice(cfg, ctx.placement):
+            print(f"hpcdl.train: ! {line}", file=sys.stderr, flush=True)
+    return ctx, strategy
 
 
 def train(

@@ -1,9 +1,12 @@
-"""Plans of the parameter-server strategy, as pure functions: shards, the SSP gate, staleness bounds.
+"""Plans of the parameter-server strategy, as pure functions: its settings, shards, the SSP gate,
+staleness bounds.
 
 DESIGN.md's "plans are data": nothing here communicates or keeps state; each function is
 tested against literal tables (and the staleness bound against an exhaustive search of
 the protocol's interleavings).
 
+* **Settings.** :class:`PsSettings` is the strategy's config section, read in one place
+  (:meth:`PsSettings.from_config`): the only code that names the config keys.
 * **Shards.** The master parameters, packed into one flat buffer, are cut into S
   contiguous ranges, one per server, balanced by bytes: shard k holds elements
   ``[floor(k n / S), floor((k + 1) n / S))`` of the ``n`` (a shard may cut a tensor).
@@ -18,12 +21,47 @@ the protocol's interleavings).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from hpcdl.errors import ConfigError
 
-__all__ = ["ShardPlan", "max_staleness", "shard_plan", "ssp_may_pull", "staleness"]
+__all__ = ["PsSettings", "ShardPlan", "max_staleness", "shard_plan", "ssp_may_pull", "staleness"]
+
+
+@dataclass(frozen=True)
+class PsSettings:
+    """The parameter-server strategy's settings, as read from the config.
+
+    Attributes:
+        servers: server ranks ``S`` (ranks ``0 .. S-1``).
+        mode: ``async``, ``ssp`` or ``sync``.
+        staleness: the SSP bound ``s``.
+        compensation: ``none``, ``lr`` or ``dc``.
+        dc_lambda: DC-ASGD's ``lambda``.
+    """
+
+    servers: int
+    mode: str
+    staleness: int
+    compensation: str
+    dc_lambda: float
+
+    #: each setting's config key: the one place that names them (messages name them from here)
+    KEYS: ClassVar[Mapping[str, str]] = MappingProxyType({
+        "servers": "ps.servers",
+        "mode": "ps.mode",
+        "staleness": "ps.staleness",
+        "compensation": "ps.compensation",
+        "dc_lambda": "ps.dc_lambda",
+    })  # fmt: skip
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> PsSettings:
+        """The settings ``cfg`` holds (a validated config: the schema checked types and choices)."""
+        return cls(**{name: cfg[key] for name, key in cls.KEYS.items()})
 
 
 @dataclass(frozen=True)
@@ -61,11 +99,12 @@ def shard_plan(elements: int, servers: int, itemsize: int = 4) -> ShardPlan:
     Raises:
         ConfigError: fewer than one server, or more servers than elements (one line).
     """
+    key = PsSettings.KEYS["servers"]
     if servers < 1:
-        raise ConfigError(f"ps.servers = {servers}: a parameter server job needs at least 1 server")
+        raise ConfigError(f"{key} = {servers}: a parameter server job needs at least 1 server")
     if servers > elements:
         raise ConfigError(
-            f"ps.servers = {servers} for a model of {elements} parameters: every server needs "
+            f"{key} = {servers} for a model of {elements} parameters: every server needs "
             "at least one; use fewer servers"
         )
     bounds = [k * elements // servers for k in range(servers + 1)]

@@ -401,6 +401,12 @@ class Strategy:
         """
         raise NotImplementedError
 
+    @classmethod
+    def advice(cls, cfg: Any, placement: Placement) -> list[str]:
+        """Remarks on a config that runs but may not measure what its user wants (pure): the
+        driver prints them once, on rank 0, when the strategy is built."""
+        return []
+
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
 
