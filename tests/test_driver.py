@@ -126,7 +126,8 @@ def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: P
     sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
            "--config", "digits-mlp"]  # fmt: skip
     assert simulate([*sim, *sets, "--out", str(tmp_path / "whole.h5")]) == 0
-    assert simulate([*sim, *sets, "--set", "train.stop_at=5", "--out", str(tmp_path / "split.h5")]) == 0
+    # the stop at a checkpoint: a stop between the toy's meetings would make the ranks meet (average) there
+    assert simulate([*sim, *sets, "--set", "train.stop_at=8", "--out", str(tmp_path / "split.h5")]) == 0
     assert list_checkpoints(tmp_path / "split.h5") == [checkpoint_path(tmp_path / "split.h5", 8)]
     assert simulate([*sim, *sets, "--out", str(tmp_path / "split.h5"), "--resume", "auto"]) == 0
     whole, split = checkpoint_path(tmp_path / "whole.h5", 12), checkpoint_path(tmp_path / "split.h5", 12)
@@ -134,6 +135,20 @@ def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: P
     with h5py.File(tmp_path / "split.h5", "r") as f:
         assert f.attrs["world"] == "sim" and list(f.attrs["resumed_at"]) == [8]
         assert json.loads(f.attrs["placement"])["strategy"] == "toy"
+
+
+def test_a_strategy_meeting_every_k_steps_also_meets_where_the_driver_needs_all(tmp_path: Path) -> None:
+    """The toy meets every 4 steps of its own accord; checkpoints every 6 and a stop at 9 make it meet
+    there too: a checkpoint is never late (before, they waited for the toy's meetings at 8 and 12)."""
+    sets = ["--set", f"parallel.strategy={TOY!r}", "--set", "train.steps=12", "--set", "model.width=32",
+            "--set", "checkpoint.every=6", "--set", "checkpoint.keep=5", "--progress", "none"]  # fmt: skip
+    sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
+           "--config", "digits-mlp"]  # fmt: skip
+    run = tmp_path / "toy.h5"
+    assert simulate([*sim, *sets, "--set", "train.stop_at=9", "--out", str(run)]) == 0
+    assert sorted(list_checkpoints(run)) == [checkpoint_path(run, 6), checkpoint_path(run, 9)]
+    with h5py.File(run, "r") as f:
+        assert f.attrs["status"] == "stopped" and list(f["metrics/step"][...]) == list(range(1, 10))
 
 
 # -- spending time on purpose --------------------------------------------------------------------

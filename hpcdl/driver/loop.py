@@ -1,12 +1,13 @@
-"""The driver's loop for strategies whose ranks step together (Chainer's ``Trainer``).
+"""The driver's loop (Chainer's ``Trainer``): a strategy's steps, and the periodic work at meetings.
 
-:class:`Trainer` runs the strategy's steps and, at the strategy's meeting points only,
-fires the periodic work every strategy shares: agreeing on the metrics and a stop, the run
-file's rows (flushed every ``log.flush_every`` rows), evaluation (``train.eval_every`` or
-each epoch's end), progress, stops (a signal, ``train.stop_at``) and checkpoints
-(``checkpoint.every``). Work due at a step between two meetings fires at the next meeting
-(``train.stop_at = 6`` with meetings every 4 steps stops after step 8); the ranks also
-meet after the last step.
+:class:`Trainer` runs the strategy's steps and, at meetings only, fires the periodic work
+every strategy shares: agreeing on the metrics and a stop (every meeting), the run file's
+rows (flushed every ``log.flush_every`` rows), progress, and the :class:`Extension` s —
+evaluation (``train.eval_every`` or each epoch's end), ``train.stop_at`` and checkpoints
+(``checkpoint.every``) — each with its :class:`Trigger`. An extension whose work needs
+every rank (all three) makes the ranks meet at the steps it fires: a lockstep strategy
+that meets every τ steps of its own accord also meets there, so a checkpoint is never late
+(the steps are the driver's, not the strategy's); the ranks also meet after the last step.
 
 A strategy that runs free (a :class:`~hpcdl.parallel.FreeRunningStrategy`: parameter servers) is not stepped:
 :meth:`Trainer.run` lets it run until the next step at which the driver has work that
@@ -33,11 +34,49 @@ from hpcdl.driver.runlog import RunLog
 from hpcdl.driver.signals import StopRequest
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
-from hpcdl.parallel import FreeRunningStrategy, StepStats, Strategy
+from hpcdl.parallel import FreeRunningStrategy, LockstepStrategy, StepStats, Strategy
 from hpcdl.parallel.strategy import crossed
 from hpcdl.store.runfile import heartbeat_now
 
-__all__ = ["Counters", "Trainer"]
+__all__ = ["Counters", "Extension", "Trainer", "Trigger"]
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """When an extension fires: after every ``every``-th step (0: never by period), after step
+    ``at`` (0: none), and after the last step when ``end``."""
+
+    every: int = 0
+    at: int = 0
+    end: bool = False
+
+    def fires(self, before: int, now: int, total: int) -> bool:
+        """True when it fires after a step in ``(before, now]`` (the steps since the last meeting)."""
+        return (crossed(before, now, self.every) or before < self.at <= now
+                or (self.end and now == total))  # fmt: skip
+
+    def next(self, step: int, total: int) -> int:
+        """The first step after ``step`` at which it fires (``total`` when none comes before)."""
+        due = [total]
+        if self.every:
+            due.append((step // self.every + 1) * self.every)
+        if self.at > step:
+            due.append(self.at)
+        return min(due)
+
+
+@dataclass(frozen=True)
+class Extension:
+    """Periodic work of the driver: what fires (:attr:`name`), when (:attr:`trigger`), and whether
+    every rank must take part (a collective: the ranks meet at the steps it fires).
+
+    The driver's: ``evaluation``, ``stop_at``, ``checkpoint`` (:meth:`Trainer.extensions`).
+    """
+
+    name: str
+    trigger: Trigger
+    needs_all: bool = True
+
 
 
 @dataclass
@@ -104,8 +143,23 @@ class Trainer:
     _early: list[dict[str, float]] = field(default_factory=list)  # a phase's rows written during it
     _prev_end: float = 0.0  # when the phase's last row so far ended (the row rank's clock)
     _holding: float | None = None  # when the evaluation or checkpoint under way began
+    _extensions: dict[str, Extension] = field(default_factory=dict)  # the periodic work (run())
     #: the figures shown last (:meth:`_mark`): a step, the training time and the run's time up to it
     trained: tuple[int, float, float] = (0, 0.0, 0.0)
+
+    def extensions(self) -> dict[str, Extension]:
+        """The periodic work of this run, by name (from the config; the same on every rank)."""
+        cfg, spe = self.ctx.cfg, self.ctx.steps_per_epoch
+        return {
+            "evaluation": Extension("evaluation", Trigger(every=cfg["train.eval_every"] or spe, end=True)),
+            "stop_at": Extension("stop_at", Trigger(at=cfg["train.stop_at"])),
+            "checkpoint": Extension("checkpoint", Trigger(every=cfg["checkpoint.every"])),
+        }
+
+    def _needs_all(self, before: int, now: int) -> bool:
+        """Some extension that needs every rank fires after a step in ``(before, now]``."""
+        total = self.ctx.total_steps
+        return any(e.needs_all and e.trigger.fires(before, now, total) for e in self._extensions.values())
 
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
@@ -114,12 +168,15 @@ class Trainer:
         self._met, self._t_segment = self.step, wtime()
         self.ctx.start_segment(self.counters.elapsed_s, self._t_segment)  # the run's time, every segment
         self._mark(self.step)
+        self._extensions = self.extensions()
         while self.step < total and not self.stopped_by:
             if isinstance(self.strategy, FreeRunningStrategy):
                 self._phase()
                 continue
+            assert isinstance(self.strategy, LockstepStrategy)
             self._one_step()
-            if self.strategy.meets_after(self.step) or self.step == total:
+            own = self.strategy.meets_after(self.step)
+            if own or self._needs_all(self.step - 1, self.step) or self.step == total:
                 self._meeting()
 
     def elapsed(self) -> float:
@@ -187,14 +244,11 @@ class Trainer:
         self._pending.append(_Step(stats, wall, other, self.elapsed()))
 
     def _next_meeting(self) -> int:
-        """The next step at which the driver needs every rank: a checkpoint, ``train.stop_at``, the end."""
-        cfg, step = self.ctx.cfg, self.step
-        due = [self.ctx.total_steps]
-        if cfg["checkpoint.every"]:
-            due.append((step // cfg["checkpoint.every"] + 1) * cfg["checkpoint.every"])
-        if cfg["train.stop_at"] > step:
-            due.append(cfg["train.stop_at"])
-        return min(due)
+        """The next step at which an extension needs every rank (a checkpoint, ``train.stop_at``), or
+        the end: a free-running strategy runs until then. Its evaluations are its own business."""
+        total = self.ctx.total_steps
+        return min(e.trigger.next(self.step, total) for n, e in self._extensions.items()
+                   if e.needs_all and n != "evaluation")  # fmt: skip
 
     def _phase(self) -> None:
         """Let a free-running strategy run to the next meeting, then meet: rows, evaluations, a
@@ -332,17 +386,15 @@ class Trainer:
         self.bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {loss:.4f}")
 
     def _evaluation_due(self) -> bool:
-        every = self.ctx.cfg["train.eval_every"]
-        period = every or self.ctx.steps_per_epoch  # 0: at the end of each epoch
-        return crossed(self._met, self.step, period) or self.step == self.ctx.total_steps
+        return self._extensions["evaluation"].trigger.fires(self._met, self.step, self.ctx.total_steps)
 
     def _stop_or_save(self, stop_votes: int, before: int) -> None:
-        total, cfg = self.ctx.total_steps, self.ctx.cfg
-        stop_at, every = cfg["train.stop_at"], cfg["checkpoint.every"]
+        """After a meeting: a stop (votes, then ``train.stop_at``), else a checkpoint when due."""
+        total, ext = self.ctx.total_steps, self._extensions
         if stop_votes:
             self.stopped_by = self.stop.name or "a signal to another rank"
-        elif stop_at and before < stop_at <= self.step < total:
-            self.stopped_by = f"train.stop_at = {stop_at}"
-        elif every and crossed(before, self.step, every) and self.step < total:
+        elif self.step < total and ext["stop_at"].trigger.fires(before, self.step, total):
+            self.stopped_by = f"train.stop_at = {ext['stop_at'].trigger.at}"
+        elif self.step < total and ext["checkpoint"].trigger.fires(before, self.step, total):
             with self.holding():
                 self.save(self.step)
