@@ -94,14 +94,14 @@ def test_the_driver_meets_only_at_the_strategys_meetings(comm: Communicator, tmp
         assert sorted(ckpt.pieces) == sorted(["average", *replicas])
 
 
-def test_a_stop_between_meetings_waits_for_the_next_and_resumes_bitwise(
+def test_a_stop_at_a_meeting_resumes_bitwise_and_one_between_meetings_meets_there(
     comm: Communicator, tmp_path: Path
 ) -> None:
     base = _shared(comm, tmp_path)
     cfg = load_config("digits-mlp", TOY)
     whole = train(cfg, comm, out=base / "whole.h5")
-    first = train(load_config("digits-mlp", [*TOY, "train.stop_at=6"]), comm, out=base / "split.h5")
-    assert first.stopped_by == "train.stop_at = 6" and first.steps == 8  # the next meeting
+    first = train(load_config("digits-mlp", [*TOY, "train.stop_at=8"]), comm, out=base / "split.h5")
+    assert first.stopped_by == "train.stop_at = 8" and first.steps == 8
     rest = train(cfg, comm, out=base / "split.h5", resume="auto")
     assert rest.steps == 12 and rest.strategy.meetings == whole.strategy.meetings == 3
     assert all(comm.allgather(rest.train_s > first.train_s))  # each rank's own time goes on
@@ -111,3 +111,6 @@ def test_a_stop_between_meetings_waits_for_the_next_and_resumes_bitwise(
         with h5py.File(base / "split.h5", "r") as f, h5py.File(base / "whole.h5", "r") as g:
             assert list(f.attrs["resumed_at"]) == [8]
             np.testing.assert_array_equal(f["metrics/loss"][...], g["metrics/loss"][...])
+    # a stop between the toy's own meetings (4, 8) needs every rank: they meet at 6, not 8
+    early = train(load_config("digits-mlp", [*TOY, "train.stop_at=6"]), comm, out=base / "early.h5")
+    assert early.stopped_by == "train.stop_at = 6" and early.steps == 6 and early.strategy.meetings == 2

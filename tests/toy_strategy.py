@@ -22,7 +22,7 @@ from hpcdl.comm import wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.nn import SoftmaxCrossEntropy
 from hpcdl.parallel import Agreement, LockstepStrategy, Placement, RankPlace, RankState, StepStats
-from hpcdl.parallel.sync import forward_backward, mean_over_members
+from hpcdl.parallel.common import forward_backward, mean_over_contributors
 
 #: steps between meetings
 TOY_K = 4
@@ -90,7 +90,7 @@ class KeeperAveraging(LockstepStrategy):
         averaging = wtime() - t0
         self.bytes_sent += int(mine.nbytes)
         self.packer.unpack(total, [p.data for p in self.params], scale=1.0 / self.ctx.placement.width)
-        agreed = mean_over_members(self.comm, stats, stop, self.ctx.placement.width)
+        agreed = mean_over_contributors(self.comm, stats, stop)
         agreed.comm_s, agreed.bytes_sent = averaging, self.bytes_sent  # the averaging is the meeting's
         return agreed
 

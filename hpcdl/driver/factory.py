@@ -8,21 +8,20 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
-from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator
 from hpcdl.config import Config
 from hpcdl.data import Dataset, load_dataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
-from hpcdl.nn import Parameter, Sequential, SoftmaxCrossEntropy
+from hpcdl.nn import Parameter, Sequential
 from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
+from hpcdl.parallel.evaluation import EVAL_BATCH, Tally, test_batches
 from hpcdl.rng import generator
 
 __all__ = [
     "make_optimizer", "make_schedule", "load_data", "build", "evaluate", "evaluation_parts", "EVAL_BATCH",
 ]  # fmt: skip
 
-EVAL_BATCH = 512
 
 
 def make_optimizer(cfg: Config, params: Sequence[Parameter], lr: float) -> Optimizer:
@@ -191,11 +190,9 @@ def evaluation_parts(
 
     Returns (as the generator's value): ``[correct, loss sum, images]`` of this rank's share.
     """
-    idx = np.arange(rank, len(data.y_test), size)
-    loss_fn = SoftmaxCrossEntropy()
-    correct, loss_sum = 0, 0.0
-    for start in range(0, len(idx), batch):
-        part = idx[start : start + batch]
+    tally = Tally()
+    parts = list(test_batches(len(data.y_test), rank, size, batch))
+    for i, part in enumerate(parts):
         x = xp.asarray(data.x_test[part], dtype=dtype)
         y = xp.asarray(data.y_test[part])
         model.eval()
@@ -203,8 +200,7 @@ def evaluation_parts(
             logits = model.forward(x)
         finally:
             model.train()
-        loss_sum += loss_fn.forward(logits, y) * len(part)
-        correct += int(to_numpy(logits.argmax(axis=1) == y).sum())
-        if start + batch < len(idx):
+        tally.add(logits, y)
+        if i + 1 < len(parts):
             yield
-    return np.array([correct, loss_sum, len(idx)])
+    return tally.counts()

@@ -38,6 +38,8 @@ from hpcdl.comm import notes
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel import make_exchange
+from hpcdl.parallel.common import mean_over_contributors
+from hpcdl.parallel.evaluation import EVAL_BATCH, Tally, test_batches
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.pipe_exec import EVAL_TAG, LOOKAHEAD, Chunk, Stage, run_step
 from hpcdl.parallel.pipe_plan import Op, Partition, Schedule, partition, schedule
@@ -62,7 +64,6 @@ from hpcdl.parallel.strategy import (
     load_model_piece,
     model_piece,
 )
-from hpcdl.parallel.sync import mean_over_members
 
 # the planning inputs (pipe_profile) and the executor's constants (pipe_exec) are still named here
 __all__ = [
@@ -74,10 +75,6 @@ __all__ = [
     "sample_shapes",
     "stage_partition",
 ]
-
-#: test images per evaluation message
-EVAL_BATCH = 512
-
 
 # -- the strategy --------------------------------------------------------------------------------
 
@@ -230,7 +227,7 @@ class Pipeline(LockstepStrategy):
         self.loss_fn = SoftmaxCrossEntropy()
         self.tracing = bool(ctx.cfg["log.trace"])
         self.bytes_sent = 0
-        self._agree = np.zeros(8)
+        self._agree = np.zeros(10)  # mean_over_contributors: 2 (4 k + 1) for a meeting of k = 1 step
         self._note = notes()
         # what the executor runs every step with (pipe_exec): it measures, this object counts
         self.stage = Stage(
@@ -321,22 +318,21 @@ class Pipeline(LockstepStrategy):
         self.ctx.comm.Allreduce(spans, makespans, op=ops.MAX)
         for s, makespan in zip(stats, makespans):
             s.series["bubble"] = 1.0 - s.series["busy_time"] / makespan if makespan > 0 else 0.0
-        return mean_over_members(self.ctx.comm, stats, stop, 1, self._agree)
+        return mean_over_contributors(self.ctx.comm, stats, stop, self._agree)
 
     def evaluate(self) -> tuple[float, float]:
         """The whole test set through the (virtual) stages, ``EVAL_BATCH`` images a message; the
         last stage's accuracy and loss on every rank (collective)."""
         data, xp, dtype = self.ctx.data(), self.xp, self.dtype
-        loss_fn = SoftmaxCrossEntropy()
         n = len(data.y_test)
-        correct, loss_sum = 0, 0.0
+        tally = Tally()
         self.model.eval()
         try:
-            for start in range(0, n, EVAL_BATCH):
-                count = min(EVAL_BATCH, n - start)
+            for part in test_batches(n):
+                count = len(part)
                 for chunk in self.chunks:
                     if chunk.first:
-                        x = xp.asarray(data.x_test[start : start + count], dtype=dtype)
+                        x = xp.asarray(data.x_test[part], dtype=dtype)
                     else:
                         x = xp.empty((count, *chunk.in_shape[1:]), dtype=dtype)
                         self.comm.Recv(x, source=(self.s - 1) % self.p, tag=EVAL_TAG)
@@ -346,12 +342,10 @@ class Pipeline(LockstepStrategy):
                         synchronize(y)  # a GPU buffer must be ready before MPI reads it
                         self.comm.Send(y, dest=(self.s + 1) % self.p, tag=EVAL_TAG)
                         continue
-                    labels = xp.asarray(data.y_test[start : start + count])
-                    loss_sum += loss_fn.forward(y, labels) * count
-                    correct += int(to_numpy(y.argmax(axis=1) == labels).sum())
+                    tally.add(y, xp.asarray(data.y_test[part]))
         finally:
             self.model.train()
-        result = (correct / max(1, n), loss_sum / max(1, n)) if self.last else None
+        result = tally.result() if self.last else None
         acc, loss = self.comm.bcast(result, root=self.p - 1)
         return float(acc), float(loss)
 

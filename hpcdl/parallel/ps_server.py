@@ -20,6 +20,7 @@ from hpcdl.comm import Communicator, due, notes, waitall, waitany, wtime
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Parameter, Sequential
 from hpcdl.parallel import ps_wire as wire
+from hpcdl.parallel.evaluation import EVAL_BATCH
 from hpcdl.parallel.ps_math import compensated_lr, dc_gradient
 from hpcdl.parallel.ps_plan import PsSettings, ShardPlan, ssp_may_pull
 from hpcdl.parallel.ps_wire import MessageLayout
@@ -30,7 +31,7 @@ __all__ = ["EARLY_ROWS_S", "EVAL_PART", "PsServer", "check_shards"]
 #: server 0 writes its rows during a phase at most this often (seconds)
 EARLY_ROWS_S = 1.0
 #: test images of each part server 0 evaluates at the end (the workers wait anyway: large parts)
-EVAL_PART = 512
+EVAL_PART = EVAL_BATCH
 #: the columns of a metrics row server 0 hands the driver (its own ``worker``, ``tau``, ``ended`` stay)
 ROW_KEYS = ("loss", "train_accuracy", "lr", "test_accuracy", "test_loss", "bytes_sent")
 #: the columns of a staleness row

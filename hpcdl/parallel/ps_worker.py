@@ -16,10 +16,10 @@ from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel import ps_wire as wire
+from hpcdl.parallel.common import forward_backward
 from hpcdl.parallel.ps_plan import PsSettings
 from hpcdl.parallel.ps_wire import MessageLayout
 from hpcdl.parallel.strategy import Batches, PhaseStats, RankState, RunContext
-from hpcdl.parallel.sync import forward_backward
 
 __all__ = ["PsWorker"]
 

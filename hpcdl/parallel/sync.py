@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module starts no MPI
 from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator, notes
 from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
@@ -23,6 +22,7 @@ from hpcdl.comm.pack import wire_dtype
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import GradientExchange, make_exchange
+from hpcdl.parallel.common import forward_backward, mean_over_contributors
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.strategy import (
     Agreement,
@@ -38,7 +38,7 @@ from hpcdl.parallel.strategy import (
     model_piece,
 )
 
-__all__ = ["SyncDataParallel", "exchange_for", "forward_backward", "mean_over_members"]
+__all__ = ["SyncDataParallel", "exchange_for"]
 
 
 class SyncDataParallel(LockstepStrategy):
@@ -100,7 +100,7 @@ class SyncDataParallel(LockstepStrategy):
             self.exchange.tracer = ctx.trace  # the buckets' pack, wait and unpack on the timeline
         self.loss_fn = SoftmaxCrossEntropy()
         self.batches = Batches(self.sampler)
-        self._agree = np.zeros(8)
+        self._agree = np.zeros(10)  # mean_over_contributors: 2 (4 k + 1) for a meeting of k = 1 step
         self._note = notes()  # what this rank does, for the stall watchdog's reports
 
     # -- a step ------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class SyncDataParallel(LockstepStrategy):
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
         """The step's mean loss and batch accuracy over the ranks, and the stop votes: one allreduce."""
-        return mean_over_members(self.comm, stats, stop, self.ctx.placement.width, self._agree)
+        return mean_over_contributors(self.comm, stats, stop, self._agree)
 
     def evaluate(self) -> tuple[float, float]:
         """The whole test set, sharded over the ranks (each with its own BatchNorm statistics)."""
@@ -188,52 +188,18 @@ class SyncDataParallel(LockstepStrategy):
         self.exchange.free()
 
 
-def forward_backward(model: Sequential, loss_fn: SoftmaxCrossEntropy, x: Any, y: Any) -> tuple[float, int]:
-    """Forward, loss, backward; the local loss and the number of correct predictions."""
-    logits = model.forward(x)
-    loss = loss_fn.forward(logits, y)
-    correct = int(to_numpy(logits.argmax(axis=1) == y).sum())
-    model.backward(loss_fn.backward())
-    return float(loss), correct
+def __getattr__(name: str) -> Any:
+    if name in ("forward_backward", "mean_over_members"):  # moved: every strategy's (hpcdl.parallel.common)
+        import warnings  # noqa: PLC0415
 
+        from hpcdl.parallel import common  # noqa: PLC0415
 
-def mean_over_members(
-    comm: Communicator, stats: Sequence[StepStats], stop: bool, width: int, buf: np.ndarray | None = None
-) -> Agreement:
-    """Per step, the mean loss over the ``width`` data-parallel members and their batch accuracy.
-
-    One ``Allreduce`` of ``[loss, correct, samples] x steps + [stop]``: the stop votes travel
-    with the metrics, so agreeing on a stop costs nothing extra (a sum > 0 is the MAX of the
-    flags > 0). Ranks that read no batches add zeros.
-
-    Args:
-        comm: every rank of the world (collective).
-        stats: this rank's steps since the last meeting (the same number on every rank).
-        stop: this rank asks to stop.
-        width: the data-parallel width.
-        buf: scratch of at least ``2 (3 k + 1)`` doubles, reused across calls.
-
-    Returns:
-        The rows (``loss``, ``train_accuracy``) and the stop votes, the same on every rank.
-    """
-    k = len(stats)
-    n = 3 * k + 1
-    if buf is None or buf.size < 2 * n:
-        buf = np.zeros(2 * n)
-    mine, total = buf[:n], buf[n : 2 * n]
-    for i, s in enumerate(stats):
-        member = s.samples > 0
-        mine[3 * i : 3 * i + 3] = (s.loss if member else 0.0, s.correct, s.samples)
-    mine[-1] = float(stop)
-    if comm.Get_size() == 1:
-        total[:] = mine
-    else:
-        comm.Allreduce(mine, total, op=ops.SUM)
-    rows = [
-        {"loss": float(total[3 * i]) / width, "train_accuracy": float(total[3 * i + 1] / total[3 * i + 2])}
-        for i in range(k)
-    ]  # fmt: skip
-    return Agreement(rows=rows, stop_votes=int(total[-1]))
+        warnings.warn(f"hpcdl.parallel.sync.{name} is in hpcdl.parallel.common now", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        if name == "forward_backward":
+            return common.forward_backward
+        return lambda comm, stats, stop, width, buf=None: common.mean_over_contributors(comm, stats, stop)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExchange:
