@@ -342,12 +342,20 @@ class Trainer:
         self.counters.comm_s += agreed.comm_s
         self._mark(self.step, at=steps[-1].elapsed_s)  # the figures up to the end of the last step
         for i, (done, row) in enumerate(zip(steps, agreed.rows)):
-            self._record(first + i, done, row, last=i == len(steps) - 1)
+            last = i == len(steps) - 1
+            self._record(first + i, done, row, last=last, tables=agreed.tables if last else None)
         self._progress(self.history[-1]["loss"])
         self._stop_or_save(agreed.stop_votes, first - 1)
         self._met = self.step
 
-    def _record(self, step: int, done: _Step, agreed: dict[str, float], last: bool) -> None:
+    def _record(
+        self,
+        step: int,
+        done: _Step,
+        agreed: dict[str, float],
+        last: bool,
+        tables: dict[str, Any] | None = None,
+    ) -> None:
         """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
         if not math.isfinite(agreed["loss"]):
             self._fail(
@@ -369,7 +377,8 @@ class Trainer:
         self.history.append(row)
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
-        self.log.record(row, done.wall_s - stats.comm_s, comm, stats.exposed_s, done.other_s, stats.series)
+        compute = done.wall_s - stats.comm_s
+        self.log.record(row, compute, comm, stats.exposed_s, done.other_s, stats.series, tables)
 
     def _fail(self, message: str) -> NoReturn:
         """End the run on every rank alike (a non-finite loss): the file closed as failed, then raise.

@@ -58,6 +58,7 @@ class RunLog:
         self.runfile = runfile  # only rank 0 has one
         self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
+        self._tables: dict[str, dict[str, list[Any]]] = {}  # rank 0's rows of declared row groups
         self._times: list[tuple[float, ...]] = []
         # a row's lr is a data-parallel member's; its step time and bytes the slowest and busiest rank's
         self._member = next(r for r, p in enumerate(placement.ranks) if p.member >= 0)
@@ -75,6 +76,7 @@ class RunLog:
         exposed_s: float,
         other_s: float,
         series: dict[str, float] | None = None,
+        tables: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
 
@@ -85,9 +87,14 @@ class RunLog:
         from the rank that sent most (each rank's own are in its ``row``): rank 0 may read
         no batches at all. ``series``: this rank's values of the strategy's own per-rank
         series for the step (a pipeline stage's bubble), into ``ranks/`` beside the times.
+        ``tables``: rows of the strategy's declared row groups (rank 0's), as columns.
         """
         if self.runfile is not None:
             self._rows.append(row)
+            for name, columns in (tables or {}).items():
+                kept = self._tables.setdefault(name, {})
+                for column, values in columns.items():
+                    kept.setdefault(column, []).extend(np.asarray(values).ravel().tolist())
         own = (row["step_time"], float(row["bytes_sent"]), row["lr"])
         extra = tuple((series or {}).get(name, math.nan) for name in self._series)
         self._times.append((compute_s, comm_s, exposed_s, other_s, *own, *extra))
@@ -113,8 +120,9 @@ class RunLog:
             self._rows,
             {"compute_time": compute, "comm_time": comm_t, "wait_time": wait, "exposed_comm_time": exposed,
              "other_time": other, **{name: times[..., 7 + i] for i, name in enumerate(self._series)}},
+            {name: {c: np.asarray(v) for c, v in columns.items()} for name, columns in self._tables.items()},
         )  # fmt: skip
-        self._rows = []
+        self._rows, self._tables = [], {}
 
     def write_rows(self, rows: list[dict[str, Any]], tables: dict[str, dict[str, Any]]) -> None:
         """Rank 0, during a free-running phase: append metrics rows and row groups, then flush.
