@@ -286,3 +286,33 @@ def test_a_format_1_checkpoint_resumes_bitwise(tmp_path: Path) -> None:
     assert rest.steps == 30
     for (name, a), (_, b) in zip(rest.model.state_dict().items(), whole.model.state_dict().items()):
         assert np.array_equal(a, b), name
+
+
+def test_the_toy_declares_its_key_fit_key_column_table_and_figure_in_its_own_module(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Everything the toy owns comes from its module (tests/toy_strategy.py): config, run file,
+    resume check and report collect it, and a run of another strategy does not know its key."""
+    from hpcdl.report import main as report
+
+    with pytest.raises(ConfigError, match="unknown config key 'toy.every'"):
+        load_config("digits-mlp", ["toy.every=3"])
+    sets = ["--set", f"parallel.strategy={TOY!r}", "--set", "train.steps=9", "--set", "model.width=32",
+            "--set", "toy.every=3", "--set", "checkpoint.every=6", "--progress", "none"]  # fmt: skip
+    sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
+           "--config", "digits-mlp"]  # fmt: skip
+    run = tmp_path / "toy.h5"
+    assert simulate([*sim, *sets, "--set", "train.stop_at=6", "--out", str(run)]) == 0
+    with h5py.File(run, "r") as f:
+        assert list(f["metrics/meetings"][...]) == [1, 1, 1, 2, 2, 2]  # the rows of a meeting: its count
+        assert list(f["spread/step"][...]) == [3, 6] and f["spread"].attrs["cut_by"] == "step"
+        assert (f["spread/spread"][...] > 0).all()  # the workers drifted apart between meetings
+    before = run.read_bytes()
+    assert simulate([*sim, *sets, "--set", "toy.every=2", "--out", str(run), "--resume", "auto"]) == 2
+    assert "was written with toy.every = 3; this run has 2" in capfd.readouterr().err
+    assert run.read_bytes() == before  # refused before anything changed
+    assert simulate([*sim, *sets, "--out", str(run), "--resume", "auto"]) == 0
+    with h5py.File(run, "r") as f:
+        assert list(f["spread/step"][...]) == [3, 6, 9]
+    assert report([str(run), "--out", str(tmp_path / "figs") + "/"]) == 0
+    assert (tmp_path / "figs" / "toy-spread.png").stat().st_size > 0
