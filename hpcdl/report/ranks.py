@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hpcdl.report.strategy import runs_free
 from hpcdl.store.runfile import RANK_SERIES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -135,7 +136,7 @@ def rank_times(run: Run) -> RankTimes | None:
     steps = np.asarray(step[:rows]) if step is not None and len(step) >= rows else np.arange(1, rows + 1)
     time = run.metrics.get("time")
     n = min(rows, len(time)) if time is not None else 0
-    estimate = "other" not in totals and n >= 2 and run.attrs.get("strategy") != "ps"
+    estimate = "other" not in totals and n >= 2 and not runs_free(run.attrs)  # a push ends no round
     window = slice(1, n) if estimate else slice(None)
     mean = {k: _column_means(v[window]) for k, v in totals.items()}
     if estimate:

@@ -30,6 +30,7 @@ __all__ = [
     "micro_steps",
     "mode_label",
     "run_config",
+    "runs_free",
     "strategy_declares",
 ]
 
@@ -53,7 +54,7 @@ def samples_per_step(attrs: dict[str, Any]) -> int | None:
         batch = int(placement["batch_size"])
         if int(placement.get("step_batches", 0)) > 0:
             return int(placement["step_batches"]) * batch
-        if "step_batches" not in placement and _runs_free(attrs):  # placements before step_batches
+        if "step_batches" not in placement and runs_free(attrs):  # placements before step_batches
             return batch  # (hpcdl of 2026-11-24): a free-running strategy's step was one push
         width = len({int(r["member"]) for r in placement["ranks"] if int(r["member"]) >= 0})
         return width * int(placement.get("micro_steps", 1)) * batch
@@ -123,7 +124,7 @@ def micro_steps(attrs: dict[str, Any]) -> int | None:
     return m if isinstance(m, int) and m > 0 else None
 
 
-def _runs_free(attrs: dict[str, Any]) -> bool:
+def runs_free(attrs: dict[str, Any]) -> bool:
     """The run's strategy runs free (its steps are pushes), as far as this hpcdl knows it."""
     from hpcdl.parallel import strategy_class  # noqa: PLC0415 (the registry's classes, on demand)
 
