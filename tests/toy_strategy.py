@@ -22,12 +22,11 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops
-from hpcdl.backend import to_numpy
 from hpcdl.comm import wtime
 from hpcdl.comm.pack import Packer
 from hpcdl.components import Declares, Key, Plot, Table
 from hpcdl.nn import SoftmaxCrossEntropy
-from hpcdl.parallel import Agreement, LockstepStrategy, Placement, RankPlace, RankState, StepStats
+from hpcdl.parallel import Agreement, LockstepStrategy, Placement, RankPlace, StepStats
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
 
 #: steps between meetings, by default
@@ -140,28 +139,15 @@ class KeeperAveraging(LockstepStrategy):
         """The keeper's average on the whole test set (every rank holds it after a meeting)."""
         return self.ctx.evaluate(self.model, self.comm)
 
-    def state(self, pieces: bool) -> RankState:
-        sampler = self.sampler.state() if self.sampler is not None else None
-        meta = {"random": self.ctx.random_state(), "meetings": self.meetings, "sampler": sampler,
-                "bytes_sent": self.bytes_sent}  # fmt: skip
-        part = RankState(meta=meta)
-        if pieces:
-            params = {n: to_numpy(p.data).copy() for n, p in self.model.named_parameters()}
-            piece: dict[str, Any] = {"params": params}
-            if self.optimizer is not None:
-                opt = self.optimizer.state_dict()
-                piece["optimizer"] = {k: v for k, v in opt.items() if isinstance(v, np.ndarray)}
-                piece["meta"] = {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}}
-            part.pieces[self.ctx.placement.ranks[self.ctx.rank].holds] = piece
-        return part
-
-    def load_state(self, state: RankState) -> None:
-        (piece,) = state.pieces.values()
-        self.model.load_state_dict(piece["params"])
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict({**piece["meta"]["optimizer"], **piece["optimizer"]})
-            self.sampler.load_state(state.meta["sampler"])
-        self.ctx.load_random_state(state.meta["random"])
-        self.meetings = state.meta["meetings"]
-        self.bytes_sent = state.meta["bytes_sent"]
-        self._epoch_batches = None
+    def serialize(self, s: Any) -> None:
+        """The rank's piece (the keeper's average, a worker's replica and optimizer), the sampler's
+        position (workers), the random streams and the counters."""
+        holds = self.ctx.placement.ranks[self.ctx.rank].holds
+        s.piece(holds, model=self.model, optimizer=self.optimizer)
+        s.random(self.ctx)
+        if self.sampler is not None:  # the keeper reads no batches
+            s.stateful("sampler", self.sampler)
+        self.meetings = int(s.value("meetings", self.meetings))
+        self.bytes_sent = int(s.value("bytes_sent", self.bytes_sent))
+        if s.loading:
+            self._epoch_batches = None

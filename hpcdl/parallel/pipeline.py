@@ -27,13 +27,13 @@ with ``log.trace`` every forward, backward, send and receive goes to ``trace/``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
-from hpcdl.backend import array_module, synchronize, to_numpy
+from hpcdl.backend import array_module, synchronize
 from hpcdl.comm import notes
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
@@ -51,18 +51,15 @@ from hpcdl.parallel.pipe_profile import (
     stage_partition,
 )
 from hpcdl.parallel.pipe_schema import DECLARES
+from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
     LockstepStrategy,
     Placement,
     RankPlace,
-    RankState,
     RunContext,
     StepStats,
-    differing_parameters,
-    load_model_piece,
-    model_piece,
 )
 
 # the planning inputs (pipe_profile) and the executor's constants (pipe_exec) are still named here
@@ -350,45 +347,31 @@ class Pipeline(LockstepStrategy):
         return float(acc), float(loss)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state(self, pieces: bool) -> RankState:
-        """This stage's slice and optimizer state (its piece), BatchNorm statistics, streams, counters."""
-        part = RankState(
-            arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
-            meta={"random": self.ctx.random_state(), "sampler": self.sampler.state(),
-                  "pipeline": {"bytes_sent": self.bytes_sent}},
-        )  # fmt: skip
-        if pieces:
-            piece = model_piece(self.model, self.optimizer)
-            piece["meta"]["partition"] = self._cut()  # checked on resume by rank 0, for every stage
-            part.pieces[f"stage {self.s}"] = piece
-        return part
+    def serialize(self, s: Serializer) -> None:
+        """This stage's slice and optimizer state (its piece, with the cut it was made under),
+        BatchNorm statistics, the sampler's position, the random streams, bytes sent."""
+        s.piece(f"stage {self.s}", model=self.model, optimizer=self.optimizer,
+                meta={"partition": self._cut()}, check=self._check_cut)  # fmt: skip
+        s.own_buffers(self.model)
+        s.random(self.ctx)
+        s.stateful("sampler", self.sampler)
+        self.bytes_sent = int(s.value("pipeline", {"bytes_sent": self.bytes_sent})["bytes_sent"])
+        if s.loading:
+            self.batches.restart()
 
     def _cut(self) -> dict[str, Any]:
         """How the model is cut and scheduled: what a checkpoint's stages must agree with."""
         return {"balance": list(self.partition.balance), "chunks": self.schedule.chunks}
 
-    def load_state(self, state: RankState) -> None:
-        """Put the stage, its optimizer, the sampler position, the streams and counters back.
-
-        Raises:
-            ConfigError: the checkpoint's stage holds other layers than this one.
-        """
-        self.check_state(state.pieces)
-        load_model_piece(self.model, self.optimizer, state.pieces[f"stage {self.s}"], state.arrays)
-        self.sampler.load_state(state.meta["sampler"])
-        self.ctx.load_random_state(state.meta["random"])
-        self.bytes_sent = int(state.meta["pipeline"]["bytes_sent"])
-        self.batches.restart()
-
-    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
-        """Refuse a checkpoint cut otherwise (another partition, chunks per stage or model).
+    def _check_cut(self, pieces: Mapping[str, Mapping[str, Any]]) -> None:
+        """Refuse a checkpoint cut otherwise (another partition or chunks per stage).
 
         Rank 0 sees every stage's piece (before anything is loaded), the others their own.
         A partition worked out by profiling (``balance = "time"`` without ``pipeline.profile``)
         may cut otherwise after a restart: the message names the cut to resume with.
 
         Raises:
-            ConfigError: naming the two cuts, or up to three parameters that differ.
+            ConfigError: naming the two cuts.
         """
         mine = self._cut()
         for piece in pieces.values():
@@ -400,12 +383,6 @@ class Pipeline(LockstepStrategy):
                     f"it was cut as pipeline.balance = {theirs['balance']}{chunks}; this run cuts "
                     f"{mine['balance']}: resume with pipeline.balance = {theirs['balance']}"
                 )
-        diff = differing_parameters(self.model, pieces.get(f"stage {self.s}", {}).get("params", {}))
-        if diff:
-            raise ConfigError(
-                f"its stage {self.s} holds other layers (another partition or model; parameters differ: "
-                f"{diff} ...)"
-            )
 
     def close(self) -> None:
         """Free the communicators it made (collective)."""

@@ -73,15 +73,15 @@ from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.ps_math import compensated_lr, dc_gradient
 from hpcdl.parallel.ps_plan import PsSettings, shard_plan
 from hpcdl.parallel.ps_schema import DECLARES
-from hpcdl.parallel.ps_server import EVAL_PART, PsServer, check_shards
+from hpcdl.parallel.ps_server import EVAL_PART, PsServer
 from hpcdl.parallel.ps_worker import PsWorker
+from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
     FreeRunningStrategy,
     PhaseAgreement,
     PhaseStats,
     Placement,
     RankPlace,
-    RankState,
     RunContext,
 )
 
@@ -286,23 +286,11 @@ class ParameterServer(FreeRunningStrategy):
         result = self.role.evaluate_master() if isinstance(self.role, PsServer) else None
         return self.comm.bcast(result, root=0)
 
-    def state(self, pieces: bool) -> RankState:
-        """A server: its shard, optimizer state, version and clocks; a worker: its sampler, streams, clock."""
-        if isinstance(self.role, PsServer):
-            return self.role.state(pieces)
-        return self.role.state()
-
-    def load_state(self, state: RankState) -> None:
-        """Put back what :meth:`state` captured."""
-        self.role.load_state(state)
-
-    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
-        """Refuse shards of another size (another model or dtype).
-
-        Raises:
-            ConfigError: naming the shard that differs.
-        """
-        check_shards(self.role.layout.shards, pieces)
+    def serialize(self, s: Serializer) -> None:
+        """A server: its shard, optimizer state, version and clocks; a worker: its sampler, streams,
+        clock (:meth:`PsServer.serialize`, :meth:`PsWorker.serialize`). A server checks every shard's
+        size against its plan (another model or dtype is refused)."""
+        self.role.serialize(s)
 
     def close(self) -> None:
         """Free the strategy's communicator (collective)."""

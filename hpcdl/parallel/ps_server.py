@@ -24,7 +24,8 @@ from hpcdl.parallel.evaluation import EVAL_BATCH
 from hpcdl.parallel.ps_math import compensated_lr, dc_gradient
 from hpcdl.parallel.ps_plan import PsSettings, ShardPlan, ssp_may_pull
 from hpcdl.parallel.ps_wire import MessageLayout
-from hpcdl.parallel.strategy import PhaseAgreement, PhaseStats, RankState, RunContext, crossed
+from hpcdl.parallel.state import Serializer
+from hpcdl.parallel.strategy import PhaseAgreement, PhaseStats, RunContext, crossed
 
 __all__ = ["EARLY_ROWS_S", "EVAL_PART", "PsServer", "check_shards"]
 
@@ -444,38 +445,16 @@ class PsServer:
         return result
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state(self, pieces: bool) -> RankState:
-        """Its shard, optimizer state (``pieces``), version, clocks, bytes sent; server 0 the master
+    def serialize(self, s: Serializer) -> None:
+        """Its shard and optimizer state (its piece), version, clocks, bytes sent; server 0 the master
         BatchNorm statistics."""
-        part = RankState(meta={"version": self.version, "clocks": self.clocks.tolist(),
-                               "bytes_sent": self.bytes_sent})  # fmt: skip
+        s.piece(f"shard {self.rank}", arrays={"shard": self.shard.data}, optimizer=self.optimizer,
+                check=lambda pieces: check_shards(self.layout.shards, pieces))  # fmt: skip
         if self.rank == 0:
-            part.arrays = {f"bn{i}": b.copy() for i, b in enumerate(self.master_bn)}
-        if pieces:
-            opt = self.optimizer.state_dict()
-            part.pieces[f"shard {self.rank}"] = {
-                "params": {"shard": self.shard.data.copy()},
-                "optimizer": {k: v for k, v in opt.items() if isinstance(v, np.ndarray)},
-                "meta": {"optimizer": {k: v for k, v in opt.items() if not isinstance(v, np.ndarray)}},
-            }
-        return part
-
-    def load_state(self, state: RankState) -> None:
-        """Put back what :meth:`state` captured.
-
-        Raises:
-            ConfigError: the checkpoint's shards are of another size (:func:`check_shards`).
-        """
-        self.bytes_sent = int(state.meta.get("bytes_sent", 0))
-        check_shards(self.layout.shards, state.pieces)
-        shard = state.pieces[f"shard {self.rank}"]
-        self.shard.data[...] = shard["params"]["shard"]
-        self.optimizer.load_state_dict({**shard["meta"]["optimizer"], **shard["optimizer"]})
-        self.version = int(state.meta["version"])
-        self.clocks[:] = state.meta["clocks"]
-        if self.rank == 0:
-            for i, buf in enumerate(self.master_bn):
-                buf[...] = state.arrays[f"bn{i}"]
+            s.own_arrays({f"bn{i}": b for i, b in enumerate(self.master_bn)})
+        self.version = int(s.value("version", self.version))
+        self.clocks[:] = s.value("clocks", self.clocks.tolist())
+        self.bytes_sent = int(s.value("bytes_sent", self.bytes_sent))
 
 
 def check_shards(shards: ShardPlan, pieces: dict[str, dict[str, Any]]) -> None:

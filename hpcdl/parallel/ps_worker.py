@@ -12,14 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel import ps_wire as wire
 from hpcdl.parallel.common import forward_backward
 from hpcdl.parallel.ps_plan import PsSettings
 from hpcdl.parallel.ps_wire import MessageLayout
-from hpcdl.parallel.strategy import Batches, PhaseStats, RankState, RunContext
+from hpcdl.parallel.state import Serializer
+from hpcdl.parallel.strategy import Batches, PhaseStats, RunContext
 
 __all__ = ["PsWorker"]
 
@@ -121,19 +121,12 @@ class PsWorker:
         self.clock += 1
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state(self) -> RankState:
+    def serialize(self, s: Serializer) -> None:
         """Its BatchNorm statistics, sampler, random streams, clock and bytes sent."""
-        return RankState(
-            arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
-            meta={"random": self.ctx.random_state(), "sampler": self.sampler.state(), "clock": self.clock,
-                  "bytes_sent": self.bytes_sent},
-        )  # fmt: skip
-
-    def load_state(self, state: RankState) -> None:
-        """Put back what :meth:`state` captured."""
-        self.bytes_sent = int(state.meta.get("bytes_sent", 0))
-        self.model.load_state_dict(state.arrays, strict=False)
-        self.sampler.load_state(state.meta["sampler"])
-        self.ctx.load_random_state(state.meta["random"])
-        self.clock = int(state.meta["clock"])
-        self.batches.restart()
+        s.own_buffers(self.model)
+        s.random(self.ctx)
+        s.stateful("sampler", self.sampler)
+        self.clock = int(s.value("clock", self.clock))
+        self.bytes_sent = int(s.value("bytes_sent", self.bytes_sent))
+        if s.loading:
+            self.batches.restart()

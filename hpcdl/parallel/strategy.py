@@ -447,28 +447,45 @@ class Strategy:
         """Test accuracy and loss of the trained model (collective, at a meeting)."""
         raise NotImplementedError
 
+    def serialize(self, s: Any) -> None:
+        """What this rank holds, described once for saving, loading and checking (Chainer's
+        ``serialize``): its piece, its own arrays, its helpers' states and its counters, through
+        ``s``, a :class:`~hpcdl.parallel.state.Serializer`. :meth:`state`, :meth:`load_state` and
+        :meth:`check_state` derive from it."""
+        raise NotImplementedError
+
     def state(self, pieces: bool) -> RankState:
-        """This rank's part of a checkpoint (at a meeting).
+        """This rank's part of a checkpoint (at a meeting): what :meth:`serialize` describes.
 
         Args:
             pieces: include the pieces this rank holds (asked of their first holder only:
                 the others hold equal copies).
         """
-        raise NotImplementedError
+        from hpcdl.parallel.state import Saver  # noqa: PLC0415 (state.py builds on this module)
+
+        saver = Saver(pieces)
+        self.serialize(saver)
+        return saver.state
 
     def load_state(self, state: RankState) -> None:
-        """Continue from this rank's part of a checkpoint."""
-        raise NotImplementedError
+        """Continue from this rank's part of a checkpoint (checked first: :meth:`check_state`)."""
+        from hpcdl.parallel.state import Loader  # noqa: PLC0415
+
+        self.check_state(state.pieces)
+        self.serialize(Loader(state))
 
     def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
-        """Refuse a checkpoint's pieces this strategy cannot take (on rank 0, before anything changes).
+        """Refuse a checkpoint's pieces this strategy cannot take (on rank 0, before anything changes):
+        another model, shards of another size, another cut (what :meth:`serialize` declares).
 
         ``--resume auto`` passes over a checkpoint that fails it, as over a damaged one.
 
         Raises:
             ConfigError: naming what differs (another model, say).
         """
-        return None
+        from hpcdl.parallel.state import Checker  # noqa: PLC0415
+
+        self.serialize(Checker(pieces))
 
     def close(self) -> None:
         """Release what the strategy owns (communicators it duplicated or split; collective)."""

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.backend import to_numpy
 from hpcdl.comm import Communicator, notes
 from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
 from hpcdl.comm.pack import wire_dtype
@@ -24,18 +23,15 @@ from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
+from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
     Agreement,
     Batches,
     LockstepStrategy,
     Placement,
     RankPlace,
-    RankState,
     RunContext,
     StepStats,
-    differing_parameters,
-    load_model_piece,
-    model_piece,
 )
 
 __all__ = ["SyncDataParallel", "exchange_for"]
@@ -142,46 +138,20 @@ class SyncDataParallel(LockstepStrategy):
         return self.ctx.evaluate(self.model, self.comm)
 
     # -- checkpoints -------------------------------------------------------------------------
-    def state(self, pieces: bool) -> RankState:
-        """The model and optimizer (when asked: they are the same on every rank) and this rank's own."""
-        part = RankState(
-            arrays={name: to_numpy(b).copy() for name, b in self.model.named_buffers()},
-            meta={
-                "random": self.ctx.random_state(),
-                "sampler": self.sampler.state(),
-                "exchange": {"bytes_sent": self.exchange.bytes_sent, "comm_time": self.exchange.comm_time,
-                             "exposed_time": self.exchange.exposed_time},
-            },
-        )  # fmt: skip
-        if pieces:
-            part.pieces["model"] = model_piece(self.model, self.optimizer)
-        return part
-
-    def load_state(self, state: RankState) -> None:
-        """Put the model, optimizer, sampler position, streams and counters back.
-
-        Raises:
-            ConfigError: the checkpoint's model has other parameters than this one.
-        """
-        self.check_state(state.pieces)
-        load_model_piece(self.model, self.optimizer, state.pieces["model"], state.arrays)
-        self.sampler.load_state(state.meta["sampler"])
-        self.ctx.load_random_state(state.meta["random"])
-        counters = state.meta["exchange"]
-        self.exchange.bytes_sent = int(counters["bytes_sent"])
-        self.exchange.comm_time = float(counters["comm_time"])
-        self.exchange.exposed_time = float(counters["exposed_time"])
-        self.batches.restart()
-
-    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
-        """Refuse a model with other parameters (names or shapes) than this one's.
-
-        Raises:
-            ConfigError: naming up to three parameters that differ.
-        """
-        diff = differing_parameters(self.model, pieces.get("model", {}).get("params", {}))
-        if diff:
-            raise ConfigError(f"it holds another model (parameters differ: {diff} ...)")
+    def serialize(self, s: Serializer) -> None:
+        """The model and optimizer (the piece every rank holds alike), BatchNorm statistics, the
+        sampler's position, the random streams and the exchange's counters."""
+        s.piece("model", model=self.model, optimizer=self.optimizer)
+        s.own_buffers(self.model)
+        s.random(self.ctx)
+        s.stateful("sampler", self.sampler)
+        ex = self.exchange
+        counters = s.value("exchange", {"bytes_sent": ex.bytes_sent, "comm_time": ex.comm_time,
+                                        "exposed_time": ex.exposed_time})  # fmt: skip
+        ex.bytes_sent, ex.comm_time = int(counters["bytes_sent"]), float(counters["comm_time"])
+        ex.exposed_time = float(counters["exposed_time"])
+        if s.loading:
+            self.batches.restart()
 
     def close(self) -> None:
         """Free the exchange's duplicated communicator (collective)."""
