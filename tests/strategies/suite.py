@@ -180,14 +180,17 @@ def assert_same_checkpoints(a: Checkpoint, b: Checkpoint) -> None:
         assert value.tobytes() == other.tobytes(), f"{key} differs after the resume"
 
 
-def assert_same_rows(name: str, a: Path, b: Path) -> None:
-    """The run files' metrics and the strategy's row tables, but for the columns that measure time."""
+def assert_same_rows(name: str, a: Path, b: Path, resumed_at: int) -> None:
+    """The run files' metrics and the strategy's row tables, but for the columns that measure time;
+    ``a`` (of ``name``, in the world it ran in) was resumed at ``resumed_at``."""
     cls: type[Strategy] = strategy_class(name)
     conf = conformance(name)
     timing = {*TIMING, *(conf.timing if conf is not None else ())}
     groups = ["metrics", *cls.declares.tables]
     with h5py.File(a, "r") as f, h5py.File(b, "r") as g:
         assert f.attrs["status"] == g.attrs["status"] == "finished"
+        assert list(f.attrs["resumed_at"]) == [resumed_at] and not len(g.attrs.get("resumed_at", []))
+        assert f.attrs["world"] == g.attrs["world"] and f.attrs["strategy"] == short(name)
         for group in groups:
             assert sorted(f[group]) == sorted(g[group]), group
             for column in f[group]:

@@ -50,7 +50,7 @@ def test_a_stop_and_resume_auto_repeat_the_run_bit_for_bit_under_mpiexec(
     if comm.Get_rank() == 0:
         assert final_checkpoint(base / "part.h5").step == cfg["train.steps"]
         assert_same_checkpoints(final_checkpoint(base / "part.h5"), final_checkpoint(base / "whole.h5"))
-        assert_same_rows(name, base / "part.h5", base / "whole.h5")
+        assert_same_rows(name, base / "part.h5", base / "whole.h5", resumed_at=stop)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -60,9 +60,9 @@ def test_a_stop_and_resume_auto_repeat_the_run_bit_for_bit(
     assert stopped[0].stopped_by and stopped[0].steps == stop
     assert [p.name for p in list_checkpoints(part)] == [f"part.ckpt-{stop:08d}.h5"]
     sim(n, cfg, out=part, compute=how, resume="auto")
-    assert_same_checkpoints(final_checkpoint(part), final_checkpoint(whole))
     assert final_checkpoint(part).step == cfg["train.steps"]
-    assert_same_rows(name, part, whole)
+    assert_same_checkpoints(final_checkpoint(part), final_checkpoint(whole))
+    assert_same_rows(name, part, whole, resumed_at=stop)
 
 
 def _other_fit_key(name: str, case: Case, n: int) -> str:
@@ -110,7 +110,7 @@ def test_a_resume_under_another_rank_count_fit_key_or_placement_is_refused_in_on
     name: str, case_name: str, case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    n = max(2, conformance(name).min_ranks)
+    n = max(3, conformance(name).min_ranks)  # room for another server count, cut or schedule
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     out = run_dir / "r.h5"
