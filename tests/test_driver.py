@@ -1,7 +1,7 @@
-"""The driver and its seam, in one process and in the simulator: plans, placements, spending
-time on purpose, slowdowns, format-1 checkpoints, a meeting where the driver needs every rank. (Every
-strategy's resume and refusals, the toy's
-too, are the conformance suite's: ``tests/strategies/``.)"""
+"""The driver and its seam, in one process and in the simulator: plans, placements, a meeting
+where the driver needs every rank, spending time on purpose, slowdowns, format-1 checkpoints.
+(Every strategy's resume and refusals, the toy's too, are the conformance suite's:
+``tests/strategies/``.)"""
 
 from __future__ import annotations
 
