@@ -1,5 +1,7 @@
-"""The driver and its seam, in one process and in the simulator: plans, placements, the toy
-strategy on virtual ranks, spending time on purpose, slowdowns, format-1 checkpoints."""
+"""The driver and its seam, in one process and in the simulator: plans, placements, a meeting
+where the driver needs every rank, spending time on purpose, slowdowns, format-1 checkpoints.
+(Every strategy's resume and refusals, the toy's too, are the conformance suite's:
+``tests/strategies/``.)"""
 
 from __future__ import annotations
 
@@ -13,12 +15,11 @@ import pytest
 
 from hpcdl.config import load_config
 from hpcdl.driver import train
-from hpcdl.driver.checkpoints import check_fits
 from hpcdl.driver.context import Slowdown, slowdown_factor
 from hpcdl.errors import ConfigError
 from hpcdl.parallel import Placement, RankPlace
 from hpcdl.simulate import main as simulate
-from hpcdl.store.checkpoint import CheckpointError, checkpoint_path, list_checkpoints, load_checkpoint
+from hpcdl.store.checkpoint import checkpoint_path, list_checkpoints, load_checkpoint
 from hpcdl.train import main as train_command
 
 #: the toy strategy (tests/toy_strategy.py), named as an outside strategy is
@@ -96,45 +97,7 @@ def test_placement_is_data() -> None:
     assert p.summary().startswith("toy on 4 ranks: rank 0 keeper holding average, rank 1 worker")
 
 
-def test_a_checkpoint_under_another_placement_is_refused(tmp_path: Path) -> None:
-    out = tmp_path / "r.h5"
-    cfg = load_config("digits-mlp", ["train.steps=4"])
-    train(cfg, out=out)
-    ckpt = load_checkpoint(list_checkpoints(out)[0])
-    other = Placement("sync", (RankPlace("worker", "all of it", 0),), batch_size=32)
-    expected = (r"under another placement \(sync on 1 rank: rank 0 worker holding model\); this run's is "
-                r"sync on 1 rank: rank 0 worker holding all of it")  # fmt: skip
-    with pytest.raises(CheckpointError, match=expected):
-        check_fits(ckpt, cfg, other)
-
-
 # -- the toy strategy on virtual ranks -----------------------------------------------------------
-
-
-def _pieces_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    ckpt = load_checkpoint(path)
-    for piece in sorted(ckpt.pieces):
-        for name, a in sorted(ckpt.pieces[piece]["params"].items()):
-            h.update(f"{piece}/{name}".encode() + np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
-
-
-def test_the_toy_strategy_on_virtual_ranks_stops_and_resumes_bitwise(tmp_path: Path) -> None:
-    sets = ["--set", f"parallel.strategy={TOY!r}", "--set", "train.steps=12", "--set", "model.width=32",
-            "--set", "checkpoint.every=8", "--progress", "none"]  # fmt: skip
-    sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
-           "--config", "digits-mlp"]  # fmt: skip
-    assert simulate([*sim, *sets, "--out", str(tmp_path / "whole.h5")]) == 0
-    # the stop at a checkpoint: a stop between the toy's meetings would make the ranks meet (average) there
-    assert simulate([*sim, *sets, "--set", "train.stop_at=8", "--out", str(tmp_path / "split.h5")]) == 0
-    assert list_checkpoints(tmp_path / "split.h5") == [checkpoint_path(tmp_path / "split.h5", 8)]
-    assert simulate([*sim, *sets, "--out", str(tmp_path / "split.h5"), "--resume", "auto"]) == 0
-    whole, split = checkpoint_path(tmp_path / "whole.h5", 12), checkpoint_path(tmp_path / "split.h5", 12)
-    assert _pieces_digest(whole) == _pieces_digest(split)
-    with h5py.File(tmp_path / "split.h5", "r") as f:
-        assert f.attrs["world"] == "sim" and list(f.attrs["resumed_at"]) == [8]
-        assert json.loads(f.attrs["placement"])["strategy"] == "toy"
 
 
 def test_a_strategy_meeting_every_k_steps_also_meets_where_the_driver_needs_all(tmp_path: Path) -> None:

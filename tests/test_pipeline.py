@@ -76,7 +76,7 @@ def rank_series(path: Path, name: str) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("stages", "kind", "m"),
-    [(1, "1f1b", 3), (2, "gpipe", 4), (2, "1f1b", 4), (3, "gpipe", 3), (3, "1f1b", 5), (5, "1f1b", 8),
+    [(1, "1f1b", 3), (2, "gpipe", 4), (3, "gpipe", 3), (3, "1f1b", 5), (5, "1f1b", 8),
      (8, "gpipe", 2), (8, "1f1b", 8)],
 )  # fmt: skip
 def test_pipeline_ends_where_one_process_accumulating_m_microbatches_does(
@@ -210,18 +210,6 @@ def test_time_balance_without_a_profile_profiles_on_rank_0_and_every_stage_agree
     assert all(x.forward_s > 0 for x in got[0].strategy.partition.layers)
 
 
-def test_a_stop_and_resume_repeat_the_uninterrupted_run_bit_for_bit(tmp_path: Path) -> None:
-    sets = ["train.steps=8", "checkpoint.every=4", "pipeline.microbatches=3", "model.dropout=0.2"]
-    whole = sim(3, pipe(*sets), out=tmp_path / "whole.h5")
-    part = tmp_path / "part.h5"
-    stopped = sim(3, pipe(*sets, "train.stop_at=4"), out=part)
-    assert stopped[0].steps == 4 and stopped[0].stopped_by
-    resumed = sim(3, pipe(*sets), out=part, resume="auto")
-    np.testing.assert_array_equal(stage_params(resumed), stage_params(whole))
-    with h5py.File(part) as a, h5py.File(tmp_path / "whole.h5") as b:
-        np.testing.assert_array_equal(a["metrics/loss"][...], b["metrics/loss"][...])
-
-
 def test_the_trace_has_every_forward_and_backward_of_every_microbatch(tmp_path: Path) -> None:
     out = tmp_path / "run.h5"
     stages, m, steps = 3, 4, 2
@@ -331,7 +319,6 @@ def test_a_profiled_pipeline_run_profiles_every_stage_and_feeds_the_time_balance
             "resume with pipeline.balance = [4, 6, 6",
         ),
         (["pipeline.schedule=gpipe"], ["pipeline.schedule=1f1b"], "pipeline.schedule = 'gpipe'"),
-        (["pipeline.microbatches=2"], ["pipeline.microbatches=4"], "pipeline.microbatches = 2"),
     ],
 )
 def test_a_resume_cut_or_scheduled_otherwise_is_refused_before_anything_is_written(

@@ -1,10 +1,12 @@
 """The pipeline strategy under mpiexec (-n 2, -n 3; -n 4 in the slow suite), against one process.
 
-* GPipe, 1F1B and interleaved 1F1B end with the parameters of one process with ``exchange.accumulate = m``
+* GPipe and interleaved 1F1B end with the parameters of one process with ``exchange.accumulate = m``
   on the same microbatches (float64, relative 1e-10), with the same losses and accuracy;
-* a stop at a checkpoint and ``--resume auto`` repeat the uninterrupted run bit for bit;
 * the run file holds each stage's bubble, activation bytes and microbatches in flight,
   and with ``log.trace`` every forward and backward, exported as Chrome trace events.
+
+1F1B against one process, and a stop and ``--resume auto``, are the conformance suite's
+(``tests/strategies/``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def shared_path(comm: Any, tmp_path: Path, name: str) -> Path:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("kind", ["gpipe", "interleaved"])  # 1f1b: tests/strategies (conformance)
 def test_the_pipeline_ends_where_one_process_accumulating_m_microbatches_does(kind: str) -> None:
     comm = world()
     p = comm.Get_size()
@@ -68,25 +70,6 @@ def test_the_pipeline_ends_where_one_process_accumulating_m_microbatches_does(ki
         scale = max(np.abs(p.data).max() for p in want.values())
         for name, param in want.items():
             np.testing.assert_allclose(got[name], param.data, rtol=0, atol=1e-10 * scale, err_msg=name)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_stop_and_resume_at_a_checkpoint_repeat_the_run(tmp_path: Path) -> None:
-    comm = world()
-    sets = ["parallel.strategy=pipeline", "pipeline.microbatches=3", "train.steps=8", "checkpoint.every=4",
-            "model.dropout=0.2"]  # fmt: skip
-    whole = run(cfg(*sets), comm, out=shared_path(comm, tmp_path, "whole.h5"))
-    part = shared_path(comm, tmp_path, "part.h5")
-    stopped = run(cfg(*sets, "train.stop_at=4"), comm, out=part)
-    assert stopped.stopped_by and stopped.steps == 4
-    resumed = run(cfg(*sets), comm, out=part, resume="auto")
-    a, b = gathered(whole, comm), gathered(resumed, comm)
-    if comm.Get_rank() == 0:
-        assert a is not None and b is not None and set(a) == set(b)
-        for name in a:
-            np.testing.assert_array_equal(a[name], b[name])
-        with h5py.File(part) as f, h5py.File(tmp_path / "whole.h5") as g:
-            np.testing.assert_array_equal(f["metrics/loss"][...], g["metrics/loss"][...])
 
 
 @pytest.mark.mpi(min_size=2)

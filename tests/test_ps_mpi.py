@@ -1,12 +1,11 @@
 """Parameter servers under mpiexec (-n 2 and -n 3): every mode, against simpler equivalents.
 
 * one server and one worker in ``async`` mode is single-process training, bit for bit;
-* ``sync`` mode is sync data parallel on the same batches (W = N - 1 workers against N - 1
-  data-parallel ranks), bit for bit where the sums are in the same order (W <= 2);
 * ``ssp`` with a 3x straggler (``debug.slowdown``) never exceeds the largest staleness the
-  rule allows; ``async`` and ``ssp`` finish with one staleness row per push and shard;
-* a stop at a checkpoint and ``--resume auto`` give the uninterrupted run's parameters
-  (``sync`` mode: the arrival order is fixed).
+  rule allows; ``async`` and ``ssp`` finish with one staleness row per push and shard.
+
+``sync`` mode against sync data parallel, and its stop and ``--resume auto``, are the
+conformance suite's (``tests/strategies/``).
 """
 
 from __future__ import annotations
@@ -61,26 +60,6 @@ def test_one_worker_async_is_single_process_training_bit_for_bit() -> None:
         assert losses == [r["loss"] for r in alone.history]
 
 
-@pytest.mark.mpi(min_size=2)
-def test_sync_mode_is_sync_data_parallel_on_the_same_batches() -> None:
-    comm = world()
-    workers, steps = comm.Get_size() - 1, 6
-    ps = run(cfg(f"train.steps={steps * workers}", "ps.mode=sync"), comm)
-    got = master(ps, comm, 1)
-    dp_comm = comm.Split(0 if comm.Get_rank() < workers else 1, comm.Get_rank())
-    try:
-        member = comm.Get_rank() < workers
-        dp = run(cfg(f"train.steps={steps}", "parallel.strategy=sync"), dp_comm) if member else None
-    finally:
-        dp_comm.Free()
-    if comm.Get_rank() == 0:
-        assert dp is not None and ps.steps == steps * workers
-        if workers <= 2:  # a sum of two is the same in any order
-            np.testing.assert_array_equal(got, packed(dp))
-        else:
-            np.testing.assert_allclose(got, packed(dp), rtol=1e-12, atol=1e-15)
-
-
 @pytest.mark.mpi(min_size=3)
 @pytest.mark.parametrize("bound", [0, 1])
 def test_ssp_never_exceeds_its_staleness_bound_with_a_3x_straggler(tmp_path: Path, bound: int) -> None:
@@ -126,24 +105,6 @@ def test_every_mode_finishes_with_a_row_per_push_and_shard(tmp_path: Path, mode:
         assert np.isfinite(accuracy[-1]) and np.isfinite(accuracy).sum() >= 2  # evaluated on the way
         assert np.isnan(pushes[:, :servers]).all() and (pushes[:, servers:] > 0).all()
         assert result.test_accuracy == accuracy[-1]
-
-
-@pytest.mark.mpi(min_size=2)
-def test_a_stop_and_resume_at_a_checkpoint_repeat_the_sync_mode_run(tmp_path: Path) -> None:
-    comm = world()
-    workers = comm.Get_size() - 1
-    steps = 8 * workers
-    sets = [f"train.steps={steps}", f"checkpoint.every={4 * workers}", "ps.mode=sync"]
-    whole = run(cfg(*sets), comm, out=shared_path(comm, tmp_path, "whole.h5"))
-    part = shared_path(comm, tmp_path, "part.h5")
-    stopped = run(cfg(*sets, f"train.stop_at={4 * workers}"), comm, out=part)
-    assert stopped.stopped_by and stopped.steps == 4 * workers
-    resumed = run(cfg(*sets), comm, out=part, resume="auto")
-    a, b = master(whole, comm, 1), master(resumed, comm, 1)
-    if comm.Get_rank() == 0:
-        np.testing.assert_array_equal(a, b)
-        with h5py.File(part) as f:
-            assert f["staleness/update"].shape[0] == steps
 
 
 @pytest.mark.mpi(min_size=3)

@@ -108,3 +108,12 @@ def test_batchnorm_statistics_stay_local() -> None:
     bn = result.model[1]
     means = comm.allgather(np.asarray(bn.running_mean).copy())
     assert any(not np.array_equal(means[0], m) for m in means[1:])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_exchanges_duplicated_communicator_is_freed_at_the_end() -> None:
+    from hpcdl.comm.collectives import CollectivesFreedError
+
+    result = run(load_config("digits-mlp", ["train.steps=2"]), world())
+    with pytest.raises(CollectivesFreedError):
+        _ = result.strategy.exchange.coll.comm

@@ -28,6 +28,7 @@ from hpcdl.components import Declares, Key, Plot, Table
 from hpcdl.nn import SoftmaxCrossEntropy
 from hpcdl.parallel import Agreement, LockstepStrategy, Placement, RankPlace, StepStats
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
+from hpcdl.parallel.conformance import Case, Conformance
 
 #: steps between meetings, by default
 TOY_K = 4
@@ -59,12 +60,19 @@ DECLARES = Declares(
 )
 
 
+def one_worker_is_one_process(cfg: Any, world: int) -> tuple[dict[str, Any], int] | None:
+    """With one worker (2 ranks) the average is the worker's own weights: one process training
+    alone, step for step. More workers average local SGD: no simpler run to compare with."""
+    return ({"parallel.strategy": "sync"}, 1) if world == 2 else None
+
+
 class KeeperAveraging(LockstepStrategy):
     """Workers step alone; every :data:`TOY_K` steps their weights are averaged (the keeper keeps it)."""
 
     name = "toy"
     keys = ("toy.",)
     declares = DECLARES
+    conformance = Conformance({"toy": Case(reference=one_worker_is_one_process)}, min_ranks=2)
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:

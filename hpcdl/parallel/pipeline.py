@@ -39,6 +39,7 @@ from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel import make_exchange
 from hpcdl.parallel.common import mean_over_contributors
+from hpcdl.parallel.conformance import Case, Conformance
 from hpcdl.parallel.evaluation import EVAL_BATCH, Tally, test_batches
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.pipe_exec import EVAL_TAG, LOOKAHEAD, Chunk, Stage, run_step
@@ -76,6 +77,12 @@ __all__ = [
 # -- the strategy --------------------------------------------------------------------------------
 
 
+def one_process_accumulating(cfg: Any, world: int) -> tuple[dict[str, Any], int]:
+    """The run a pipeline of ``world`` stages is equivalent to: one process accumulating the
+    gradients of the step's m microbatches (``exchange.accumulate = m``) on the same batches."""
+    return {"parallel.strategy": "sync", "exchange.accumulate": cfg["pipeline.microbatches"]}, 1
+
+
 class Pipeline(LockstepStrategy):
     """Pipeline parallel (GPipe, 1F1B): one stage per rank, m microbatches per step.
 
@@ -90,6 +97,18 @@ class Pipeline(LockstepStrategy):
     rank_series = ("bubble", "busy_time", "activation_bytes", "in_flight")
     keys = ("pipeline.",)
     declares = DECLARES
+    conformance = Conformance(
+        {
+            "1f1b": Case(
+                {"pipeline.schedule": "1f1b", "pipeline.microbatches": 4},
+                reference=one_process_accumulating,
+                tolerance=1e-10,
+            ),
+            "gpipe-dropout": Case(
+                {"pipeline.schedule": "gpipe", "pipeline.microbatches": 3, "model.dropout": 0.2}
+            ),
+        }
+    )
     cannot_honour = {
         "exchange.accumulate": "a pipeline accumulates over its microbatches: "
         "set pipeline.microbatches instead",

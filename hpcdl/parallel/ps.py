@@ -72,7 +72,7 @@ from hpcdl.parallel import ps_wire as wire
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.ps_math import compensated_lr, dc_gradient
 from hpcdl.parallel.ps_plan import PsSettings, shard_plan
-from hpcdl.parallel.ps_schema import DECLARES
+from hpcdl.parallel.ps_schema import CONFORMANCE, DECLARES
 from hpcdl.parallel.ps_server import EVAL_PART, PsServer
 from hpcdl.parallel.ps_worker import PsWorker
 from hpcdl.parallel.state import Serializer
@@ -99,6 +99,7 @@ class ParameterServer(FreeRunningStrategy):
     """
 
     name = "ps"
+    conformance = CONFORMANCE
     keys = ("ps.",)
     declares = DECLARES
     cannot_honour = {

@@ -1,6 +1,7 @@
 """What the parameter-server strategy declares (:class:`hpcdl.components.Declares`): its config
 section ``[ps]``, the keys that fix its trajectory, its ``staleness/`` row table, its label in
-the report's legends and the report's staleness figure.
+the report's legends and the report's staleness figure; and how the conformance suite runs it
+(:data:`CONFORMANCE`).
 
 ``[ps]`` was ``parallel.servers``, ``parallel.mode``, ... before run-file format 2: those names
 are still read (:attr:`~hpcdl.components.Declares.renamed`).
@@ -8,15 +9,24 @@ are still read (:attr:`~hpcdl.components.Declares.renamed`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from hpcdl.components import Declares, Key, Plot, Table
+from hpcdl.parallel.conformance import Case, Conformance
 from hpcdl.parallel.ps_plan import max_staleness
 
-__all__ = ["DECLARES", "legend", "staleness_figure", "tau_histogram"]
+__all__ = [
+    "CONFORMANCE",
+    "DECLARES",
+    "legend",
+    "master_parameters",
+    "sync_data_parallel",
+    "staleness_figure",
+    "tau_histogram",
+]
 
 #: the section's keys
 KEYS: dict[str, Key] = {
@@ -124,4 +134,35 @@ DECLARES = Declares(
     plots=(Plot("staleness", staleness_figure),),
     legend=legend,
     renamed={f"parallel.{key.partition('.')[2]}": key for key in KEYS},
+)
+
+
+def sync_data_parallel(cfg: Any, world: int) -> tuple[dict[str, Any], int]:
+    """The run ps in ``sync`` mode on ``world`` ranks is equivalent to: sync data parallel over
+    its W workers on the same batches, a step per round of W pushes."""
+    workers = world - cfg["ps.servers"]
+    return {"parallel.strategy": "sync", "train.steps": cfg["train.steps"] // workers}, workers
+
+
+def master_parameters(pieces: Mapping[str, Any], names: Sequence[str]) -> np.ndarray:
+    """The master parameters in the model's order: the servers' shards (pieces ``shard k``) end to end."""
+    shards = sorted((int(name.split()[1]), piece["params"]["shard"]) for name, piece in pieces.items())
+    return np.concatenate([shard for _, shard in shards])
+
+
+#: how the conformance suite runs ps: ``sync`` mode repeats itself and sync data parallel in
+#: both worlds; ``async`` repeats itself only where arrival order is fixed (the simulator, costs
+#: from a table)
+CONFORMANCE = Conformance(
+    {
+        "sync": Case(
+            {"ps.mode": "sync", "train.steps": 12, "checkpoint.every": 6},
+            reference=sync_data_parallel,
+            tolerance=1e-10,
+        ),
+        "async": Case({"ps.mode": "async"}, deterministic=("sim",), compute="table"),
+    },
+    min_ranks=2,
+    parameters=master_parameters,
+    timing=("staleness/time",),
 )

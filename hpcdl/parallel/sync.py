@@ -22,6 +22,7 @@ from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
+from hpcdl.parallel.conformance import Case, Conformance
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
@@ -37,6 +38,13 @@ from hpcdl.parallel.strategy import (
 __all__ = ["SyncDataParallel", "exchange_for"]
 
 
+def one_process_on_the_global_batch(cfg: Any, world: int) -> tuple[dict[str, Any], int]:
+    """The run sync data parallel on ``world`` ranks is equivalent to: one process taking the
+    global batch (width x micro-steps x ``data.batch_size``) at once (the sampler deals a
+    global batch's samples to the members in order)."""
+    return {"data.batch_size": SyncDataParallel.plan(cfg, world).global_batch, "exchange.accumulate": 1}, 1
+
+
 class SyncDataParallel(LockstepStrategy):
     """Synchronous data parallel (DDP, Horovod): N replicas, one global batch, one update.
 
@@ -46,6 +54,16 @@ class SyncDataParallel(LockstepStrategy):
 
     name = "sync"
     keys = ("exchange.",)
+    conformance = Conformance(
+        {
+            "sync": Case(reference=one_process_on_the_global_batch, tolerance=1e-10),
+            # each rank's own BatchNorm statistics and dropout stream, Adam's moments
+            "batchnorm": Case(
+                {"model.name": "cnn", "model.channels": 4, "model.dropout": 0.3, "optimizer.name": "adam",
+                 "optimizer.lr": 0.003}  # fmt: skip
+            ),
+        }
+    )
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
