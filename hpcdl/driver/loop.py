@@ -38,7 +38,7 @@ from hpcdl.parallel import FreeRunningStrategy, LockstepStrategy, StepStats, Str
 from hpcdl.parallel.strategy import crossed
 from hpcdl.store.runfile import heartbeat_now
 
-__all__ = ["Counters", "Extension", "Trainer", "Trigger"]
+__all__ = ["Counters", "Extension", "Meeting", "Trainer", "Trigger"]
 
 
 @dataclass(frozen=True)
@@ -65,18 +65,47 @@ class Trigger:
         return min(due)
 
 
+@dataclass
+class Meeting:
+    """What a meeting hands the extensions: the steps it closes and what the ranks agreed.
+
+    Attributes:
+        before: the step of the previous meeting (the meeting closes ``before + 1 ..`` the step now).
+        stop_votes: how many ranks asked to stop.
+        row: the last step's row (a lockstep meeting's: its extensions add to it before it is
+            written), or None.
+        done: the last step's driver-side record (a lockstep meeting's), or None.
+        tables: rows of the strategy's declared row groups, written with the last row.
+        shown: the meeting has rows to show (a free-running phase may end without any).
+    """
+
+    before: int
+    stop_votes: int
+    row: dict[str, Any] | None = None
+    done: Any = None
+    tables: dict[str, Any] | None = None
+    shown: bool = True
+
+
 @dataclass(frozen=True)
 class Extension:
-    """Periodic work of the driver: what fires (:attr:`name`), when (:attr:`trigger`), and whether
-    every rank must take part (a collective: the ranks meet at the steps it fires).
+    """Periodic work of the driver (Chainer's ``Extension``): what fires (:attr:`name`), when
+    (:attr:`trigger`; None: at every meeting), whether every rank must take part (a collective:
+    the ranks meet at the steps it fires), and what it does, ``run(trainer, meeting)``.
 
-    The driver's: ``evaluation``, ``stop_at``, ``checkpoint`` (:meth:`Trainer.extensions`).
+    The driver's, in the order they fire at a meeting (:meth:`Trainer.extensions`): ``evaluation``
+    (a lockstep strategy's: a free-running one evaluates on its own), ``log`` (the last step's
+    row), ``flush`` (the run file), ``progress``, ``stop_vote``, ``stop_at``, ``checkpoint``.
     """
 
     name: str
-    trigger: Trigger
-    needs_all: bool = True
+    trigger: Trigger | None
+    run: Callable[[Trainer, Meeting], None]
+    needs_all: bool = False
 
+    def fires(self, before: int, now: int, total: int) -> bool:
+        """It fires at a meeting closing the steps ``(before, now]``."""
+        return self.trigger is None or self.trigger.fires(before, now, total)
 
 
 @dataclass
@@ -148,18 +177,32 @@ class Trainer:
     trained: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def extensions(self) -> dict[str, Extension]:
-        """The periodic work of this run, by name (from the config; the same on every rank)."""
+        """The periodic work of this run, by name, in the order it fires (the same on every rank)."""
         cfg, spe = self.ctx.cfg, self.ctx.steps_per_epoch
-        return {
-            "evaluation": Extension("evaluation", Trigger(every=cfg["train.eval_every"] or spe, end=True)),
-            "stop_at": Extension("stop_at", Trigger(at=cfg["train.stop_at"])),
-            "checkpoint": Extension("checkpoint", Trigger(every=cfg["checkpoint.every"])),
-        }
+        lockstep = not isinstance(self.strategy, FreeRunningStrategy)
+        evaluation = Trigger(every=cfg["train.eval_every"] or spe, end=True)  # 0: each epoch's end
+        every = [
+            Extension("evaluation", evaluation, Trainer._evaluate, needs_all=True) if lockstep else None,
+            Extension("log", None, Trainer._write_last_row) if lockstep else None,  # a phase writes its own
+            Extension("flush", Trigger(every=cfg["log.flush_every"]), Trainer._flush) if lockstep else None,
+            Extension("progress", None, Trainer._show),
+            Extension("stop_vote", None, Trainer._count_votes),
+            Extension("stop_at", Trigger(at=cfg["train.stop_at"]), Trainer._stop_at, needs_all=True),
+            Extension("checkpoint", Trigger(every=cfg["checkpoint.every"]), Trainer._save, needs_all=True),
+        ]
+        return {e.name: e for e in every if e is not None}
+
+    def _fire(self, meeting: Meeting) -> None:
+        """Run the extensions due at this meeting, in their order."""
+        total = self.ctx.total_steps
+        for ext in self._extensions.values():
+            if ext.fires(meeting.before, self.step, total):
+                ext.run(self, meeting)
 
     def _needs_all(self, before: int, now: int) -> bool:
         """Some extension that needs every rank fires after a step in ``(before, now]``."""
         total = self.ctx.total_steps
-        return any(e.needs_all and e.trigger.fires(before, now, total) for e in self._extensions.values())
+        return any(e.needs_all and e.fires(before, now, total) for e in self._extensions.values())
 
     def run(self) -> None:
         """Steps and meetings until the last step, a stop or an error."""
@@ -245,10 +288,10 @@ class Trainer:
 
     def _next_meeting(self) -> int:
         """The next step at which an extension needs every rank (a checkpoint, ``train.stop_at``), or
-        the end: a free-running strategy runs until then. Its evaluations are its own business."""
+        the end: a free-running strategy runs until then (its evaluations are its own business)."""
         total = self.ctx.total_steps
-        return min(e.trigger.next(self.step, total) for n, e in self._extensions.items()
-                   if e.needs_all and n != "evaluation")  # fmt: skip
+        return min(e.trigger.next(self.step, total) for e in self._extensions.values()
+                   if e.needs_all and e.trigger is not None)  # fmt: skip
 
     def _phase(self) -> None:
         """Let a free-running strategy run to the next meeting, then meet: rows, evaluations, a
@@ -295,9 +338,7 @@ class Trainer:
                 f"loss is not finite at step {first + agreed.bad}: stopped; the last good checkpoint is "
                 "kept (lower optimizer.lr, or ps.compensation = 'lr' for stale pushes)"
             )
-        if shown:
-            self._progress(self.history[-1]["loss"])
-        self._stop_or_save(agreed.stop_votes, first - 1)
+        self._fire(Meeting(first - 1, agreed.stop_votes, shown=shown))
         self._met = self.step
 
     def _write_early(self, rows: list[dict[str, float]], ended: list[float], tables: dict[str, Any]) -> None:
@@ -331,7 +372,8 @@ class Trainer:
         return out
 
     def _meeting(self) -> None:
-        """What fires at a meeting: agree, rows, evaluation, progress, a stop, a checkpoint."""
+        """A lockstep meeting: agree, the rows, then the extensions due (evaluation, the last row,
+        a flush, progress, a stop, a checkpoint)."""
         steps, self._pending = self._pending, []
         first = self.step - len(steps) + 1
         self._note["phase"] = "metrics and stop vote"
@@ -341,22 +383,19 @@ class Trainer:
         steps[-1].meeting_comm_s = self._meeting_comm = agreed.comm_s  # counted with the last step
         self.counters.comm_s += agreed.comm_s
         self._mark(self.step, at=steps[-1].elapsed_s)  # the figures up to the end of the last step
-        for i, (done, row) in enumerate(zip(steps, agreed.rows)):
-            last = i == len(steps) - 1
-            self._record(first + i, done, row, last=last, tables=agreed.tables if last else None)
-        self._progress(self.history[-1]["loss"])
-        self._stop_or_save(agreed.stop_votes, first - 1)
+        for i, (done, agreed_row) in enumerate(zip(steps, agreed.rows)):
+            row = self._row(first + i, done, agreed_row)  # a loss not finite ends it (the rows before kept)
+            if i < len(steps) - 1:
+                self._write(row, done)  # the last one after the extensions that add to it
+        self._fire(Meeting(first - 1, agreed.stop_votes, row, steps[-1], agreed.tables))
         self._met = self.step
 
-    def _record(
-        self,
-        step: int,
-        done: _Step,
-        agreed: dict[str, float],
-        last: bool,
-        tables: dict[str, Any] | None = None,
-    ) -> None:
-        """One step's row: the agreed metrics, this rank's times, an evaluation when due."""
+    def _row(self, step: int, done: _Step, agreed: dict[str, float]) -> dict[str, Any]:
+        """One step's row: the agreed metrics and this rank's times.
+
+        Raises:
+            HpcdlError: the loss is not finite (the rows before it are written first).
+        """
         if not math.isfinite(agreed["loss"]):
             self._fail(
                 f"loss is {agreed['loss']} at step {step}: stopped; the last good checkpoint is kept "
@@ -364,21 +403,55 @@ class Trainer:
             )
         spe, stats, per_step = self.ctx.steps_per_epoch, done.stats, self.ctx.placement.step_samples
         rate = per_step / done.wall_s if done.wall_s > 0 else math.nan  # no time: none
-        row = {"step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **agreed, "lr": stats.lr,
-               "step_time": done.wall_s, "samples_per_s": rate, "bytes_sent": stats.bytes_sent,
-               "time": done.elapsed_s}  # fmt: skip
-        if last and self._evaluation_due():
-            self._note["phase"] = "evaluation"
-            with self.holding():
-                self.accuracy, self.evaluated_at = self.strategy.evaluate(), step
-            acc, loss = self.accuracy
-            row.update(test_accuracy=acc, test_loss=loss)
-            self._say_accuracy(step, row["epoch"])
+        return {"step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **agreed,
+                "lr": stats.lr, "step_time": done.wall_s, "samples_per_s": rate,
+                "bytes_sent": stats.bytes_sent, "time": done.elapsed_s}  # fmt: skip
+
+    def _write(self, row: dict[str, Any], done: _Step, tables: dict[str, Any] | None = None) -> None:
+        """Hand a row and this rank's times for its step to the run file's log (buffered)."""
+        stats = done.stats
         self.history.append(row)
         self._note["phase"] = "run file"
         comm = stats.comm_s + done.meeting_comm_s
         compute = done.wall_s - stats.comm_s
         self.log.record(row, compute, comm, stats.exposed_s, done.other_s, stats.series, tables)
+
+    # -- the extensions' work (Trainer.extensions) ------------------------------------------------
+    def _evaluate(self, meeting: Meeting) -> None:
+        """Evaluate (collective) and put the figures into the meeting's last row."""
+        assert meeting.row is not None
+        self._note["phase"] = "evaluation"
+        with self.holding():
+            self.accuracy, self.evaluated_at = self.strategy.evaluate(), self.step
+        acc, loss = self.accuracy
+        meeting.row.update(test_accuracy=acc, test_loss=loss)
+        self._say_accuracy(self.step, meeting.row["epoch"])
+
+    def _write_last_row(self, meeting: Meeting) -> None:
+        self._write(meeting.row, meeting.done, meeting.tables)  # type: ignore[arg-type]
+
+    def _flush(self, meeting: Meeting) -> None:
+        """Write the buffered rows and times (collective: every rank meets at a lockstep meeting)."""
+        self._note["phase"] = "run file"
+        self.log.flush()
+
+    def _show(self, meeting: Meeting) -> None:
+        if meeting.shown and self.history:
+            self._progress(self.history[-1]["loss"])
+
+    def _count_votes(self, meeting: Meeting) -> None:
+        if meeting.stop_votes and not self.stopped_by:
+            self.stopped_by = self.stop.name or "a signal to another rank"
+
+    def _stop_at(self, meeting: Meeting) -> None:
+        if not self.stopped_by and self.step < self.ctx.total_steps:
+            self.stopped_by = f"train.stop_at = {self.ctx.cfg['train.stop_at']}"
+
+    def _save(self, meeting: Meeting) -> None:
+        """A checkpoint (collective), unless the run stops here (the stop writes its own) or ends."""
+        if not self.stopped_by and self.step < self.ctx.total_steps:
+            with self.holding():
+                self.save(self.step)
 
     def _fail(self, message: str) -> NoReturn:
         """End the run on every rank alike (a non-finite loss): the file closed as failed, then raise.
@@ -393,17 +466,3 @@ class Trainer:
     def _say_accuracy(self, step: int, epoch: int) -> None:
         acc, loss = self.accuracy
         self.bar.write(f"step {step} epoch {epoch}: test accuracy {100 * acc:.2f}%  loss {loss:.4f}")
-
-    def _evaluation_due(self) -> bool:
-        return self._extensions["evaluation"].trigger.fires(self._met, self.step, self.ctx.total_steps)
-
-    def _stop_or_save(self, stop_votes: int, before: int) -> None:
-        """After a meeting: a stop (votes, then ``train.stop_at``), else a checkpoint when due."""
-        total, ext = self.ctx.total_steps, self._extensions
-        if stop_votes:
-            self.stopped_by = self.stop.name or "a signal to another rank"
-        elif self.step < total and ext["stop_at"].trigger.fires(before, self.step, total):
-            self.stopped_by = f"train.stop_at = {ext['stop_at'].trigger.at}"
-        elif self.step < total and ext["checkpoint"].trigger.fires(before, self.step, total):
-            with self.holding():
-                self.save(self.step)

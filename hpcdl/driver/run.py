@@ -170,7 +170,7 @@ def _run(
     trainer = Trainer(
         ctx,
         strategy,
-        log=RunLog(comm, opened.runfile, cfg["log.flush_every"], placement, strategy.rank_series, ctx.events),
+        log=RunLog(comm, opened.runfile, placement, strategy.rank_series, ctx.events),
         bar=bar,
         stop=current_stop_request(),
         save=lambda step: _checkpoint(trainer, run_path, step),

@@ -31,7 +31,8 @@ __all__ = ["Opened", "RunLog", "open_run", "checkpoint_attrs", "peak_rss_mb"]
 class RunLog:
     """Collects one metrics row per step (rank 0) and each rank's timings (all ranks).
 
-    Every ``flush_every`` steps, :meth:`flush` gathers the ranks' compute and
+    When the driver's ``flush`` extension fires (every ``log.flush_every`` steps, at a meeting:
+    :mod:`hpcdl.driver.loop`), :meth:`flush` gathers the ranks' compute and
     communication times to rank 0 (one small ``gather``: a collective, called by
     every rank at the same step), which appends them with its metrics rows and
     flushes the file. Waiting time is estimated per step as a rank's
@@ -49,14 +50,12 @@ class RunLog:
         self,
         comm: Communicator,
         runfile: RunFile | None,
-        flush_every: int,
         placement: Placement,
         series: tuple[str, ...] = (),
         events: list[tuple[str, float, float, int]] | None = None,
     ) -> None:
         self.comm = comm
         self.runfile = runfile  # only rank 0 has one
-        self.flush_every = max(1, flush_every)
         self._rows: list[dict[str, Any]] = []
         self._tables: dict[str, dict[str, list[Any]]] = {}  # rank 0's rows of declared row groups
         self._times: list[tuple[float, ...]] = []
@@ -98,9 +97,7 @@ class RunLog:
         own = (row["step_time"], float(row["bytes_sent"]), row["lr"])
         extra = tuple((series or {}).get(name, math.nan) for name in self._series)
         self._times.append((compute_s, comm_s, exposed_s, other_s, *own, *extra))
-        if len(self._times) >= self.flush_every:
-            self.flush()
-        elif self.runfile is not None:
+        if self.runfile is not None:
             self.runfile.beat()  # the heartbeat, at least every HEARTBEAT_S between flushes
 
     def flush(self) -> None:
