@@ -157,6 +157,12 @@ class Declares:
             the run's config values by dotted key (None: the strategy's name).
         renamed: an old key name -> its name now: a config, run file or checkpoint with the old
             name is read under the new one (a config says so in one line).
+        series: the strategy's own per-rank series (``ranks/``) in words, for the report
+            (``pushes_per_s``: ``pushes per second``).
+        rate: the per-rank series that is the steps a rank made per second, when ``ranks/`` rows
+            are meetings: the report divides a rank's time in a meeting by its share of the
+            meeting's steps (a rank without it served every step).
+        step_name: what one step is, in the report's words (``push``).
     """
 
     keys: Mapping[str, Key] = field(default_factory=dict)
@@ -166,6 +172,9 @@ class Declares:
     plots: tuple[Plot, ...] = ()
     legend: Callable[[Mapping[str, Any]], str] | None = None
     renamed: Mapping[str, str] = field(default_factory=dict)
+    series: Mapping[str, str] = field(default_factory=dict)
+    rate: str = ""
+    step_name: str = "step"
 
     def __post_init__(self) -> None:
         unknown = [k for k in self.fit_keys if k not in self.keys]
@@ -174,14 +183,16 @@ class Declares:
 
     @staticmethod
     def merge(parts: Iterable[Declares]) -> Declares:
-        """The union of ``parts`` (the first declaration of a name wins; legends: the last given)."""
+        """The union of ``parts`` (the first declaration of a name wins; a legend, rate and step name:
+        the last given)."""
         keys: dict[str, Key] = {}
         fit: dict[str, None] = {}
         metrics: dict[str, Any] = {}
         tables: dict[str, Table] = {}
         plots: dict[str, Plot] = {}
         renamed: dict[str, str] = {}
-        legend = None
+        series: dict[str, str] = {}
+        legend, rate, step_name = None, "", "step"
         for part in parts:
             for name, key in part.keys.items():
                 keys.setdefault(name, key)
@@ -194,9 +205,13 @@ class Declares:
                 plots.setdefault(plot.name, plot)
             for old, new in part.renamed.items():
                 renamed.setdefault(old, new)
-            legend = part.legend or legend
+            for name, words in part.series.items():
+                series.setdefault(name, words)
+            legend, rate = part.legend or legend, part.rate or rate
+            step_name = part.step_name if part.step_name != "step" else step_name
         merged = Declares(keys=keys, metrics=metrics, tables=tables, plots=tuple(plots.values()),
-                          legend=legend, renamed=renamed)  # fmt: skip
+                          legend=legend, renamed=renamed, series=series, rate=rate,
+                          step_name=step_name)  # fmt: skip
         object.__setattr__(merged, "fit_keys", tuple(fit))  # keys of parts (checked there)
         return merged
 

@@ -133,6 +133,9 @@ DECLARES = Declares(
     },
     plots=(Plot("staleness", staleness_figure),),
     legend=legend,
+    series={"pushes_per_s": "pushes per second", "busy_fraction": "busy fraction"},
+    rate="pushes_per_s",
+    step_name="push",
     renamed={f"parallel.{key.partition('.')[2]}": key for key in KEYS},
 )
 

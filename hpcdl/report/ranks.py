@@ -3,11 +3,12 @@
 ``ranks/`` has one row per step, or, when it holds ``ranks/step`` (a strategy whose ranks
 run free between meetings: ``ps``), one row per meeting, ``ranks/step`` being the step the
 meeting ended at. A meeting's row totals the rank's time over the many steps of its phase,
-so the report divides it by what the rank did in them: a rank that records
-``pushes_per_s`` (a worker) made its share of the meeting's pushes, in proportion to its
-rate (the workers' phases last equally long); any other rank (a server) served every
-push. The rows' own series (``pushes_per_s``, ``busy_fraction``) are drawn per meeting,
-against the pushes applied.
+so the report divides it by what the rank did in them: a rank that records the strategy's
+declared rate series (:attr:`hpcdl.components.Declares.rate`: a parameter-server worker's
+``pushes_per_s``) made its share of the meeting's steps, in proportion to its rate (the
+phases last equally long); any other rank (a server) served every step. The rows' own
+series (a server's ``busy_fraction``, in the words the strategy declares) are drawn per
+meeting, against the steps applied.
 
 Above, each rank's mean time per step (per push), stacked: compute, communication
 (moving data), waiting (the part of its communication spent waiting for slower ranks)
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcdl.report.strategy import runs_free
+from hpcdl.report.strategy import runs_free, strategy_declares
 from hpcdl.store.runfile import RANK_SERIES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,8 +49,6 @@ _LABELS = {
     "waiting": "waiting for slower ranks",
     "other": "outside the step",
 }
-#: rank series in words
-_SERIES = {"pushes_per_s": "pushes per second", "busy_fraction": "busy fraction"}
 _PLURAL = {"push": "pushes", "step": "steps"}
 #: the caption under ranks.png
 _CAPTION = (
@@ -57,9 +56,10 @@ _CAPTION = (
 )
 _OUTSIDE = "; outside the step: evaluation, logging, progress output, checkpoints{how}"
 _MEETINGS = (
-    "{names}: a row of ranks/ is a meeting: a worker's times in it are divided by the pushes it made (its "
-    "share of the meeting's pushes, by its pushes_per_s), a server's by the pushes it served (every push); "
-    "communication includes the meeting; between the phases: the run file, progress, checkpoints"
+    "{names}: a row of ranks/ is a meeting: the times of a rank that records {rate} are divided by the "
+    "{plural} it made (its share of the meeting's {plural}, by its {rate}), another rank's by the {plural} "
+    "it served (every {unit}); communication includes the meeting; between the phases: the run file, "
+    "progress, checkpoints"
 )
 
 
@@ -96,6 +96,10 @@ class RankTimes:
     starts: np.ndarray | None = None
     counts: np.ndarray | None = None
     series: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the strategy's own series in words (:attr:`hpcdl.components.Declares.series`)
+    words: dict[str, str] = field(default_factory=dict)
+    #: the series that gave each rank's share of a meeting's steps ('': none)
+    rate: str = ""
 
     @property
     def ranks(self) -> int:
@@ -111,7 +115,7 @@ def rank_times(run: Run) -> RankTimes | None:
     """The per-rank times of ``run`` (None when it has no per-rank rows).
 
     ``communication`` is ``comm_time`` less ``wait_time``. Rows that are meetings
-    (``ranks/step`` present) are divided by the pushes (steps) each rank made or served
+    (``ranks/step`` present) are divided by the steps (pushes) each rank made or served
     (module docstring). For rows that are steps, without a recorded ``other_time``,
     the time outside the step is estimated per rank as the mean interval between the
     rows' ``time`` (rank 0's clock, which every rank shares when the ranks meet each
@@ -131,7 +135,9 @@ def rank_times(run: Run) -> RankTimes | None:
     if "other_time" in r:
         totals["other"] = 1e3 * r["other_time"]
     if "step" in run.ranks:
-        return _per_meeting(np.asarray(run.ranks["step"][:rows], dtype=np.int64), totals, r)
+        declared = strategy_declares(run.attrs)
+        ends = np.asarray(run.ranks["step"][:rows], dtype=np.int64)
+        return _per_meeting(ends, totals, r, declared.rate, declared.step_name, dict(declared.series))
     step = run.metrics.get("step")
     steps = np.asarray(step[:rows]) if step is not None and len(step) >= rows else np.arange(1, rows + 1)
     time = run.metrics.get("time")
@@ -148,15 +154,23 @@ def rank_times(run: Run) -> RankTimes | None:
     return RankTimes(steps, totals, mean, "other" in mean and "other" not in totals)
 
 
-def _per_meeting(ends: np.ndarray, totals: dict[str, np.ndarray], r: dict[str, np.ndarray]) -> RankTimes:
-    """Rows that are meetings ending at steps ``ends``: each rank's times per push it made or served."""
+def _per_meeting(
+    ends: np.ndarray,
+    totals: dict[str, np.ndarray],
+    r: dict[str, np.ndarray],
+    rate_series: str = "",
+    step_name: str = "step",
+    words: dict[str, str] | None = None,
+) -> RankTimes:
+    """Rows that are meetings ending at steps ``ends``: each rank's times per step (a ``push``,
+    ``step_name``) it made — its share by ``rate_series`` — or served."""
     starts = np.concatenate(([0], ends[:-1]))
     done = (ends - starts).astype(np.float64)[:, None]  # the steps (pushes applied) of each meeting
     counts = np.repeat(done, len(next(iter(totals.values()))[0]), axis=1)
-    rate = r.get("pushes_per_s")
+    rate = r.get(rate_series) if rate_series else None
     unit = "step"
-    if rate is not None:  # a rank with a rate made its share of the pushes; the others served every one
-        unit = "push"
+    if rate is not None:  # a rank with a rate made its share of the steps; the others served every one
+        unit = step_name
         made = np.isfinite(rate)
         total = np.where(made, rate, 0.0).sum(axis=1, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -171,7 +185,7 @@ def _per_meeting(ends: np.ndarray, totals: dict[str, np.ndarray], r: dict[str, n
         spent, units = np.where(use, v, 0.0).sum(axis=0), np.where(use, counts, 0.0).sum(axis=0)
         mean[k] = np.divide(spent, units, out=np.zeros_like(spent), where=units > 0)
     series = {k: v for k, v in r.items() if k not in RANK_SERIES}
-    return RankTimes(ends, per_row, mean, False, unit, starts, counts, series)
+    return RankTimes(ends, per_row, mean, False, unit, starts, counts, series, dict(words or {}), rate_series)
 
 
 def _column_means(a: np.ndarray) -> np.ndarray:
@@ -186,9 +200,13 @@ def caption(timed: list[tuple[RankTimes, str]], width: int) -> str:
     estimated = any(t.other_estimated for t, _ in timed)
     how = " (hatched: estimated as the mean step period less compute and communication)" if estimated else ""
     lines = [_CAPTION + (_OUTSIDE.format(how=how) if any(not t.meetings for t, _ in timed) else "")]
-    meetings = [name for t, name in timed if t.meetings and t.unit == "push"]
-    if meetings:
-        lines.append(_MEETINGS.format(names=", ".join(meetings)))
+    by_rate: dict[tuple[str, str], list[str]] = {}
+    for t, name in timed:
+        if t.meetings and t.rate and t.unit != "step":
+            by_rate.setdefault((t.rate, t.unit), []).append(name)
+    for (rate, unit), names in by_rate.items():
+        plural = _PLURAL.get(unit, f"{unit}s")
+        lines.append(_MEETINGS.format(names=", ".join(names), rate=rate, plural=plural, unit=unit))
     return "\n".join(textwrap.fill(line, width) for line in lines)
 
 
@@ -229,9 +247,9 @@ def draw_ranks(ax: Any, times: RankTimes, name: str, roles: list[str]) -> None:
                 transform=ax.transAxes, ha="right", va="top", fontsize="x-small")  # fmt: skip
     unit = times.unit
     ax.set_xlabel("rank")
-    if times.meetings and unit == "push":
-        ax.set_ylabel("mean time per push made or served (ms)")
-        ax.set_title(f"{name}: {n} ranks, mean per push (a worker's: made; a server's: served)",
+    if times.meetings and times.rate and unit != "step":
+        ax.set_ylabel(f"mean time per {unit} made or served (ms)")
+        ax.set_title(f"{name}: {n} ranks, mean per {unit} (with {times.rate}: made; without: served)",
                      fontsize="medium")  # fmt: skip
     else:
         ax.set_ylabel(f"mean time per {unit} (ms)")
@@ -289,10 +307,10 @@ def _per_meeting_panel(ax: Any, times: RankTimes, roles: list[str]) -> None:
     edges = np.concatenate((starts[:1], times.steps))
     plural = _PLURAL.get(times.unit, f"{times.unit}s")
     shown = {k: v for k, v in times.series.items() if np.isfinite(v).any()}
-    rates = {_label(k, v, roles): v for k, v in shown.items() if not k.endswith("_fraction")}
-    fractions = {_label(k, v, roles): v for k, v in shown.items() if k.endswith("_fraction")}
+    rates = {_label(k, v, roles, times.words): v for k, v in shown.items() if not k.endswith("_fraction")}
+    fractions = {_label(k, v, roles, times.words): v for k, v in shown.items() if k.endswith("_fraction")}
     if shown:
-        ax.set_ylabel(" / ".join(_name(k) for k in shown if not k.endswith("_fraction")))
+        ax.set_ylabel(" / ".join(_name(k, times.words) for k in shown if not k.endswith("_fraction")))
     else:  # no series of its own: the times per push (step)
         comm = times.per_row["communication"] + times.per_row["waiting"]
         rates = {f"compute per {times.unit}": times.per_row["compute"],
@@ -325,14 +343,15 @@ def _band(ax: Any, edges: np.ndarray, values: np.ndarray, color: str, label: str
     return float(np.nanmax(hi)) if np.isfinite(hi).any() else 0.0
 
 
-def _label(key: str, values: np.ndarray, roles: list[str]) -> str:
+def _label(key: str, values: np.ndarray, roles: list[str], words: dict[str, str]) -> str:
     """``pushes per second (2 workers)``: the series and the ranks that record it."""
     has = np.flatnonzero(np.isfinite(values).any(axis=0))
     kinds = sorted({roles[r] for r in has}) if len(roles) == values.shape[1] else []
     who = f"{len(has)} {kinds[0]}{'s' * (len(has) > 1)}" if len(kinds) == 1 else f"{len(has)} ranks"
-    return f"{_name(key)} ({who})"
+    return f"{_name(key, words)} ({who})"
 
 
-def _name(key: str) -> str:
-    """A rank series as words: ``pushes per second`` for ``pushes_per_s``."""
-    return _SERIES.get(key, key.replace("_", " "))
+def _name(key: str, words: dict[str, str]) -> str:
+    """A rank series in words: as the strategy declares it (``pushes per second`` for a parameter
+    server's ``pushes_per_s``), else its name with spaces."""
+    return words.get(key, key.replace("_", " "))
