@@ -24,6 +24,10 @@ from hpcdl.train import main as train_command
 
 #: the toy strategy (tests/toy_strategy.py), named as an outside strategy is
 TOY = "toy_strategy:KeeperAveraging"
+#: the simulator's command line for the toy on 3 virtual ranks
+TOY_SIM = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
+           "--config", "digits-mlp", "--progress", "none",
+           "--set", f"parallel.strategy={TOY!r}", "--set", "model.width=32"]  # fmt: skip
 
 # -- --plan: the placement, for any rank count, without starting ranks -------------------------
 
@@ -103,12 +107,9 @@ def test_placement_is_data() -> None:
 def test_a_strategy_meeting_every_k_steps_also_meets_where_the_driver_needs_all(tmp_path: Path) -> None:
     """The toy meets every 4 steps of its own accord; checkpoints every 6 and a stop at 9 make it meet
     there too: a checkpoint is never late (before, they waited for the toy's meetings at 8 and 12)."""
-    sets = ["--set", f"parallel.strategy={TOY!r}", "--set", "train.steps=12", "--set", "model.width=32",
-            "--set", "checkpoint.every=6", "--set", "checkpoint.keep=5", "--progress", "none"]  # fmt: skip
-    sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
-           "--config", "digits-mlp"]  # fmt: skip
+    sim = [*TOY_SIM, "--set", "train.steps=12", "--set", "checkpoint.every=6", "--set", "checkpoint.keep=5"]
     run = tmp_path / "toy.h5"
-    assert simulate([*sim, *sets, "--set", "train.stop_at=9", "--out", str(run)]) == 0
+    assert simulate([*sim, "--set", "train.stop_at=9", "--out", str(run)]) == 0
     assert sorted(list_checkpoints(run)) == [checkpoint_path(run, 6), checkpoint_path(run, 9)]
     with h5py.File(run, "r") as f:
         assert f.attrs["status"] == "stopped" and list(f["metrics/step"][...]) == list(range(1, 10))
@@ -260,10 +261,7 @@ def test_the_toy_declares_its_key_fit_key_column_table_and_figure_in_its_own_mod
 
     with pytest.raises(ConfigError, match="unknown config key 'toy.every'"):
         load_config("digits-mlp", ["toy.every=3"])
-    sets = ["--set", f"parallel.strategy={TOY!r}", "--set", "train.steps=9", "--set", "model.width=32",
-            "--set", "toy.every=3", "--set", "checkpoint.every=6", "--progress", "none"]  # fmt: skip
-    sim = ["-n", "3", "--network", "ib-hdr", "--compute", "none", "-m", "hpcdl.train",
-           "--config", "digits-mlp"]  # fmt: skip
+    sim, sets = [*TOY_SIM, "--set", "train.steps=9", "--set", "checkpoint.every=6"], ["--set", "toy.every=3"]
     run = tmp_path / "toy.h5"
     assert simulate([*sim, *sets, "--set", "train.stop_at=6", "--out", str(run)]) == 0
     with h5py.File(run, "r") as f:

@@ -103,6 +103,16 @@ def reference_sets(name: str, case: Case, world: int) -> tuple[list[str], int] |
     return sets(name, case, *(setting(k, v) for k, v in changes.items()), "checkpoint.every=0"), ranks
 
 
+def reference_or_skip(name: str, case: Case, world: int) -> tuple[list[str], int]:
+    """:func:`reference_sets` at ``world`` ranks, skipping the test below the strategy's smallest
+    rank count or where the case has no reference there."""
+    skip_below(name, world)
+    ref = reference_sets(name, case, world)
+    if ref is None:
+        pytest.skip(f"no reference at {world} ranks")
+    return ref
+
+
 def stop_step(cfg: Config) -> int:
     """Where the suite stops a run: its first checkpoint."""
     return cfg["checkpoint.every"]

@@ -22,7 +22,7 @@ from .suite import (
     final_checkpoint,
     parameter_names,
     parameters,
-    reference_sets,
+    reference_or_skip,
     skip_below,
     stop_step,
 )
@@ -59,11 +59,7 @@ def test_the_strategy_agrees_with_its_reference_under_mpiexec(
     name: str, case_name: str, case: Case, comm: Communicator, tmp_path: Path
 ) -> None:
     n = comm.Get_size()
-    skip_below(name, n)
-    ref = reference_sets(name, case, n)
-    if ref is None:
-        pytest.skip(f"no reference at {n} ranks")
-    ref_sets, ranks = ref
+    ref_sets, ranks = reference_or_skip(name, case, n)
     base = _shared(comm, tmp_path)
     cfg = config(name, case)
     train(cfg, comm, out=base / "run.h5")

@@ -37,7 +37,7 @@ from .suite import (
     meeting_method,
     parameter_names,
     parameters,
-    reference_sets,
+    reference_or_skip,
     sets,
     setting,
     skip_below,
@@ -171,11 +171,7 @@ def test_a_row_key_nobody_declared_fails_the_run(
 def test_the_strategy_agrees_with_its_reference(
     name: str, case_name: str, case: Case, n: int, tmp_path: Path
 ) -> None:
-    skip_below(name, n)
-    ref = reference_sets(name, case, n)
-    if ref is None:
-        pytest.skip(f"no reference at {n} ranks")
-    ref_sets, ranks = ref
+    ref_sets, ranks = reference_or_skip(name, case, n)
     cfg = config(name, case)
     sim(n, cfg, out=tmp_path / "run.h5", compute=compute(case, tmp_path, cfg))
     ref_cfg = load_config("digits-mlp", ref_sets)
