@@ -49,7 +49,7 @@ test-slow: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check hpcdl tests data setup.py
-	$(VENV)/bin/lint-imports  # DESIGN.md's layers: [tool.importlinter] in pyproject.toml
+	$(VENV)/bin/lint-imports  # docs/design.md's layers: [tool.importlinter] in pyproject.toml
 
 bench: $(VENV)/.installed
 	$(PY) -m hpcdl.bench step --model mlp32 --batch 128

@@ -1,7 +1,7 @@
 """The stall watchdog of real MPI runs: every wait polls with a deadline, and a stalled rank
 finds out which rank holds it up.
 
-Horovod's stall inspector, without its background thread (DESIGN.md: no threads in
+Horovod's stall inspector, without its background thread (docs/design.md: no threads in
 ``comm/``). A :class:`Watchdog` waits for requests by polling ``Test()``; when one wait has
 lasted ``stall_s`` seconds, the rank *asks* every other rank, on a private duplicate of the
 world, what it is doing. Ranks that are waiting too answer from inside their own waits

@@ -1,8 +1,8 @@
 """What every ``python -m hpcdl.X`` entry point does around ``main(argv)``.
 
 Only these entry points may call ``sys.exit``, install signal handlers or abort
-the MPI job (DESIGN.md): ``main(argv) -> int`` itself stays callable in-process,
-by tests and by the simulator.
+the MPI job (docs/design.md, the communicator contract): ``main(argv) -> int``
+itself stays callable in-process, by tests and by the simulator.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def evaluate(
 
     Rank r evaluates test images r, r+N, … with its own model. The parameters
     are the same on every rank, but BatchNorm's running statistics are local
-    (DESIGN.md), so for a model with BatchNorm at N > 1 the figure pools N
+    (docs/design.md, training semantics), so for a model with BatchNorm at N > 1 the figure pools N
     slightly different models, as DDP-style sharded evaluation does. The
     counts are summed with one small allreduce.
     """

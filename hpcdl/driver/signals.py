@@ -2,7 +2,7 @@
 
 The flag is an object held in a ``contextvars`` variable, not module state, so each
 simulated rank can have its own; only a ``python -m`` entry point installs the signal
-handlers (DESIGN.md).
+handlers (docs/design.md, the communicator contract).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The per-layer hook: observers called around each layer's forward and backward.
 
-Observers live in a ``contextvars`` variable (DESIGN.md): each simulated rank
+Observers live in a ``contextvars`` variable (docs/design.md, per-layer hook): each simulated rank
 (greenlet) has its own, and nothing is module state. ``Sequential`` calls
 ``before``/``after`` for every child layer, phase ``"forward"`` or ``"backward"``.
 """

@@ -2,7 +2,7 @@
 
 Drawing on the host from a ``numpy.random.Generator`` makes CPU and GPU
 initialisations bit-identical, and every rank that shares the (seed, "init")
-stream gets the same weights (DESIGN.md, training semantics).
+stream gets the same weights (docs/design.md, training semantics).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class _BatchNorm(Layer):
     In training mode the batch statistics are used and the running statistics
     are updated in place (``running = (1 - momentum) * running + momentum *
     batch``, the variance unbiased as in PyTorch); in evaluation mode the
-    running statistics are used. Statistics stay local to the rank (DESIGN.md).
+    running statistics are used. Statistics stay local to the rank (docs/design.md, training semantics).
     """
 
     _cache = ("_xhat", "_inv_std", "_batch_stats")

@@ -1,6 +1,6 @@
 """Plans of the pipeline strategy, as pure functions: schedules, their timing, partitions.
 
-DESIGN.md's "plans are data" (torchgpipe's ``clock_cycles``): nothing here runs a model or
+docs/design.md's "plans are data" (torchgpipe's ``clock_cycles``): nothing here runs a model or
 communicates. Each function is tested against literal tables.
 
 * **Schedules.** A schedule gives each stage its ordered operations on microbatches:

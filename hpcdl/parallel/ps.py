@@ -32,9 +32,10 @@ the version of the shard the worker computed it from. **Compensation**
 (Zhang et al., IJCAI 2016); ``dc`` applies ``g + lambda g*g*(w_now - w_used)`` (DC-ASGD,
 Zheng et al., ICML 2017; the server keeps the shard each worker was sent).
 
-**BatchNorm.** Workers keep their own running statistics (DESIGN.md). With each push a
-worker also sends server 0 its BatchNorm buffers: the master copy's statistics are those
-of the worker whose push server 0 applied last; evaluations and checkpoints use them.
+**BatchNorm.** Workers keep their own running statistics (docs/design.md, training
+semantics). With each push a worker also sends server 0 its BatchNorm buffers: the master
+copy's statistics are those of the worker whose push server 0 applied last; evaluations
+and checkpoints use them.
 
 **Meetings.** The ranks meet only at checkpoints, stops and the end, which the driver
 asks for as a target step (:meth:`ParameterServer.run_until`). Server 0 grants pushes

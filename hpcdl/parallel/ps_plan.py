@@ -1,7 +1,7 @@
 """Plans of the parameter-server strategy, as pure functions: its settings, shards, the SSP gate,
 staleness bounds.
 
-DESIGN.md's "plans are data": nothing here communicates or keeps state; each function is
+docs/design.md's "plans are data": nothing here communicates or keeps state; each function is
 tested against literal tables (and the staleness bound against an exhaustive search of
 the protocol's interleavings).
 

@@ -1,7 +1,7 @@
 """What the report reads of a run's strategy: samples per step, its label, what it declares.
 
 Runs of different strategies are compared at equal samples processed and at equal time,
-never at equal steps (DESIGN.md): a ``ps`` step is one worker's push, a ``sync`` step
+never at equal steps (docs/design.md, training semantics): a ``ps`` step is one worker's push, a ``sync`` step
 is every member's batch — the placement the file stores says which. What a strategy
 draws and how it labels its runs, it declares (:mod:`hpcdl.components`); the report
 never names a strategy. These functions are pure (attributes and arrays in, data out),

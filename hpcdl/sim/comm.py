@@ -1,4 +1,4 @@
-"""The simulated communicator: DESIGN.md's contract with MPI's matching semantics, in virtual time.
+"""The simulated communicator: docs/design.md's contract with MPI's matching semantics, in virtual time.
 
 Point-to-point messages carry a copy of the send buffer (taken when the send is posted:
 the eager protocol; the send request completes when the network model says the sender's
