@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 
 SOURCES := setup.py pyproject.toml $(wildcard ext/*.pyx ext/*.pxd ext/*.h)
 
-.PHONY: demo test test-slow test-serial test-mpi lint bench install clean
+.PHONY: demo test test-slow test-serial test-mpi lint docs bench install clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -48,8 +48,12 @@ test-slow: $(VENV)/.installed-test
 	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 4 -s -m "mpi" tests
 
 lint: $(VENV)/.installed-test
-	$(VENV)/bin/ruff check hpcdl tests data setup.py
+	$(VENV)/bin/ruff check hpcdl tests data setup.py docs/hooks.py
 	$(VENV)/bin/lint-imports  # docs/design.md's layers: [tool.importlinter] in pyproject.toml
+
+# the docs site (mkdocs.yml): --strict fails on a broken link, anchor, image or nav entry
+docs: $(VENV)/.installed-test
+	$(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 bench: $(VENV)/.installed
 	$(PY) -m hpcdl.bench step --model mlp32 --batch 128

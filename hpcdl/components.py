@@ -81,7 +81,7 @@ class Key:
 
     @property
     def type_name(self) -> str:
-        """The type column of the README's table: ``str``, or ``str or list`` for ``or_list`` keys."""
+        """The type column of the key table: ``str``, or ``str or list`` for ``or_list`` keys."""
         return f"{self.type.__name__} or list" if self.or_list else self.type.__name__
 
     def bounds(self) -> str:

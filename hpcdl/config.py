@@ -137,7 +137,7 @@ _HEAD = ("", "model", "data", "train")  # the driver's sections shown before the
 @functools.cache
 def schema(strategy: str = "") -> dict[str, Key]:
     """Every key a config may set, by dotted name: the driver's and every registered component's,
-    and, when ``strategy`` is an outside ``module:Class``, its own (README's table: the registered).
+    and, when ``strategy`` is an outside ``module:Class``, its own (docs/config.md's table: the registered).
 
     Raises:
         ConfigError: ``strategy`` names a module that cannot be imported.
@@ -156,7 +156,7 @@ def _renamed(strategy: str = "") -> dict[str, str]:
     return dict(all_declared(strategy).renamed)
 
 
-#: every registered component's keys and the driver's, by dotted name (README's key table)
+#: every registered component's keys and the driver's, by dotted name (docs/config.md's key table)
 SCHEMA: dict[str, Key] = schema()
 
 
@@ -376,7 +376,7 @@ def load_config(source: str, sets: list[str] | tuple[str, ...] = ()) -> Config:
 
 
 def markdown_table() -> str:
-    """The README's table of config keys (``python -m hpcdl.config`` prints it)."""
+    """The table of config keys of docs/config.md (``python -m hpcdl.config`` prints it)."""
     rows = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for key, spec in schema().items():
         rows.append(
@@ -393,8 +393,8 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m hpcdl.config",
         description=(
-            "Print the table of config keys (type, default, allowed values, meaning) as in the "
-            "README, or with --config the whole resolved config as TOML."
+            "Print the table of config keys (type, default, allowed values, meaning) as in "
+            "docs/config.md, or with --config the whole resolved config as TOML."
         ),
     )
     parser.add_argument(

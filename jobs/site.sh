@@ -6,7 +6,7 @@
 # Slurm: https://slurm.schedmd.com/sbatch.html   PBS Pro: https://2021.help.altair.com/2021.1.2/PBS%20Professional/PBSUserGuide2021.1.2.pdf
 
 # Modules providing Python and the site's MPI (mpi4py must be built against it: see
-# README.md, "Installing on a cluster"). Load them here so every job sees the same ones.
+# docs/clusters.md, "Installing on a cluster"). Load them here so every job sees the same ones.
 # module load python openmpi
 
 # The virtual environment holding hpcdl (on a file system the compute nodes can read).

@@ -1,83 +1,10 @@
 """Network models of the simulator: full-duplex NICs, latency alpha and bandwidth B, switch or fat tree.
 
-**The model: flows sharing channels.** Every rank has a full-duplex NIC: a *send* channel
-and a *receive* channel of bandwidth ``B``, independent of each other. A message of ``S``
-bytes from ``src`` to ``dst`` posted at tick ``t`` is a *flow* over ``src``'s send channel
-and ``dst``'s receive channel (and, in a fat tree, the leaf links it crosses). Flows that
-go at the same time share their channels **max-min fairly**, as SimGrid's flow model and
-TCP do in the steady state: a channel's bandwidth is split equally among its flows, and a
-flow limited elsewhere leaves its unused share to the others (progressive filling: the
-channel with the smallest share ``capacity left / flows not fixed`` fixes its flows at that
-share, and so on). Rates are recomputed, over the flows connected to the change, whenever a
-flow starts or ends, so a later message changes an earlier one's end. A flow ends when
-its bytes are through::
-
-    rate(f)   = its max-min share, recomputed at every start and end of a flow
-    t_sent    = the tick its last byte is through      (the send request completes)
-    t_arrival = t_sent + alpha                         (the whole message is at the receiver)
-
-Alone on idle channels a message takes ``S / B``: ``t_arrival = t + S/B + alpha``. The
-latency is not serialised: it overlaps the next transfer.
-
-**Exact integers.** Time is integer ticks (picoseconds). A rate is an exact fraction of
-bytes per second (the bottleneck's capacity left over its flows), the work left of a flow
-is kept in exact integers (bytes × 10¹²), and a flow's end is rounded up to a whole tick.
-The other channels of a flow give up the ceiling of its share (less than a byte per
-second). So a run is reproducible bit for bit, and the analytic cases hold to the tick:
-
-* ping-pong of S bytes: ``2 (alpha + S/B)``; a ring allreduce of S bytes on n ranks:
-  ``2 (n - 1) (alpha + S/(n B))`` (no two flows share a channel in either);
-* N senders of S bytes into one rank, started together: each gets ``B / N``; every send
-  ends at ``N S / B`` and every message arrives at ``alpha + N S / B``;
-* a message of s bytes posted while another sender's large transfer into the same rank is
-  under way gets ``B / 2`` and arrives ``alpha + 2 s / B`` after it was posted (exactly: a
-  flow model has no packets); the large one ends ``s / B`` later than alone.
-
-**Order.** The messages of one (source, destination) pair go one after the other, as over
-one connection: a message starts when the previous one of its pair has ended (its latency
-still overlaps), so they arrive in the order sent. An empty message whose pair is idle is
-sent at once (``t_sent = t``, ``t_arrival = t + alpha``): it takes no bandwidth.
-
-**Nodes.** ``ranks_per_node`` consecutive world ranks share a node (rank r is on node
-``r // ranks_per_node``; 0 puts every rank on one node). A message between two ranks of one
-node goes through shared memory with the ``[intra]`` alpha and B, on a separate intra-node
-send and receive channel per rank: intra-node traffic does not compete with the NIC. A
-message between nodes takes the ``[inter]`` alpha and B through the NICs; with
-``nic = "node"`` the ranks of a node share one NIC (one send and one receive channel per
-node, shared by their flows) instead of having one each.
-
-**Topology.** ``kind = "switch"``: one non-blocking switch, only the NICs limit. ``kind =
-"fat-tree"``: two levels, nodes grouped into leaf switches of ``nodes_per_leaf``; a message
-between two leaves is also a flow over its leaf's uplink and the other leaf's downlink,
-each a channel of capacity ``C = nodes_per_leaf * B / oversubscription``. With
-``oversubscription = 1`` the fat tree behaves as the switch; when every node of one leaf
-sends S bytes to a node of another, the exchange takes ``alpha + max(1, o) S / B``; N
-senders of one leaf into one rank of another, ``alpha + N S / min(B, C)``. Messages between
-leaves add ``leaf_latency_us`` to alpha (the extra switch hops).
-
-**Self-messages** (``src == dst``) cost nothing: ``t_sent = t_arrival = t``. MPI copies
-them in memory without the NIC; the copy itself is part of the rank's compute.
-
-**TOML keys** (GB = 1e9 bytes; numbers may be written as integers)::
-
-    name = "ib-hdr"            # optional; default: the preset name or the file's stem
-    source = "..."             # where the figures come from (free text, recommended)
-    ranks_per_node = 1         # consecutive ranks per node; 0: all ranks on one node (default 1)
-    [intra]                    # shared memory; required unless ranks_per_node = 1
-    latency_us = 0.3           # alpha in microseconds, >= 0
-    bandwidth_GBps = 10.0      # B in GB/s per direction, > 0
-    [inter]                    # between nodes; required unless ranks_per_node = 0
-    latency_us = 1.0
-    bandwidth_GBps = 24.0
-    nic = "rank"               # "rank": a NIC per rank; "node": the ranks of a node share one
-    [topology]                 # optional; default kind = "switch"
-    kind = "fat-tree"          # "switch" or "fat-tree"
-    nodes_per_leaf = 16        # fat-tree: nodes under one leaf switch, >= 1
-    oversubscription = 2.0     # fat-tree: leaf downlink/uplink bandwidth ratio, > 0 (default 1)
-    leaf_latency_us = 0.2      # fat-tree: added to alpha between leaves, >= 0 (default 0)
-    [compute]                  # optional; default: no contention
-    contention = [1.0, 1.12]   # measured compute x entry k-1 on a node of k ranks; the last entry
-                               # for more ranks than listed; numbers >= 1 (hpcdl.sim.compute.Contention)
+Every message is a *flow* over its sender's send channel and its receiver's receive channel
+(and a fat tree's leaf links), sharing them max-min fairly with the flows of the moment,
+rates recomputed at every start and end, in exact integer ticks; it arrives ``alpha`` after
+its last byte is through. The model, its derivation, the analytic cases the tests check, the
+network file's keys and the presets are documented once, in ``docs/network.md``.
 """
 
 from __future__ import annotations
@@ -269,7 +196,7 @@ class Network(NetCore):
 
 def _check(data: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
     """The values of a network table, by section, with the types of :data:`_SCHEMA` checked."""
-    fix = "see the network keys in the README (or hpcdl/sim/network.py)"
+    fix = "see the network keys in docs/network.md"
     out: dict[str, dict[str, Any]] = {sec: {} for sec in _SCHEMA}
     for key, value in data.items():
         if isinstance(value, dict):
