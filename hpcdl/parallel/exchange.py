@@ -27,7 +27,7 @@ __all__ = [
 #: ``exchange.name`` values (``hpcdl.parallel.EXCHANGES`` maps each to its class)
 EXCHANGE_NAMES = ("allreduce", "bucketed")
 
-#: the gradient exchange's config section (sync's, and a pipeline's stage replicas')
+#: the gradient exchange's config section (sync's; a pipeline's per-stage exchange reads it too)
 DECLARES = Declares(
     keys={
         "exchange.name": Key(

@@ -1,6 +1,6 @@
 """The run file: one HDF5 file per run, readable with plain h5py, pandas or xarray.
 
-Layout (format version 1)::
+Layout (format version 2; docs/runfile.md is the full reference)::
 
     /                       attrs: format_version, name, config (TOML text), hpcdl_version,
                                    git_commit, mpi_library, ranks, strategy, placement
@@ -31,7 +31,8 @@ Layout (format version 1)::
                             processed up to the step), time (s since the start),
                             loss, train_accuracy, test_accuracy, test_loss (NaN when not
                             evaluated), lr, step_time, samples_per_s (the step's own
-                            rate: the global batch over step_time), bytes_sent
+                            rate: the global batch over step_time), bytes_sent; and the
+                            metric columns the run's strategy declares
     /ranks/<series>         2-D (steps, ranks) — (meetings, ranks) for a strategy whose
                             ranks run free between meetings (ps), with ranks/step the
                             step each meeting ended at: compute_time, comm_time, wait_time,
@@ -41,11 +42,13 @@ Layout (format version 1)::
                             checkpoints; compute + comm + other is the wall time per step);
                             and a strategy's own series (ps: pushes_per_s of each worker,
                             busy_fraction of each server; NaN on the other ranks)
-    /staleness/<column>     1-D, one row per push applied and shard (parameter servers):
-                            update (the server's version after applying it), worker,
-                            server, tau (the server's version when applying it less the
-                            version the worker computed it from), time (s since the start,
-                            the server's clock)
+    /<table>/<column>       1-D: a row table the run's strategy declares, its attribute
+                            cut_by naming the column a resume cuts it by (format 1 had
+                            none: the declaration says). ps's staleness/: one row per
+                            push applied and shard: update (the server's version after
+                            applying it), worker, server, tau (the server's version when
+                            applying it less the version the worker computed it from),
+                            time (s since the start, the server's clock)
     /trace/<field>          1-D, one row per event: rank, kind, start, end, microbatch
     /profile/<column>       1-D, one row per layer (when profile.layers is on): layer, kind,
                             forward_s, backward_s, calls, output_bytes, output_shape
