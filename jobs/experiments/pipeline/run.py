@@ -271,7 +271,7 @@ def figures(results: dict[str, Any]) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(HERE / "speedup.png", dpi=120)
+    fig.savefig(HERE / "speedup.png", dpi=100)
     plt.close(fig)
 
     cnn = results.get("cnn", [])
@@ -290,7 +290,7 @@ def figures(results: dict[str, Any]) -> None:
             ax.set_title(model)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(HERE / "cnn-balance.png", dpi=120)
+        fig.savefig(HERE / "cnn-balance.png", dpi=100)
         plt.close(fig)
 
 

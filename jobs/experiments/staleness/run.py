@@ -396,7 +396,7 @@ def figures(results: dict[str, Any]) -> None:
         axes[-1].legend(fontsize="small")
         fig.suptitle(f"staleness by worker count (digits-mlp, eth10g, one server){_title(key)}")
         fig.tight_layout()
-        fig.savefig(HERE / f"tau-by-workers{suffix}.png", dpi=110)
+        fig.savefig(HERE / f"tau-by-workers{suffix}.png", dpi=100)
         plt.close(fig)
 
         fig, axes = plt.subplots(2, 3, figsize=(15, 8))
@@ -417,7 +417,7 @@ def figures(results: dict[str, Any]) -> None:
         axes[0, 0].set_ylabel("test accuracy (%)")
         axes[1, 0].set_ylabel("test accuracy (%)")
         fig.tight_layout()
-        fig.savefig(HERE / f"accuracy{suffix}.png", dpi=110)
+        fig.savefig(HERE / f"accuracy{suffix}.png", dpi=100)
         plt.close(fig)
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -434,7 +434,7 @@ def figures(results: dict[str, Any]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(HERE / f"epoch-time{suffix}.png", dpi=110)
+        fig.savefig(HERE / f"epoch-time{suffix}.png", dpi=100)
         plt.close(fig)
 
     for part, name, title in (("straggler", "straggler.png", "one straggler (x3) among 8 workers, ib-hdr"),
@@ -451,7 +451,7 @@ def figures(results: dict[str, Any]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(HERE / name, dpi=110)
+        fig.savefig(HERE / name, dpi=100)
         plt.close(fig)
 
     real = results.get("real", {}).get("rows", [])
@@ -474,7 +474,7 @@ def figures(results: dict[str, Any]) -> None:
             ax.legend(fontsize="small")
         axes[0].set_ylabel("fraction of pushes")
         fig.tight_layout()
-        fig.savefig(HERE / "real-vs-sim.png", dpi=110)
+        fig.savefig(HERE / "real-vs-sim.png", dpi=100)
         plt.close(fig)
 
 
