@@ -1,7 +1,7 @@
 """Every relative link and image in the README, docs/ and the experiments' READMEs points at a file.
 
 ``mkdocs build --strict`` (``make docs``) checks docs/ with anchors; this also covers the
-README and the experiment READMEs, which the site does not build.
+README, which the site does not build, and the experiment READMEs (which the site builds too).
 """
 
 from __future__ import annotations
