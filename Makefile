@@ -10,7 +10,7 @@ export OMP_NUM_THREADS ?= 1
 
 SOURCES := setup.py pyproject.toml $(wildcard ext/*.pyx ext/*.pxd ext/*.h)
 
-.PHONY: demo test test-slow test-serial test-mpi lint docs bench install clean
+.PHONY: demo test test-slow test-serial test-mpi lint docs bench reproduce install clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ lint: $(VENV)/.installed-test
 # the docs site (mkdocs.yml): --strict fails on a broken link, anchor, image or nav entry
 docs: $(VENV)/.installed-test
 	$(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+# every jobs/experiments/*/run.py at its small size, then one table of what still holds
+# (build/reproduce/summary.md and .json); ARGS=--full for the READMEs' sizes
+reproduce: $(VENV)/.installed
+	$(PY) jobs/experiments/reproduce.py --work build/reproduce $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m hpcdl.bench step --model mlp32 --batch 128

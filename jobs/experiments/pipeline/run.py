@@ -23,9 +23,12 @@ compute from a cost table profiled here from real single-process runs) or real (
 
     python jobs/experiments/pipeline/run.py --work /tmp/pipeline            # everything
     python jobs/experiments/pipeline/run.py --work /tmp/pipeline --parts sim cnn
+    python jobs/experiments/pipeline/run.py --reproduce small --work /tmp/pipeline   # make reproduce
 
 Rows go to ``results.json`` beside this script (each part replaces its own entry), the
-figures to ``*.png`` beside it; run files stay in ``--work``.
+figures to ``*.png`` beside it; run files stay in ``--work``. With ``--reproduce SIZE``
+(``jobs/experiments/reproduce.py``'s interface) everything goes to ``--work`` instead, with
+``summary.json``: the comparisons of :func:`comparisons`. ``SIZES`` gives the sizes.
 """
 
 from __future__ import annotations
@@ -50,6 +53,16 @@ MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 PARTS = ("profile", "real", "sim", "cnn", "trace")
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 STAGES = (2, 4, 8)
+CNN_STAGES = STAGES
+REPS = 5
+#: --reproduce's sizes, setting the constants above: full is the README's (about 11 minutes),
+#: small about 3 (4 on a busy machine)
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"microbatches": MICROBATCHES, "stages": STAGES, "cnn_stages": CNN_STAGES, "reps": REPS},
+    "small": {"microbatches": (8,), "stages": (2, 4), "cnn_stages": (4,), "reps": 3},
+}
+#: where results.json and the figures go: beside this script, or --work under --reproduce
+OUT = HERE
 NETWORK = "ib-edr"
 #: model -> the settings of its runs (on the mlp32-synthetic preset: synthetic data)
 MODELS: dict[str, list[str]] = {
@@ -157,7 +170,7 @@ def part_real(work: Path) -> list[dict[str, Any]]:
     for m in MICROBATCHES:
         out = work / f"bench-m{m}.json"
         cmd = [MPIEXEC, "-n", "2", PYTHON, "-m", "hpcdl.bench", "pipeline", "--microbatches", str(m),
-               "--schedule", "both", "--reps", "5", "--vs", "torch", "--json", str(out)]  # fmt: skip
+               "--schedule", "both", "--reps", str(REPS), "--vs", "torch", "--json", str(out)]  # fmt: skip
         done = run(cmd)
         print(done.stdout, flush=True)
         for row in json.loads(out.read_text()):
@@ -201,7 +214,7 @@ def part_cnn(work: Path) -> list[dict[str, Any]]:
         pipe = [*MODELS[model], "train.steps=2", "parallel.strategy=pipeline", f"pipeline.microbatches={m}"]
         one = train(work, f"sim-{model}-p1", pipe, 1, sim)
         t1 = statistics.median(step_times(one))
-        for p in STAGES:
+        for p in CNN_STAGES:
             for method in ("uniform", "time"):
                 settings = [*pipe, f"pipeline.balance={method}", f"pipeline.profile={profile}"]
                 part, fwd, bwd, _ = stage_costs(settings, p)
@@ -233,7 +246,7 @@ def part_trace(work: Path) -> dict[str, Any]:
         run([PYTHON, "-m", "hpcdl.report", path, "--out", str(work / f"report-{name}"),
              "--trace", str(Path(path).with_suffix(".json"))])  # fmt: skip
         for figure in ("gantt", "stages"):
-            shutil.copyfile(work / f"report-{name}-{figure}.png", HERE / f"{figure}-{name}.png")
+            shutil.copyfile(work / f"report-{name}-{figure}.png", OUT / f"{figure}-{name}.png")
     return out
 
 
@@ -271,7 +284,7 @@ def figures(results: dict[str, Any]) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(HERE / "speedup.png", dpi=100)
+    fig.savefig(OUT / "speedup.png", dpi=100)
     plt.close(fig)
 
     cnn = results.get("cnn", [])
@@ -284,13 +297,13 @@ def figures(results: dict[str, Any]) -> None:
                 )
                 ps = np.array([r["p"] for r in rows], dtype=float)
                 ax.bar(np.log2(ps) + (k - 0.5) * 0.35, [r["speedup"] for r in rows], width=0.35, label=method)
-            ax.set_xticks(np.log2(np.array(STAGES, dtype=float)), [str(p) for p in STAGES])
+            ax.set_xticks(np.log2(np.array(CNN_STAGES, dtype=float)), [str(p) for p in CNN_STAGES])
             ax.set_xlabel("stages")
             ax.set_ylabel("simulated speed-up (m = 8)")
             ax.set_title(model)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(HERE / "cnn-balance.png", dpi=100)
+        fig.savefig(OUT / "cnn-balance.png", dpi=100)
         plt.close(fig)
 
 
@@ -311,13 +324,66 @@ def real_speedups(rows: list[dict[str, Any]], kind: str) -> dict[int, dict[str, 
     return out
 
 
+def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The README's claims, measured again: rows for ``reproduce.py`` (its :func:`row`)."""
+    sys.path.insert(0, str(HERE.parent))
+    from reproduce import row
+
+    rows = []
+    for r in results.get("sim", []):
+        if r["m"] == max(x["m"] for x in results["sim"]):
+            ratio = r["speedup"] / r["equal_stages"]
+            rows.append(row(f"speed-up, simulated, p = {r['p']}, m = {r['m']}", "speed-up over one stage",
+                            f"{r['speedup']:.3f}", f"{r['equal_stages']:.3f} (p·m/(m+p−1))",
+                            0.95 <= ratio <= 1.001, "within 5 % below the closed form"))  # fmt: skip
+    if results.get("sim"):
+        err = max(abs(r["step_s"] / r["analytic_step_s"] - 1) for r in results["sim"])
+        rows.append(row("speed-up, simulated (every p, m)", "step time against the plan's analytic timeline",
+                        f"{err:.1e} (largest relative gap)", "1.3e-10 (README)", err <= 1e-6,
+                        "the executor schedules as the plan says: gap ≤ 1e-6"))  # fmt: skip
+    for kind in ("1f1b", "gpipe"):
+        real = real_speedups(results.get("real", []), kind)
+        if 8 in real:
+            rows.append(row(f"speed-up, real, 2 stages, m = 8 ({kind})", "samples/s over one process",
+                            f"{real[8]['hpcdl']:.3f}", "≥ 1.5 (the issue's target)", real[8]["hpcdl"] >= 1.5,
+                            "≥ 1.5× one process on the same batches"))  # fmt: skip
+            torch = real[8].get("torch")
+            rows.append(row(f"speed-up, real, 2 stages, m = 8 ({kind})", "hpcdl over torch pipelining",
+                            f"{real[8]['hpcdl'] / torch:.3f}" if torch else "PyTorch not installed",
+                            "> 1 (the issue's target)", None if torch is None else real[8]["hpcdl"] > torch,
+                            "ahead of torch.distributed.pipelining on the same cut"))  # fmt: skip
+            sim = {r["m"]: r for r in results.get("sim", []) if r["p"] == 2}
+            if kind == "1f1b" and 8 in sim:
+                gap = real[8]["hpcdl"] / sim[8]["speedup"] - 1
+                rows.append(row("speed-up, real against simulated, p = 2, m = 8", "real / simulated − 1",
+                                f"{100 * gap:+.1f} %", "−0.3 % (README)", abs(gap) <= 0.05,
+                                "real and simulated agree within 5 %"))  # fmt: skip
+    for model in ("vgg16", "resnet50"):
+        for p in sorted({r["p"] for r in results.get("cnn", []) if r["model"] == model}):
+            by = {r["method"]: r for r in results["cnn"] if r["model"] == model and r["p"] == p}
+            if {"uniform", "time"} <= set(by):
+                ratio = by["time"]["step_s"] / by["uniform"]["step_s"]
+                rows.append(row(f"CNN balance, {model}, p = {p}", "time-balanced step / uniform step",
+                                f"{ratio:.3f}", "< 1 (README: 0.83–0.95)", ratio < 1,
+                                "the time balance's simulated step is shorter"))  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="directory for run files")
     parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
     parser.add_argument("--figures-only", action="store_true", help="redraw from results.json")
+    parser.add_argument("--reproduce", choices=list(SIZES),
+                        help="every part at this size; results, figures, summary.json in --work")  # fmt: skip
     args = parser.parse_args(argv)
-    results_path = HERE / "results.json"
+    if args.reproduce:
+        # the size's keys name the constants above that the parts read (MICROBATCHES, ...)
+        globals().update({key.upper(): value for key, value in SIZES[args.reproduce].items()}, OUT=args.work)
+        args.parts = list(PARTS)
+        args.work.mkdir(parents=True, exist_ok=True)
+        (OUT / "results.json").unlink(missing_ok=True)
+    results_path = OUT / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     if not args.figures_only:
         args.work.mkdir(parents=True, exist_ok=True)
@@ -328,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
             results_path.write_text(json.dumps(results, indent=1) + "\n")
             print(f"== {name}: {time.monotonic() - t0:.0f} s", flush=True)
     figures(results)
+    if args.reproduce:
+        sys.path.insert(0, str(HERE.parent))
+        from reproduce import write_summary
+
+        write_summary(args.work, HERE.name, args.reproduce, comparisons(results), sizes=SIZES[args.reproduce])
     return 0
 
 

@@ -13,7 +13,9 @@ pair). The error is that of the medians: ``median(sim) / median(real) - 1``.
     python jobs/experiments/sim-fidelity/run.py --pairs 5 --out runs/sim-fidelity.jsonl
 
 Rows go to ``--out`` as JSON lines (appended); the summary is printed, and
-``--summary FILE`` prints it for rows already there.
+``--summary FILE`` prints it for rows already there. With ``--reproduce SIZE --work DIR``
+(``jobs/experiments/reproduce.py``'s interface) the rows go to ``DIR/rows.jsonl`` and
+``DIR/summary.json`` holds the comparisons of :func:`comparisons`; ``SIZES`` gives the sizes.
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ CONFIGS: dict[str, list[str]] = {
     "digits-cnn": ["--repeat", "5", "--steps", "100"],
 }
 KINDS = ("real", "sim", "sim-nocontention")
+#: --reproduce's sizes: full is the README's first batch (10 pairs, waiting up to 300 s for quiet
+#: before each run); small one pair, waiting up to 20 s (on a busy machine the pair is not quiet)
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"pairs": 10, "wait_quiet": 300.0},
+    "small": {"pairs": 1, "wait_quiet": 20.0},
+}
+TARGET = 0.05  # issue 12: the simulated step time within 5 % of the real one
+#: the README's four batches, error of the medians per config
+README_ERRORS = {"mlp32-synthetic": "−2.6 to −4.5 %", "digits-cnn": "−2.5 to −8.8 %"}
 
 
 def busy_jiffies() -> int:
@@ -160,6 +171,33 @@ def summary(path: Path, quiet: float) -> None:
             )
 
 
+def comparisons(path: Path, quiet: float) -> list[dict[str, Any]]:
+    """Issue 12's target per config, from the rows in ``path``: rows for ``reproduce.py``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from reproduce import row
+
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config]
+        loud = {r["pair"] for r in mine if r["other_cores"] >= quiet}
+        calm = [r for r in mine if r["pair"] not in loud]
+        pairs, kept = len({r["pair"] for r in mine}), len({r["pair"] for r in calm})
+        errs = {}
+        for label, some in (("quiet", calm), ("all", mine)):
+            step = {k: [r["step_s"] for r in some if r["kind"] == k] for k in ("real", "sim")}
+            if all(step.values()):
+                errs[label] = statistics.median(step["sim"]) / statistics.median(step["real"]) - 1
+        measured = ", ".join(f"{100 * e:+.1f} % ({label})" for label, e in errs.items())
+        measured += f"; {kept} of {pairs} pairs quiet"
+        err = errs.get("quiet")
+        out.append(row(f"step time, {config}", "median(sim) / median(real) − 1, 2 ranks, shm-local", measured,
+                       f"within ±5 % (issue 12); README: {README_ERRORS.get(config, '–')}",
+                       None if err is None else abs(err) <= TARGET,
+                       "|error| ≤ 5 % over the quiet pairs; none quiet: not comparable"))  # fmt: skip
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5, help="alternating real/simulated pairs per config")
@@ -179,11 +217,25 @@ def main() -> int:
         help="before each run, wait up to S seconds for other processes to go below --quiet (0: do not wait)",
     )
     p.add_argument("--summary", action="store_true", help="only print the summary of --out")
+    p.add_argument("--reproduce", choices=list(SIZES), help="at this size, rows and summary.json in --work")
+    p.add_argument("--work", type=Path, help="with --reproduce: the directory for the rows and summary.json")
     args = p.parse_args()
+    if args.reproduce:
+        if args.work is None:
+            p.error("--reproduce needs --work")
+        args.work.mkdir(parents=True, exist_ok=True)
+        args.out = args.work / "rows.jsonl"
+        args.out.unlink(missing_ok=True)
+        vars(args).update(SIZES[args.reproduce], summary=False)
     if not args.summary:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         measure(args)
     summary(args.out, args.quiet)
+    if args.reproduce:
+        rows = comparisons(args.out, args.quiet)
+        from reproduce import write_summary  # on the path since comparisons()
+
+        write_summary(args.work, "sim-fidelity", args.reproduce, rows, sizes=SIZES[args.reproduce])
     return 0
 
 

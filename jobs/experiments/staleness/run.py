@@ -25,9 +25,12 @@ time:
 
     python jobs/experiments/staleness/run.py --work /tmp/staleness            # everything
     python jobs/experiments/staleness/run.py --work /tmp/staleness --parts scan straggler
+    python jobs/experiments/staleness/run.py --reproduce small --work /tmp/staleness   # make reproduce
 
 Rows go to ``results.json`` beside this script (each part replaces its own entry), the
-figures to ``*.png`` beside it; run files stay in ``--work``.
+figures to ``*.png`` beside it; run files stay in ``--work``. With ``--reproduce SIZE``
+(``jobs/experiments/reproduce.py``'s interface) everything goes to ``--work`` instead, with
+``summary.json``: the comparisons of :func:`comparisons`. ``SIZES`` gives the sizes.
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ BASE = ["data.sampler=random", "checkpoint.every=0", "train.log_every=100000"]
 BATCH, TRAIN_SAMPLES = 32, 1437
 #: settings every run of this invocation adds (``--set``), e.g. optimizer.momentum=0
 EXTRA: list[str] = []
+#: --reproduce's sizes (the options below): full is the README's first command (about 4 minutes);
+#: small scans fewer workers with fewer pushes (about 2 minutes), the other parts as in full
+SIZES: dict[str, dict[str, Any]] = {
+    "full": {"workers": list(WORKERS), "pushes": 4000, "repeats": 5, "seeds": 3, "epochs": 30},
+    "small": {"workers": [1, 4, 16, 64], "pushes": 1000, "repeats": 5, "seeds": 3, "epochs": 30},
+}
 
 
 def env() -> dict[str, str]:
@@ -373,7 +382,7 @@ def _title(key: str) -> str:
     return f" ({', '.join(tags)})" if tags else ""
 
 
-def figures(results: dict[str, Any]) -> None:
+def figures(results: dict[str, Any], out: Path = HERE) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -396,7 +405,7 @@ def figures(results: dict[str, Any]) -> None:
         axes[-1].legend(fontsize="small")
         fig.suptitle(f"staleness by worker count (digits-mlp, eth10g, one server){_title(key)}")
         fig.tight_layout()
-        fig.savefig(HERE / f"tau-by-workers{suffix}.png", dpi=100)
+        fig.savefig(out / f"tau-by-workers{suffix}.png", dpi=100)
         plt.close(fig)
 
         fig, axes = plt.subplots(2, 3, figsize=(15, 8))
@@ -417,7 +426,7 @@ def figures(results: dict[str, Any]) -> None:
         axes[0, 0].set_ylabel("test accuracy (%)")
         axes[1, 0].set_ylabel("test accuracy (%)")
         fig.tight_layout()
-        fig.savefig(HERE / f"accuracy{suffix}.png", dpi=100)
+        fig.savefig(out / f"accuracy{suffix}.png", dpi=100)
         plt.close(fig)
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -434,7 +443,7 @@ def figures(results: dict[str, Any]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(HERE / f"epoch-time{suffix}.png", dpi=100)
+        fig.savefig(out / f"epoch-time{suffix}.png", dpi=100)
         plt.close(fig)
 
     for part, name, title in (("straggler", "straggler.png", "one straggler (x3) among 8 workers, ib-hdr"),
@@ -451,7 +460,7 @@ def figures(results: dict[str, Any]) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(HERE / name, dpi=100)
+        fig.savefig(out / name, dpi=100)
         plt.close(fig)
 
     real = results.get("real", {}).get("rows", [])
@@ -474,7 +483,7 @@ def figures(results: dict[str, Any]) -> None:
             ax.legend(fontsize="small")
         axes[0].set_ylabel("fraction of pushes")
         fig.tight_layout()
-        fig.savefig(HERE / "real-vs-sim.png", dpi=100)
+        fig.savefig(out / "real-vs-sim.png", dpi=100)
         plt.close(fig)
 
 
@@ -549,6 +558,68 @@ def summary(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The README's "What the issue asked, measured", measured again: rows for ``reproduce.py``."""
+    sys.path.insert(0, str(HERE.parent))
+    from reproduce import row
+
+    rows = []
+    scan = results.get("scan", {}).get("rows", [])
+    stale = [r for r in scan if r["mode"] == "async" and r.get("tau_hist")]
+    if stale:
+        off = [f"W={r['workers']}: {r['tau_median']:g}" for r in stale if r["tau_median"] != r["workers"] - 1]
+        scanned = ", ".join(str(r["workers"]) for r in stale)
+        rows.append(row("tau-by-workers.png", f"async τ median at W = {scanned}",
+                        "W − 1 at every W" if not off else "; ".join(off), "W − 1", not off,
+                        "τ median = W − 1 for identical workers"))  # fmt: skip
+    for r in results.get("jitter", {}).get("rows", []):
+        if r["network"] == "eth10g" and r["jitter"] == 0.0:
+            hist = r["tau_hist"]
+            rows.append(row("jitter.png", "W = 8, eth10g, no jitter: τ after the first round",
+                            f"{hist[7] if len(hist) > 7 else 0:,} of {sum(hist):,} pushes at τ = 7",
+                            "τ = W − 1 = 7 for every push", r["after_first_round_all_w_minus_1"],
+                            "every push after the first 8 has τ = 7"))  # fmt: skip
+    st = results.get("straggler", {})
+    for r in st.get("rows", []):
+        if r["speed"] != 0.125:
+            continue
+        form = st["closed_form"][str(r["speed"])]
+        if r["mode"] == "async":
+            share, target = 100 * r["straggler_share"], 100 * form["straggler_share"]
+            rows.append(row("straggler.png", "compute-bound straggler's share of pushes (%)", f"{share:.2f}",
+                            f"{target:.2f} (closed form)", abs(share - target) <= 2,
+                            "within 2 points of the closed form"))  # fmt: skip
+            rows.append(row("straggler.png", "compute-bound straggler's mean τ", f"{r['straggler_tau']:.2f}",
+                            f"{form['straggler_tau']:.2f} (closed form)",
+                            abs(r["straggler_tau"] - form["straggler_tau"]) <= 2,
+                            "within 2 of the closed form"))  # fmt: skip
+        elif "bound" in r:
+            rows.append(row("straggler.png", f"{r['mode']}: largest τ with the straggler", r["tau_max"],
+                            f"≤ {r['bound']} ((W − 1)(2s + 1))", r["tau_max"] <= r["bound"],
+                            "SSP's bound holds"))  # fmt: skip
+    for r in results.get("real", {}).get("rows", []):
+        if r["sim"] == "table":
+            ks = r["ks_median"]
+            rows.append(row("real-vs-sim.png", f"mpiexec -n {r['ranks']} (W = {r['workers']}) against the "
+                            "simulator: KS of τ", f"{ks:.3f} (median of {len(r['ks'])})",
+                            "≤ 0.1" if r["ranks"] == 3 else "information (oversubscribed)",
+                            ks <= 0.1 if r["ranks"] == 3 else None,
+                            "KS ≤ 0.1 at -n 3; -n 4 oversubscribes 2 cores"))  # fmt: skip
+    acc = {(r["world"], r["mode"]): r for r in results.get("accuracy", {}).get("rows", [])}
+    for world, workers in (("sim", 4), ("real", 2)):
+        if (world, "async-lr") in acc and (world, "dp") in acc:
+            gap = 100 * (acc[world, "async-lr"]["median"] - acc[world, "dp"]["median"])
+            rows.append(row("accuracy table", f"{world} W = {workers}: async-lr − sync DP accuracy (points)",
+                            f"{gap:+.2f}", "within 1 point", abs(gap) <= 1,
+                            "|median async-lr − median sync DP| ≤ 1 point"))  # fmt: skip
+    scale = results.get("scale")
+    if scale:
+        ok = scale.get("exit") == 0 and scale["wall_s"] <= 600
+        rows.append(row("scale", "1,024 async workers, 10,000 pushes: wall time", f"{scale['wall_s']:.1f} s",
+                        "≤ 600 s", ok, "the run finishes within 10 minutes"))  # fmt: skip
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="directory for the run files")
@@ -568,7 +639,14 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="a setting for every run (repeatable): results go under PART@KEY=VALUE",
     )
+    parser.add_argument("--reproduce", choices=list(SIZES),
+                        help="every part at this size; results, figures, summary.json in --work")  # fmt: skip
     args = parser.parse_args()
+    if args.reproduce:
+        vars(args).update(SIZES[args.reproduce], parts=list(PARTS), extra=[], figures_only=False)
+        args.work.mkdir(parents=True, exist_ok=True)
+        (args.work / "results.json").unlink(missing_ok=True)
+    out = args.work if args.reproduce else HERE  # results.json and the figures
     if args.summary:
         store = HERE / "results.json"
         print(summary(json.loads(store.read_text())))
@@ -576,7 +654,7 @@ def main() -> int:
     EXTRA[:] = args.extra
     tag = "".join(f"@{item}" for item in args.extra)
     args.work.mkdir(parents=True, exist_ok=True)
-    store = HERE / "results.json"
+    store = out / "results.json"
     results: dict[str, Any] = json.loads(store.read_text()) if store.exists() else {}
     if not args.figures_only:
         if "profile" in args.parts or not (args.work / "profile.h5").exists():
@@ -593,7 +671,12 @@ def main() -> int:
             results[key].update(part_wall_s=round(time.monotonic() - t0, 1), settings=args.extra)
             store.write_text(json.dumps(results, indent=1))
             print(f"== {key}: {results[key]['part_wall_s']} s", flush=True)
-    figures(results)
+    figures(results, out)
+    if args.reproduce:
+        sys.path.insert(0, str(HERE.parent))
+        from reproduce import write_summary
+
+        write_summary(args.work, HERE.name, args.reproduce, comparisons(results), sizes=SIZES[args.reproduce])
     return 0
 
 
