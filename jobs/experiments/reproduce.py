@@ -29,9 +29,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,36 @@ def write_summary(work: Path, experiment: str, size: str, rows: list[dict[str, A
         json.dumps({"experiment": experiment, "size": size, **extra, "rows": rows}, indent=1) + "\n"
     )
     return path
+
+
+#: a timed comparison is made only when other processes kept fewer cores busy than this meanwhile
+QUIET_CORES = 0.25
+
+
+def _busy_s() -> float:
+    """Busy seconds of all CPUs since boot (``/proc/stat``, without idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+@contextmanager
+def other_cores() -> Iterator[dict[str, float]]:
+    """Measure the cores other processes kept busy while the block ran (``["other_cores"]``).
+
+    All CPUs' busy time less this process's and its waited-for children's (so run the timed
+    commands to completion inside the block), over the wall time.
+    """
+    out: dict[str, float] = {}
+    b0, c0, t0 = _busy_s(), _own_cpu_s(), time.monotonic()
+    yield out
+    wall = max(time.monotonic() - t0, 1e-9)
+    out["other_cores"] = round(max(0.0, (_busy_s() - b0 - (_own_cpu_s() - c0)) / wall), 3)
 
 
 def experiments(root: Path = HERE) -> dict[str, Path]:

@@ -70,10 +70,10 @@ BATCH, TRAIN_SAMPLES = 32, 1437
 #: settings every run of this invocation adds (``--set``), e.g. optimizer.momentum=0
 EXTRA: list[str] = []
 #: --reproduce's sizes (the options below): full is the README's first command (about 4 minutes);
-#: small scans fewer workers with fewer pushes (about 2 minutes), the other parts as in full
+#: small scans fewer workers with fewer pushes, 3 real runs, 1 seed (about 2 minutes, 4 on a busy machine)
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"workers": list(WORKERS), "pushes": 4000, "repeats": 5, "seeds": 3, "epochs": 30},
-    "small": {"workers": [1, 4, 16, 64], "pushes": 1000, "repeats": 5, "seeds": 3, "epochs": 30},
+    "small": {"workers": [1, 4, 16], "pushes": 1000, "repeats": 3, "seeds": 1, "epochs": 30},
 }
 
 
@@ -320,7 +320,14 @@ def part_real(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for n in (3, 4):
         settings = ["ps.mode=async", "train.steps=3000", "data.sampler=shuffle"]
-        real = [train(work, f"real-n{n}-{i}", n, settings) for i in range(args.repeats)]
+        sys.path.insert(0, str(HERE.parent))
+        from reproduce import other_cores
+
+        real = []
+        for i in range(args.repeats):
+            with other_cores() as load:  # other processes on the cores move the real τ
+                real.append(train(work, f"real-n{n}-{i}", n, settings))
+            real[-1].update(load)
         jitter = statistics.median(push_interval_cv(r["path"]) for r in real)
         shm, costs = ["--network", "shm-local"], ["--compute", table(work)]
         sims = {
@@ -335,6 +342,7 @@ def part_real(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"ranks": n, "workers": n - 1, "sim": kind, "ks": distances,
                          "ks_median": statistics.median(distances),
                          "real_hist": [r["tau_hist"] for r in real],
+                         "other_cores": max(r["other_cores"] for r in real),
                          "sim_hist": sim["tau_hist"]})  # fmt: skip
             print(f"real -n {n} against the simulator ({kind}): KS {distances}", flush=True)
     return {"rows": rows}
@@ -561,7 +569,7 @@ def summary(results: dict[str, Any]) -> str:
 def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The README's "What the issue asked, measured", measured again: rows for ``reproduce.py``."""
     sys.path.insert(0, str(HERE.parent))
-    from reproduce import row
+    from reproduce import QUIET_CORES, row
 
     rows = []
     scan = results.get("scan", {}).get("rows", [])
@@ -599,12 +607,14 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "SSP's bound holds"))  # fmt: skip
     for r in results.get("real", {}).get("rows", []):
         if r["sim"] == "table":
-            ks = r["ks_median"]
+            ks, busy = r["ks_median"], r.get("other_cores", 0.0)  # (none recorded: a quiet machine)
+            noise = f", other processes {busy:.2f} cores" if busy >= QUIET_CORES else ""
             rows.append(row("real-vs-sim.png", f"mpiexec -n {r['ranks']} (W = {r['workers']}) against the "
-                            "simulator: KS of τ", f"{ks:.3f} (median of {len(r['ks'])})",
+                            "simulator: KS of τ", f"{ks:.3f} (median of {len(r['ks'])}{noise})",
                             "≤ 0.1" if r["ranks"] == 3 else "information (oversubscribed)",
-                            ks <= 0.1 if r["ranks"] == 3 else None,
-                            "KS ≤ 0.1 at -n 3; -n 4 oversubscribes 2 cores"))  # fmt: skip
+                            ks <= 0.1 if r["ranks"] == 3 and not noise else None,
+                            f"KS ≤ 0.1 at -n 3 with other processes < {QUIET_CORES} cores, else not "
+                            "comparable; -n 4 oversubscribes 2 cores"))  # fmt: skip
     acc = {(r["world"], r["mode"]): r for r in results.get("accuracy", {}).get("rows", [])}
     for world, workers in (("sim", 4), ("real", 2)):
         if (world, "async-lr") in acc and (world, "dp") in acc:
