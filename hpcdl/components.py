@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -293,5 +294,15 @@ def all_declared(strategy: str = "") -> Declares:
 
 @functools.cache
 def _all_declared(outside: str) -> Declares:
-    targets = [strategy_target(n) for n in strategy_names()] + ([outside] if outside else [])
-    return Declares.merge([*(load(t) for t in SHARED), *(_strategy_declares(t) for t in targets)])
+    parts = [load(t) for t in SHARED] + [_strategy_declares(STRATEGIES[n]) for n in STRATEGIES]
+    for name, target in _entry_points().items():  # an installed package's: a broken one is named, not fatal
+        if name in STRATEGIES:
+            continue
+        try:
+            parts.append(_strategy_declares(target))
+        except ConfigError as err:
+            warnings.warn(f"the strategy {name!r} an installed package registers cannot be loaded: {err}",
+                          RuntimeWarning, stacklevel=2)  # fmt: skip
+    if outside:
+        parts.append(_strategy_declares(outside))
+    return Declares.merge(parts)

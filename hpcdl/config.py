@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcdl.components import SHARED, Key, _type_name, all_declared, load, strategy_names
+from hpcdl.components import SHARED, STRATEGIES, Key, _type_name, all_declared, load
 from hpcdl.data import DATASETS, KINDS
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS
@@ -26,7 +26,6 @@ __all__ = [
     "DRIVER_FIT_KEYS",
     "DRIVER_KEYS",
     "Key",
-    "SCHEMA",
     "schema",
     "Config",
     "load_config",
@@ -90,8 +89,8 @@ DRIVER_KEYS: dict[str, Key] = {
     "parallel.strategy": Key(
         str,
         "sync",
-        f"how training is spread over the ranks: a registered strategy ({', '.join(strategy_names())}) or "
-        "module:Class of your own",
+        f"how training is spread over the ranks: a built-in strategy ({', '.join(STRATEGIES)}), one an "
+        "installed package registers (entry points hpcdl.strategies) or module:Class of your own",
     ),
     "profile.layers": Key(bool, False, "record per-layer forward/backward times and output sizes"),
     "checkpoint.every": Key(int, 200, "steps between checkpoints (0: only at the end or a stop)", minimum=0),
@@ -156,8 +155,10 @@ def _renamed(strategy: str = "") -> dict[str, str]:
     return dict(all_declared(strategy).renamed)
 
 
-#: every registered component's keys and the driver's, by dotted name (docs/config.md's key table)
-SCHEMA: dict[str, Key] = schema()
+def __getattr__(name: str) -> Any:
+    if name == "SCHEMA":  # every registered component's keys and the driver's (docs/config.md's table),
+        return schema()  # collected on first use: an installed strategy may import this module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _nearest(key: str, keys: dict[str, Key]) -> str:
@@ -228,7 +229,7 @@ def stored_values(text: str) -> dict[str, Any]:
     """The values of a config as TOML text (a run file's ``config``), by dotted key, unchecked.
 
     A config stored by an older hpcdl may hold keys or values this one refuses; they are
-    returned as they are, for comparison, under their names now (``ps.mode`` is
+    returned as they are, for comparison, under their names now (``parallel.mode`` is
     ``ps.mode``).
 
     Raises:
@@ -318,8 +319,13 @@ class Config:
         return [k for k in self.schema if self.is_set(k)]
 
     def with_updates(self, updates: dict[str, Any]) -> Config:
-        """A new config with ``updates`` (dotted keys) applied and checked."""
-        cfg = Config({**self.values, **updates})
+        """A new config with ``updates`` (dotted keys, old names read as new) applied and checked;
+        another ``parallel.strategy`` drops the keys of an outside strategy it no longer names."""
+        strategy = str(updates.get("parallel.strategy", self.values.get("parallel.strategy", "")))
+        renamed = _renamed(strategy)
+        updates = {renamed.get(k, k): v for k, v in updates.items()}
+        keys = schema(strategy if ":" in strategy else "")
+        cfg = Config({**{k: v for k, v in self.values.items() if k in keys}, **updates})
         cfg.notes = [*self.notes, *cfg.notes]
         return cfg
 

@@ -62,9 +62,12 @@ def test_a_run_of_format_1_with_the_old_names_is_continued(
     _as_format_1(run)
     with h5py.File(run, "r") as f:
         assert "ps.mode" not in f.attrs["config"] and "mode = \"sync\"" in f.attrs["config"]
-    assert simulate([*SIM, *OLD, "--out", str(run), "--resume", "auto"]) == 0
+    # the same settings (the stop at 8 is behind it): nothing recorded as changed, the config rewritten
+    assert simulate([*SIM, *OLD, "--set", "train.stop_at=8", "--out", str(run), "--resume", "auto"]) == 0
     with h5py.File(run, "r") as f:
         assert f.attrs["format_version"] == 2 and f.attrs["status"] == "finished"
+        assert json.loads(f.attrs["config_changes"]) == []
+        assert tomllib.loads(f.attrs["config"])["ps"]["mode"] == "sync"  # today's names
         assert f["staleness"].attrs["cut_by"] == "update"
         assert list(f["metrics/step"][...]) == list(range(1, 13))
     # another value of an old-named fit key is refused, as under the new name

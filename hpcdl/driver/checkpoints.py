@@ -136,7 +136,7 @@ def _fit(config: Config) -> dict[str, Any]:
 
 
 def _saved_fit(fit: dict[str, Any], config: Config) -> dict[str, Any]:
-    """A checkpoint's fit keys under their names now (an older file's ``ps.mode`` is ``ps.mode``)."""
+    """A checkpoint's fit keys under their names now (an older file's ``parallel.mode`` is ``ps.mode``)."""
     renamed = all_declared(config["parallel.strategy"]).renamed
     return {renamed.get(k, k): v for k, v in fit.items()}
 

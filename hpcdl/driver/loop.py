@@ -1,11 +1,11 @@
 """The driver's loop (Chainer's ``Trainer``): a strategy's steps, and the periodic work at meetings.
 
 :class:`Trainer` runs the strategy's steps and, at meetings only, fires the periodic work
-every strategy shares: agreeing on the metrics and a stop (every meeting), the run file's
-rows (flushed every ``log.flush_every`` rows), progress, and the :class:`Extension` s —
-evaluation (``train.eval_every`` or each epoch's end), ``train.stop_at`` and checkpoints
-(``checkpoint.every``) — each with its :class:`Trigger`. An extension whose work needs
-every rank (all three) makes the ranks meet at the steps it fires: a lockstep strategy
+every strategy shares, each an :class:`Extension` with its :class:`Trigger`: evaluation
+(``train.eval_every`` or each epoch's end), the last step's row, the run file's flush (at
+the meeting that passes a multiple of ``log.flush_every`` steps), progress, the stop vote,
+``train.stop_at`` and checkpoints (``checkpoint.every``). An extension whose steps need
+every rank (evaluation, stop_at, checkpoint) makes the ranks meet where it fires: a lockstep strategy
 that meets every τ steps of its own accord also meets there, so a checkpoint is never late
 (the steps are the driver's, not the strategy's); the ranks also meet after the last step.
 
@@ -90,8 +90,10 @@ class Meeting:
 @dataclass(frozen=True)
 class Extension:
     """Periodic work of the driver (Chainer's ``Extension``): what fires (:attr:`name`), when
-    (:attr:`trigger`; None: at every meeting), whether every rank must take part (a collective:
-    the ranks meet at the steps it fires), and what it does, ``run(trainer, meeting)``.
+    (:attr:`trigger`; None: at every meeting), whether its steps force a meeting
+    (:attr:`needs_all`: the ranks meet at the steps it fires, even between the strategy's own
+    meetings), and what it does, ``run(trainer, meeting)``. Every extension runs at a meeting,
+    on every rank alike, so any of them may be collective (the flush is).
 
     The driver's, in the order they fire at a meeting (:meth:`Trainer.extensions`): ``evaluation``
     (a lockstep strategy's: a free-running one evaluates on its own), ``log`` (the last step's

@@ -20,7 +20,7 @@ from hpcdl.config import Config
 from hpcdl.driver.checkpoints import check_run_config, find_resume
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.parallel import Placement, Strategy
-from hpcdl.store import RunFile, RunFileError
+from hpcdl.store import FORMAT_VERSION, RunFile, RunFileError
 from hpcdl.store.checkpoint import Checkpoint, list_checkpoints, orphaned_temporaries
 from hpcdl.store.liveness import ago, writer
 from hpcdl.store.runfile import TableSpec, heartbeat_now, read_attrs
@@ -77,7 +77,7 @@ class RunLog:
         series: dict[str, float] | None = None,
         tables: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        """Add this step's row (kept on rank 0) and this rank's timings; flush when due.
+        """Add this step's row (kept on rank 0) and this rank's timings, until the driver's flush.
 
         ``exposed_s`` is the part of ``comm_s`` the step spent waiting after backward;
         ``other_s`` the time since the previous step ended, outside any step. At the flush,
@@ -89,6 +89,7 @@ class RunLog:
         ``tables``: rows of the strategy's declared row groups (rank 0's), as columns.
         """
         if self.runfile is not None:
+            self.runfile.check_row(row)  # an undeclared key fails at its step, not at the flush
             self._rows.append(row)
             for name, columns in (tables or {}).items():
                 kept = self._tables.setdefault(name, {})
@@ -344,6 +345,8 @@ def _open_on_root(
         )
     if resume is not None and exists:  # continue it; no checkpoint yet (killed before one): from step 0
         runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, ranks, *_declared_rows(cfg))
+        if int(attrs.get("format_version", FORMAT_VERSION)) < FORMAT_VERSION:  # config in today's names
+            runfile.set_attrs(config=cfg.toml())
         if changes:
             step = ckpt.step if ckpt else 0
             runfile.record_config_change(step, changes, cfg.toml())

@@ -163,10 +163,14 @@ class Loader(Serializer):
 class Checker(Serializer):
     """Refuses a checkpoint's pieces that do not fit this rank (on rank 0, before anything changes):
     another model (parameter names or shapes), raw arrays of another shape, a piece's ``meta``
-    its ``check`` refuses. Pieces the checkpoint lacks pass (another rank holds them)."""
+    its ``check`` refuses, or the lack of a piece in ``held`` (the pieces this rank holds and
+    is about to load; rank 0's check of a whole checkpoint passes none: its pieces are
+    checked where they are present).
+    """
 
-    def __init__(self, pieces: Mapping[str, Mapping[str, Any]]) -> None:
+    def __init__(self, pieces: Mapping[str, Mapping[str, Any]], held: tuple[str, ...] = ()) -> None:
         self.pieces = pieces
+        self.held = held
 
     def piece(self, name: str, *, model: Any = None, arrays: Mapping[str, Any] | None = None,
               optimizer: Any = None, meta: Mapping[str, Any] | None = None,
@@ -175,6 +179,8 @@ class Checker(Serializer):
         if check is not None:  # every piece: rank 0 checks them all, whichever this rank holds
             check(self.pieces)
         if saved is None:
+            if name in self.held:  # this rank holds it: a checkpoint that lacks it cannot continue it
+                raise ConfigError(f"it holds no {name!r} (another placement or model)")
             return
         if model is not None:
             diff = differing_parameters(model, saved.get("params", {}))

@@ -6,8 +6,10 @@ when ranks meet, what each step records, how the model is evaluated, and its own
 a checkpoint. The driver (:mod:`hpcdl.driver`) owns what every strategy shares — the
 config and the objects built from it, the run file, checkpoint files and ``--resume``,
 stops, progress, the summary — and fires its periodic work (log flushes, evaluation,
-checkpoints, the stop vote, progress) at the strategy's meeting points only, so a
-strategy whose ranks meet rarely is never forced into a per-step collective.
+checkpoints, the stop vote, progress) at meetings: the strategy's own, and those the
+driver's work that needs every rank adds (a checkpoint, an evaluation, ``train.stop_at``:
+:mod:`hpcdl.driver.loop`), so a strategy whose ranks meet rarely is never forced into a
+per-step collective, and a checkpoint is never late.
 
 Placement is data (:class:`Placement`): before anything is built, a strategy says what
 each rank does and holds, which ranks read which batches, and the batch arithmetic; the
@@ -24,8 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
-
-import numpy as np
 
 from hpcdl.comm import Communicator
 from hpcdl.components import Declares, load, strategy_names, strategy_target
@@ -49,8 +49,6 @@ __all__ = [
     "crossed",
     "differing_parameters",
     "ignored_keys",
-    "load_model_piece",
-    "model_piece",
     "strategy_class",
 ]
 
@@ -109,27 +107,6 @@ def ignored_keys(cfg: Any) -> list[str]:
 def crossed(before: int, now: int, period: int) -> bool:
     """True when a multiple of ``period`` lies in ``(before, now]`` (a checkpoint, an evaluation due)."""
     return period > 0 and now // period > before // period
-
-
-def model_piece(model: Any, optimizer: Any) -> dict[str, dict[str, Any]]:
-    """A checkpoint piece holding ``model``'s parameters and ``optimizer``'s state (None: none):
-    ``params`` and ``optimizer`` arrays, the optimizer's small values under ``meta``."""
-    from hpcdl.backend import to_numpy  # noqa: PLC0415 (the seam imports no array code at load)
-
-    opt = optimizer.state_dict() if optimizer is not None else {}
-    arrays = {k: v for k, v in opt.items() if isinstance(v, np.ndarray)}
-    return {
-        "params": {name: to_numpy(p.data).copy() for name, p in model.named_parameters()},
-        "optimizer": arrays,
-        "meta": {"optimizer": {k: v for k, v in opt.items() if k not in arrays}},
-    }
-
-
-def load_model_piece(model: Any, optimizer: Any, piece: dict[str, Any], arrays: dict[str, Any]) -> None:
-    """Put back what :func:`model_piece` took, with the rank's own ``arrays`` (BatchNorm statistics)."""
-    model.load_state_dict({**piece["params"], **arrays})
-    if optimizer is not None:
-        optimizer.load_state_dict({**piece["meta"]["optimizer"], **piece["optimizer"]})
 
 
 def differing_parameters(model: Any, params: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -471,12 +448,14 @@ class Strategy:
         """Continue from this rank's part of a checkpoint (checked first: :meth:`check_state`)."""
         from hpcdl.parallel.state import Loader  # noqa: PLC0415
 
-        self.check_state(state.pieces)
+        holds = self.ctx.placement.ranks[self.ctx.rank].holds
+        self.check_state(state.pieces, held=(holds,) if holds else ())
         self.serialize(Loader(state))
 
-    def check_state(self, pieces: dict[str, dict[str, Any]]) -> None:
+    def check_state(self, pieces: dict[str, dict[str, Any]], held: tuple[str, ...] = ()) -> None:
         """Refuse a checkpoint's pieces this strategy cannot take (on rank 0, before anything changes):
-        another model, shards of another size, another cut (what :meth:`serialize` declares).
+        another model, shards of another size, another cut (what :meth:`serialize` declares), or,
+        loading, the lack of a piece in ``held`` (this rank's).
 
         ``--resume auto`` passes over a checkpoint that fails it, as over a damaged one.
 
@@ -485,7 +464,7 @@ class Strategy:
         """
         from hpcdl.parallel.state import Checker  # noqa: PLC0415
 
-        self.serialize(Checker(pieces))
+        self.serialize(Checker(pieces, held))
 
     def close(self) -> None:
         """Release what the strategy owns (communicators it duplicated or split; collective)."""

@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["FIGURES", "RankTimes", "rank_times", "x_axes", "output_prefix", "plot"]
 
-#: the figures, in the order they are written: ``<prefix>-<name>.png``
+#: the report's own figures, in the order they are written (``<prefix>-<name>.png``); the
+#: figures a strategy declares come between ``ranks`` and ``stages``
 FIGURES = ("loss", "accuracy", "ranks", "stages", "gantt")
 #: a prefix made of the runs' names is cut to this length (then ``first+N-more``)
 _PREFIX_MAX = 80

@@ -136,7 +136,7 @@ def runs_free(attrs: dict[str, Any]) -> bool:
 
 
 def run_config(attrs: dict[str, Any]) -> dict[str, Any]:
-    """The run's config values by dotted key, under their names now (``ps.mode`` is
+    """The run's config values by dotted key, under their names now (``parallel.mode`` is
     ``ps.mode``); empty when the file has none or it is damaged."""
     try:
         return stored_values(str(attrs.get("config", "")))

@@ -402,19 +402,24 @@ class RunFile:
             return
         self._append_all(self.h5["metrics"], self._metric_columns(rows), "metrics")
 
-    def _metric_columns(self, rows: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
-        """The rows as columns.
+    def check_row(self, row: Mapping[str, float]) -> None:
+        """Refuse a row with a key no component declares.
 
         Raises:
-            ValueError: a row has a key no component declared (a strategy's metric column is
-                declared in its ``Declares.metrics``): never dropped in silence.
+            ValueError: naming the keys (a strategy's metric column is declared in its
+                ``Declares.metrics``): never dropped in silence.
         """
-        unknown = sorted({k for row in rows for k in row} - set(self.metrics))
+        unknown = sorted(set(row) - self.metrics.keys())
         if unknown:
             raise ValueError(
                 f"metrics rows carry {', '.join(map(repr, unknown))}, which no component declares: "
                 "declare them in the strategy's Declares.metrics"
             )
+
+    def _metric_columns(self, rows: Sequence[Mapping[str, float]]) -> dict[str, np.ndarray]:
+        """The rows as columns (each row checked: :meth:`check_row`)."""
+        for row in rows:
+            self.check_row(row)
         columns = {}
         for name, dtype in self.metrics.items():
             default = np.nan if np.dtype(dtype).kind == "f" else 0
