@@ -14,11 +14,16 @@ communicates. Each function is tested against literal tables.
     the backwards. The bubble is GPipe's, but a stage holds at most ``p - s``
     microbatches' activations at once, not m.
 
+* **Replicated stages** (:func:`replicated`): stage s run by r_s ranks, microbatch k on
+  replica ``k mod r_s``; each replica runs its share of the stage's GPipe or 1F1B order,
+  then the stage's gradient allreduce (``AR``). A stage r times as heavy as its
+  neighbours, on r replicas, keeps their pace.
+
 * **Timing** (:func:`simulate`): when each operation starts and ends, given per-stage
   forward and backward costs, with a forward of k on stage s after the forward of k on
   s - 1 and a backward of k on s after the backward of k on s + 1 (and after its own
-  forward). With equal costs GPipe's and 1F1B's bubble fraction is
-  ``(p - 1) / (m + p - 1)``.
+  forward); a replicated stage's allreduce after all its backwards. With equal costs
+  GPipe's and 1F1B's bubble fraction is ``(p - 1) / (m + p - 1)``.
 
 * **Partitions** (:func:`balance_by_cost`): the contiguous cut of n layers into p stages
   that minimises the most expensive stage, exactly (dynamic programming over prefix
@@ -27,17 +32,21 @@ communicates. Each function is tested against literal tables.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpcdl.errors import ConfigError
 
 __all__ = [
+    "EXCHANGE",
     "METHODS",
     "SCHEDULES",
     "LayerInfo",
     "Op",
     "Partition",
+    "ReplicatedSchedule",
+    "ReplicatedTimeline",
     "Schedule",
     "Timeline",
     "balance_by_cost",
@@ -46,6 +55,8 @@ __all__ = [
     "interleaved",
     "one_f_one_b",
     "partition",
+    "replica_windows",
+    "replicated",
     "schedule",
     "simulate",
 ]
@@ -54,14 +65,19 @@ __all__ = [
 @dataclass(frozen=True)
 class Op:
     """One operation of a stage: ``kind`` ``"F"`` (forward) or ``"B"`` (backward) of ``microbatch``,
-    on the stage's model chunk ``chunk`` (0 unless the schedule is interleaved)."""
+    on the stage's model chunk ``chunk`` (0 unless the schedule is interleaved); or ``"AR"``, a
+    replicated stage's gradient allreduce over its replicas (:data:`EXCHANGE`, microbatch -1)."""
 
     kind: str
     microbatch: int
     chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return self.kind if self.microbatch < 0 else f"{self.kind}{self.microbatch}"
+
+
+#: a replicated stage's last operation: its replicas sum their gradients (an allreduce)
+EXCHANGE = Op("AR", -1)
 
 
 @dataclass(frozen=True)
@@ -128,17 +144,18 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     backward at a time, then the remaining backwards (microbatches in order throughout)."""
     _check(stages, microbatches)
     p, m = stages, microbatches
-    plan = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        ops = [Op("F", k) for k in range(warm)]
-        f, b = warm, 0
-        while f < m:
-            ops += [Op("F", f), Op("B", b)]
-            f, b = f + 1, b + 1
-        ops += [Op("B", k) for k in range(b, m)]
-        plan.append(tuple(ops))
-    return Schedule("1f1b", m, tuple(plan))
+    return Schedule("1f1b", m, tuple(_one_f_one_b_order(m, min(p - s - 1, m)) for s in range(p)))
+
+
+def _one_f_one_b_order(m: int, warm: int) -> tuple[Op, ...]:
+    """``warm`` forwards, then one forward and one backward at a time, then the remaining backwards."""
+    ops = [Op("F", k) for k in range(warm)]
+    f, b = warm, 0
+    while f < m:
+        ops += [Op("F", f), Op("B", b)]
+        f, b = f + 1, b + 1
+    ops += [Op("B", k) for k in range(b, m)]
+    return tuple(ops)
 
 
 def interleaved(stages: int, microbatches: int, chunks: int) -> Schedule:
@@ -206,6 +223,160 @@ def schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Sche
     return gpipe(stages, microbatches) if name == "gpipe" else one_f_one_b(stages, microbatches)
 
 
+# -- replicated stages -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicatedSchedule:
+    """Each (stage, replica)'s ordered operations: ``stages[s][j]`` is replica j of stage s.
+
+    Microbatch k of stage s runs on replica ``k mod replicas[s]``; a stage with more than one
+    replica ends with :data:`EXCHANGE`, the allreduce of its gradients over its replicas.
+    """
+
+    name: str
+    microbatches: int
+    replicas: tuple[int, ...]
+    stages: tuple[tuple[tuple[Op, ...], ...], ...]
+
+    def replica(self, stage: int, microbatch: int) -> int:
+        """The replica of ``stage`` that runs ``microbatch`` (and sends its activation and gradient)."""
+        return microbatch % self.replicas[stage]
+
+    def in_flight(self) -> list[list[int]]:
+        """Per stage and replica, the most microbatches whose forward ran and whose backward did not yet."""
+        computing = [
+            tuple(tuple(op for op in ops if op.kind != "AR") for ops in lanes) for lanes in self.stages
+        ]
+        return [Schedule(self.name, self.microbatches, lanes).in_flight() for lanes in computing]
+
+    def __str__(self) -> str:
+        """One line per (stage, replica), operations in columns (``--plan``); a stage of one replica
+        prints as :class:`Schedule` prints it."""
+        labels = [
+            f"stage {s}" + (f" replica {j}" if len(lanes) > 1 else "") + ":"
+            for s, lanes in enumerate(self.stages)
+            for j in range(len(lanes))
+        ]
+        rows = [ops for lanes in self.stages for ops in lanes]
+        width = max(len(str(op)) for ops in rows for op in ops)
+        label = max(map(len, labels))
+        return "\n".join(
+            f"{name:<{label}} " + " ".join(f"{op!s:<{width}}" for op in ops).rstrip()
+            for name, ops in zip(labels, rows)
+        )
+
+
+def replica_windows(replicas: Sequence[int]) -> list[int]:
+    """Per stage, ``h_s``: how many microbatches a replica of stage s holds at most under
+    replicated 1F1B (:func:`replicated`; fewer when it has fewer, ``m / r_s``).
+
+    ``h_{p-1} = 1`` and ``h_s = 1 + ceil(h_{s+1} r_{s+1} / r_s)``: stage s + 1 takes in
+    ``W_{s+1} = h_{s+1} r_{s+1}`` consecutive microbatches before it sends back the first
+    gradient, so stage s must have sent all of them (its r_s replicas share them) and be
+    working on one more. With every ``r_s = 1`` it is 1F1B's ``p - s``.
+    """
+    windows: list[int] = []
+    below = 0  # W_{s+1}
+    for r in reversed(replicas):
+        h = 1 + -(-below // r) if below else 1
+        windows.append(h)
+        below = h * r
+    return windows[::-1]
+
+
+def replicated(name: str, microbatches: int, replicas: Sequence[int]) -> ReplicatedSchedule:
+    """GPipe or 1F1B over stages run by several ranks each (PipeDream's replicated stages,
+    DAPPLE's per-stage device counts): stage s of ``p = len(replicas)`` has ``r_s =
+    replicas[s]`` replicas, and its replica ``k mod r_s`` runs microbatch k.
+
+    **The order.** Each stage first gets one order over all m microbatches, the one an
+    unreplicated stage would run: GPipe's (every forward in increasing k, then every
+    backward in decreasing k), or 1F1B's with ``min(W_s - 1, m)`` warm-up forwards, where
+    ``W_s = h_s r_s`` and ``h_s`` is :func:`replica_windows`'s (forwards and backwards each
+    in increasing k). Replica j runs the subsequence of its microbatches (``k = j, j + r_s,
+    ...``), then, when ``r_s > 1``, :data:`EXCHANGE`. Under 1F1B that subsequence is itself
+    1F1B over the replica's m / r_s microbatches with ``h_s - 1`` warm-up forwards. With
+    every ``r_s = 1``, ``W_s = p - s`` and this is exactly :func:`gpipe` and
+    :func:`one_f_one_b`.
+
+    **Why a replicated stage keeps its neighbours busy.** A replica's microbatch costs what
+    the unreplicated stage's does, but r_s replicas work on r_s consecutive microbatches at
+    once, so the stage takes in and passes on one microbatch every ``(forward + backward) /
+    r_s``: a stage r times as heavy as its neighbours, run by r replicas, keeps their pace,
+    and each further microbatch adds to the step what it adds to a balanced pipeline
+    (``max_s (forward_s + backward_s) / r_s``, GPipe and 1F1B alike). The price is latency:
+    a microbatch still spends the full cost on one replica, so filling and draining take
+    longer (two stages of pace c, the first twice as heavy on 2 replicas: ``(m + 2) c``,
+    against ``(m + 1) c`` for the balanced pipeline). For 1F1B this is why the windows
+    count replicas: with ``W_s = W_{s+1} + r_s`` unrounded, a replica would wait for a
+    gradient that waits for a forward its stage has not sent yet, and the pace drops.
+
+    **What it holds in flight.** GPipe: every replica all of its ``m / r_s`` microbatches.
+    1F1B: a replica at most ``min(h_s, m / r_s)``, with ``h_{p-1} = 1`` and ``h_s = 1 +
+    ceil(h_{s+1} r_{s+1} / r_s)`` (derivation at :func:`replica_windows`): ``p - s``
+    unreplicated; a heavy stage with r replicas early in the pipe holds about 1/r of
+    what the stages after it hold in all, per rank.
+
+    **Deadlock-free by construction.** The unreplicated order of stage s is deadlock-free
+    for the dependencies "F k on s - 1 before F k on s, B k on s + 1 before B k on s, F k
+    before B k": GPipe's trivially, 1F1B's because its windows shrink along the pipe
+    (``W_s >= W_{s+1} + r_s``), so whatever forwards stage s + 1 runs before B k, stage s
+    ran before waiting for B k. A replica runs a subsequence of its stage's order, which
+    only drops program-order constraints, so a cycle among replicas would be a cycle among
+    the stages' orders: there is none. The exchange is each replica's last operation and
+    nothing waits for it. Messages match in order too: the replica of s that sends
+    activation k (``k mod r_s``) and the one of s + 1 that receives it (``k mod r_{s+1}``)
+    take their common microbatches in the same order (increasing k for forwards; for
+    gradients the schedule's one backward order), so receives posted in schedule order
+    meet the sends in the order they were made (MPI's non-overtaking rule, one tag per
+    direction).
+
+    Args:
+        name: ``gpipe`` or ``1f1b``.
+        microbatches: m, a multiple of every replica count.
+        replicas: per stage, its ranks (``pipeline.replicas``).
+
+    Raises:
+        ConfigError: another schedule (``interleaved`` is not built for replicas), no stage
+            or microbatch, a replica count below 1, or m not a multiple of every replica
+            count (naming the nearest m that is).
+    """
+    reps = tuple(int(r) for r in replicas)
+    p, m = len(reps), microbatches
+    _check(p, m)
+    if name not in ("gpipe", "1f1b"):
+        raise ConfigError(
+            f"pipeline.schedule = {name!r} cannot run replicated stages (pipeline.replicas = {list(reps)}): "
+            "use gpipe or 1f1b"
+        )
+    if min(reps) < 1:
+        raise ConfigError(f"pipeline.replicas = {list(reps)}: every stage needs at least 1 replica")
+    whole = math.lcm(*reps)
+    if m % whole:
+        below, above = m - m % whole, m - m % whole + whole
+        if below == 0 or m - below > above - m:
+            nearest = f"{above}"
+        elif m - below < above - m:
+            nearest = f"{below}"
+        else:
+            nearest = f"{below} or {above}"
+        raise ConfigError(
+            f"pipeline.microbatches = {m} is not a multiple of every stage's replicas (pipeline.replicas = "
+            f"{list(reps)}, multiples of {whole}): use {nearest}"
+        )
+    windows = replica_windows(reps)
+    plan = []
+    for s, r in enumerate(reps):
+        if name == "gpipe":
+            order = tuple(Op("F", k) for k in range(m)) + tuple(Op("B", k) for k in reversed(range(m)))
+        else:
+            order = _one_f_one_b_order(m, min(windows[s] * r - 1, m))
+        tail = (EXCHANGE,) if r > 1 else ()
+        plan.append(tuple(tuple(op for op in order if op.microbatch % r == j) + tail for j in range(r)))
+    return ReplicatedSchedule(name, m, reps, tuple(plan))
+
+
 @dataclass(frozen=True)
 class Timeline:
     """When each operation ran: ``start[s][i]``/``end[s][i]`` of ``schedule.stages[s][i]``."""
@@ -228,59 +399,118 @@ class Timeline:
         return 1.0 - self.busy(stage) / self.makespan
 
 
+@dataclass(frozen=True)
+class ReplicatedTimeline:
+    """When each operation of a replicated schedule ran: ``start[s][j][i]``/``end[s][j][i]`` of
+    ``schedule.stages[s][j][i]`` (replica j of stage s)."""
+
+    schedule: ReplicatedSchedule
+    start: tuple[tuple[tuple[float, ...], ...], ...]
+    end: tuple[tuple[tuple[float, ...], ...], ...]
+
+    @property
+    def makespan(self) -> float:
+        """The step's length: the last operation's end, gradient exchanges included."""
+        return max(max(e) for lanes in self.end for e in lanes)
+
+    def busy(self, stage: int, replica: int = 0) -> float:
+        """Time replica ``replica`` of ``stage`` spent computing (forwards, backwards; not the exchange)."""
+        ops = self.schedule.stages[stage][replica]
+        times = zip(ops, self.start[stage][replica], self.end[stage][replica])
+        return sum(e - s for op, s, e in times if op.kind != "AR")
+
+    def bubble(self, stage: int, replica: int = 0) -> float:
+        """The idle fraction of that replica over the step: ``1 - busy / makespan``."""
+        return 1.0 - self.busy(stage, replica) / self.makespan
+
+
 def simulate(
-    plan: Schedule, forward: Sequence[float], backward: Sequence[float], transfer: float = 0.0
-) -> Timeline:
-    """Run ``plan`` in time: each stage executes its operations in order, each as soon as
-    its inputs are there.
+    plan: Schedule | ReplicatedSchedule,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    transfer: float = 0.0,
+    *,
+    exchange: Sequence[float] | None = None,
+) -> Timeline | ReplicatedTimeline:
+    """Run ``plan`` in time: each stage (each replica of a stage) executes its operations in
+    order, each as soon as its inputs are there.
+
+    A replicated stage's :data:`EXCHANGE` starts when its last replica has ended its last
+    backward (an allreduce waits for all its ranks) and ends on every replica
+    ``exchange[s]`` later.
 
     Args:
-        plan: the schedule.
+        plan: the schedule: a :class:`Schedule` gives a :class:`Timeline`, a
+            :class:`ReplicatedSchedule` a :class:`ReplicatedTimeline`.
         forward: per virtual stage (per stage unless interleaved), a forward's cost (one
-            microbatch).
+            microbatch, on one replica).
         backward: per virtual stage, a backward's cost.
         transfer: the time an activation or its gradient takes to reach another stage.
+        exchange: per stage, its gradient allreduce over its replicas (ignored for a stage
+            of one replica, which has none); default 0.
 
     Raises:
-        ValueError: the costs do not give one value per virtual stage, or the schedule
-            deadlocks (an operation waits for one that waits for it).
+        ValueError: the costs do not give one value per virtual stage (exchanges: per
+            stage), or the schedule deadlocks (an operation waits for one that waits for it).
     """
+    rep = isinstance(plan, ReplicatedSchedule)
     p = len(plan.stages)
-    n = p * plan.chunks  # virtual stages
+    n = p if rep else p * plan.chunks  # virtual stages
     if len(forward) != n or len(backward) != n:
         raise ValueError(f"costs for {len(forward)}/{len(backward)} stages, the schedule has {n}")
+    if exchange is not None and len(exchange) != p:
+        raise ValueError(f"exchange costs for {len(exchange)} stages, the schedule has {p}")
+    swap = [0.0] * p if exchange is None else list(exchange)
+    # lanes: one per rank, (stage, label in a deadlock message, its operations)
+    if rep:
+        lanes = [(s, (s, j), ops) for s, stage in enumerate(plan.stages) for j, ops in enumerate(stage)]
+    else:
+        lanes = [(s, s, ops) for s, ops in enumerate(plan.stages)]
+    m = plan.microbatches
     done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, microbatch) -> end
-    nxt = [0] * p
-    clock = [0.0] * p
-    start: list[list[float]] = [[] for _ in range(p)]
-    end: list[list[float]] = [[] for _ in range(p)]
-    remaining = sum(len(ops) for ops in plan.stages)
+    nxt = [0] * len(lanes)
+    clock = [0.0] * len(lanes)
+    start: list[list[float]] = [[] for _ in lanes]
+    end: list[list[float]] = [[] for _ in lanes]
+    remaining = sum(len(ops) for _, _, ops in lanes)
     while remaining:
         progressed = False
-        for s in range(p):
-            while nxt[s] < len(plan.stages[s]):
-                op = plan.stages[s][nxt[s]]
-                k, v = op.microbatch, plan.virtual(s, op.chunk)
+        for i, (s, _, ops) in enumerate(lanes):
+            while nxt[i] < len(ops):
+                op = ops[nxt[i]]
+                k, v = op.microbatch, s + op.chunk * p  # Schedule.virtual
                 if op.kind == "F":
                     deps = [("F", v - 1, k)] if v > 0 else []
                     cost = forward[v]
-                else:
+                elif op.kind == "B":
                     deps = [("F", v, k)] + ([("B", v + 1, k)] if v < n - 1 else [])
                     cost = backward[v]
+                else:  # the exchange: after every backward of the stage, on whichever replica
+                    deps = [("B", v, j) for j in range(m)]
+                    cost = swap[s]
                 if any(d not in done for d in deps):
                     break
-                ready = max([clock[s], *(done[d] + (transfer if d[1] % p != s else 0.0) for d in deps)])
-                start[s].append(ready)
-                clock[s] = ready + cost
-                end[s].append(clock[s])
-                done[(op.kind, v, k)] = clock[s]
-                nxt[s] += 1
+                ready = max([clock[i], *(done[d] + (transfer if d[1] % p != s else 0.0) for d in deps)])
+                start[i].append(ready)
+                clock[i] = ready + cost
+                end[i].append(clock[i])
+                done[(op.kind, v, k)] = clock[i]
+                nxt[i] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {s: str(plan.stages[s][nxt[s]]) for s in range(p) if nxt[s] < len(plan.stages[s])}
+            stuck = {label: str(ops[nxt[i]]) for i, (_, label, ops) in enumerate(lanes) if nxt[i] < len(ops)}
             raise ValueError(f"schedule {plan.name} deadlocks: stages wait at {stuck}")
-    return Timeline(plan, tuple(map(tuple, start)), tuple(map(tuple, end)))
+    if not rep:
+        return Timeline(plan, tuple(map(tuple, start)), tuple(map(tuple, end)))
+    first = [0]
+    for r in plan.replicas:
+        first.append(first[-1] + r)
+    return ReplicatedTimeline(
+        plan,
+        tuple(tuple(map(tuple, start[a:b])) for a, b in zip(first, first[1:])),
+        tuple(tuple(map(tuple, end[a:b])) for a, b in zip(first, first[1:])),
+    )
 
 
 def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
