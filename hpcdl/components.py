@@ -210,11 +210,9 @@ class Declares:
                 series.setdefault(name, words)
             legend, rate = part.legend or legend, part.rate or rate
             step_name = part.step_name if part.step_name != "step" else step_name
-        merged = Declares(keys=keys, metrics=metrics, tables=tables, plots=tuple(plots.values()),
-                          legend=legend, renamed=renamed, series=series, rate=rate,
-                          step_name=step_name)  # fmt: skip
-        object.__setattr__(merged, "fit_keys", tuple(fit))  # keys of parts (checked there)
-        return merged
+        return Declares(keys=keys, fit_keys=tuple(fit), metrics=metrics, tables=tables,
+                        plots=tuple(plots.values()), legend=legend, renamed=renamed, series=series,
+                        rate=rate, step_name=step_name)  # fmt: skip
 
 
 def load(target: str) -> Any:

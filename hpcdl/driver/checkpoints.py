@@ -156,8 +156,9 @@ def check_fits(
             f"{where} was written by {ckpt.world} ranks; this run has {placement.world}: continue it on "
             f"{ckpt.world} ranks, or start a new run with another --out"
         )
+    fit = _saved_fit(ckpt.meta["fit"], config)
     for key, value in _fit(config).items():
-        saved = _saved_fit(ckpt.meta["fit"], config).get(key, value)  # a key newer than the file: its default
+        saved = fit.get(key, value)  # a key newer than the file: its default
         if saved != value:
             raise CheckpointError(f"{where} was written with {key} = {saved!r}; this run has {value!r}")
     theirs = Placement.from_json(ckpt.placement)
