@@ -206,7 +206,7 @@ def _check(key: str, value: Any, keys: dict[str, Key]) -> Any:
             raise ConfigError(f"config key {key!r} expects strings {spec.pattern_doc} (got {bad[0]!r})")
     elif spec.item is not None and not spec.or_list:
         ok = all(isinstance(v, spec.item) and not isinstance(v, bool) and v > 0 for v in value)
-        if not ok or not value:
+        if not ok or (not value and spec.default):  # empty only where it is the default
             raise ConfigError(
                 f"config key {key!r} expects a non-empty list of positive "
                 f"{spec.item.__name__}s (got {value!r})"

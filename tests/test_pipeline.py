@@ -260,6 +260,15 @@ def test_plan_prints_the_partition_and_the_schedule(capsys: pytest.CaptureFixtur
             "a multiple of the 3 stages",
         ),
         (["pipeline.virtual_stages=2"], "needs pipeline.schedule = 'interleaved'"),
+        (["pipeline.replicas=[2,2]"], "puts 4 ranks to work; this run has 3"),
+        (["pipeline.replicas=[2,0,1]"], "list of positive ints (got [2, 0, 1])"),
+        (["pipeline.stages=2"], "use pipeline.stages = 1, or pipeline.replicas"),
+        (["pipeline.replicas=[2,1]", "pipeline.stages=3"], "has 2 stages"),
+        (["pipeline.replicas=[2,1]", "pipeline.microbatches=5"], "not a multiple of every stage's replicas"),
+        (
+            ["pipeline.replicas=[2,1]", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2"],
+            "cannot run replicated stages",
+        ),
     ],
 )
 def test_a_partition_that_does_not_fit_is_one_line_naming_it(sets: list[str], says: str) -> None:
@@ -319,6 +328,7 @@ def test_a_profiled_pipeline_run_profiles_every_stage_and_feeds_the_time_balance
             "resume with pipeline.balance = [4, 6, 6",
         ),
         (["pipeline.schedule=gpipe"], ["pipeline.schedule=1f1b"], "pipeline.schedule = 'gpipe'"),
+        (["pipeline.replicas=[2,1]"], ["pipeline.replicas=[1,2]"], "pipeline.replicas = [2, 1]"),
     ],
 )
 def test_a_resume_cut_or_scheduled_otherwise_is_refused_before_anything_is_written(

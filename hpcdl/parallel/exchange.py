@@ -52,8 +52,7 @@ DECLARES = Declares(
         "exchange.auto_threshold_kb": Key(
             float,
             0.0,
-            "auto: if > 0, MPI's own allreduce below this bucket size and the ring above, "
-            "not the table",
+            "auto: if > 0, MPI's own allreduce below this bucket size and the ring above, not the table",
             minimum=0.0,
         ),
         "exchange.compression": Key(

@@ -13,8 +13,9 @@ counters that outlive a step.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -76,9 +77,10 @@ class Stage:
 
     Attributes:
         ctx: the driver's run context (a microbatch's samples and labels, ``trace``).
-        comm: the pipeline's communicator (rank s is stage s).
+        comm: the pipeline's communicator (stage s's replicas are its ranks ``first[s]`` to
+            ``first[s] + replicas[s] - 1``; unreplicated, rank s is stage s).
         index: s, this rank's stage.
-        count: p, the stages (ranks) of the pipeline.
+        count: p, the stages of the pipeline.
         chunks: the model chunks this rank holds, by chunk number.
         ops: this stage's operations of the schedule, in order.
         microbatches: m, the microbatches of a step.
@@ -87,6 +89,8 @@ class Stage:
         loss_fn: the loss the last virtual stage takes.
         tracing: whether every forward, backward, send and receive goes to ``ctx.trace``.
         note: where the rank notes its phase for stall reports (:func:`hpcdl.comm.notes`).
+        replicas: per stage, its ranks (empty: one each); microbatch k of stage s runs on its
+            replica ``k mod replicas[s]``.
     """
 
     ctx: RunContext
@@ -101,6 +105,16 @@ class Stage:
     loss_fn: SoftmaxCrossEntropy
     tracing: bool
     note: dict[str, Any]
+    replicas: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        reps = self.replicas or (1,) * self.count
+        self.replicas = tuple(reps)
+        self._first = [sum(reps[:s]) for s in range(self.count)]
+
+    def rank_of(self, stage: int, k: int) -> int:
+        """The rank (of :attr:`comm`) that runs microbatch ``k`` on ``stage``: its replica ``k mod r``."""
+        return self._first[stage] + k % self.replicas[stage]
 
 
 @dataclass
@@ -132,7 +146,8 @@ class StepResult:
 def run_step(stage: Stage, parts: Sequence[np.ndarray]) -> StepResult:
     """Run this stage's operations of one step on the microbatches ``parts`` (their sample
     indices, one array per microbatch), leaving each chunk's summed gradients in its layers
-    and its exchange (all but the last backward of a chunk ``accumulate()``).
+    and its exchange (all but the last backward of a chunk ``accumulate()``). A replicated
+    stage's closing exchange (``AR``) is left to the caller.
 
     Returns:
         What the stage measured; every send has completed.
@@ -143,8 +158,10 @@ def run_step(stage: Stage, parts: Sequence[np.ndarray]) -> StepResult:
         run.post(i + LOOKAHEAD)
         if op.kind == "F":
             run.forward(stage.chunks[op.chunk], op.microbatch)
-        else:
+        elif op.kind == "B":
             run.backward(stage.chunks[op.chunk], op.microbatch)
+        else:  # a replicated stage's gradient exchange: the strategy's, after the step
+            continue
         run.poll_sends()  # completed sends let their buffers go (and MPI progresses them)
     t_ops = wtime()
     run.finish_sends()
@@ -163,11 +180,11 @@ class _StepRun:
         self.recvs: dict[tuple[str, int, int], tuple[Any, Any]] = {}  # (kind, chunk, k) -> request, buffer
         self.sends: list[tuple[Any, Any, float, int]] = []  # (request, buffer, posted, microbatch)
         self.backwards = [0] * len(stage.chunks)  # this step's backwards so far, per chunk
+        self.last_backward = Counter(op.chunk for op in stage.ops if op.kind == "B")  # per chunk
         self.posted = 0  # operations whose receive is posted
         self.held_bytes = self.held = 0
         self.xp, self.dtype, self.m = stage.xp, stage.dtype, stage.microbatches
-        s, p = stage.index, stage.count
-        self.p, self.prev, self.next = p, (s - 1) % p, (s + 1) % p
+        self.p = stage.count
 
     def post(self, upto: int) -> None:
         """Post the receives of the operations before index ``upto`` not yet posted."""
@@ -179,11 +196,11 @@ class _StepRun:
             if op.kind == "F" and not chunk.first:
                 buf = self.xp.empty(chunk.in_shape, dtype=self.dtype)
                 tag = message_tag(chunk.index, k, self.m, grad=False)
-                req = stage.comm.Irecv(buf, source=self.prev, tag=tag)
+                req = stage.comm.Irecv(buf, source=stage.rank_of((chunk.index - 1) % self.p, k), tag=tag)
             elif op.kind == "B" and not chunk.last:
                 buf = self.xp.empty(chunk.out_shape, dtype=self.dtype)
                 tag = message_tag(chunk.index, k, self.m, grad=True)
-                req = stage.comm.Irecv(buf, source=self.next, tag=tag)
+                req = stage.comm.Irecv(buf, source=stage.rank_of((chunk.index + 1) % self.p, k), tag=tag)
             else:
                 continue
             self.recvs[(op.kind, op.chunk, k)] = (req, buf)
@@ -232,7 +249,8 @@ class _StepRun:
         result.peak_held = max(result.peak_held, self.held)
         result.peak_bytes = max(result.peak_bytes, self.held_bytes)
         if not chunk.last:
-            self.send(y, self.next, message_tag(chunk.index + 1, k, self.m, grad=False), k)
+            dest = stage.rank_of((chunk.index + 1) % self.p, k)
+            self.send(y, dest, message_tag(chunk.index + 1, k, self.m, grad=False), k)
 
     def backward(self, chunk: Chunk, k: int) -> None:
         stage = self.stage
@@ -250,10 +268,11 @@ class _StepRun:
         self.held -= 1
         self.held_bytes -= size
         self.backwards[c] += 1
-        if self.backwards[c] < self.m:
+        if self.backwards[c] < self.last_backward[c]:
             chunk.exchange.accumulate()  # layers overwrite .grad: the sum is kept there
         if not chunk.first:
-            self.send(gx, self.prev, message_tag(chunk.index - 1, k, self.m, grad=True), k)
+            dest = stage.rank_of((chunk.index - 1) % self.p, k)
+            self.send(gx, dest, message_tag(chunk.index - 1, k, self.m, grad=True), k)
 
     def poll_sends(self) -> None:
         """Let the sends that have completed go (traced with ``log.trace``)."""

@@ -41,11 +41,23 @@ KEYS: dict[str, Key] = {
     "pipeline.split": Key(
         list,
         [],
-        "names of the top-level layers at which stages 1, 2, ... start (instead of "
-        "pipeline.balance)",
+        "names of the top-level layers at which stages 1, 2, ... start (instead of pipeline.balance)",
         item=str,
         pattern=r"[A-Za-z0-9_.]+",
         pattern_doc="naming top-level layers",
+    ),
+    "pipeline.replicas": Key(
+        list,
+        [],
+        "ranks per stage [r1, ..., rp] (sum = the world size): stage s's replicas share its "
+        "microbatches (k on replica k mod r_s) and sum their gradients; empty: one rank per stage",
+        item=int,
+    ),
+    "pipeline.stages": Key(
+        int,
+        0,
+        "stages p, each on world size / p replicas (instead of pipeline.replicas); 0: one stage per rank",
+        minimum=0,
     ),
     "pipeline.profile": Key(
         str,
@@ -57,5 +69,12 @@ KEYS: dict[str, Key] = {
 
 #: what the pipeline declares
 DECLARES = Declares(
-    keys=KEYS, fit_keys=("pipeline.microbatches", "pipeline.schedule", "pipeline.virtual_stages")
+    keys=KEYS,
+    fit_keys=(
+        "pipeline.microbatches",
+        "pipeline.schedule",
+        "pipeline.virtual_stages",
+        "pipeline.replicas",
+        "pipeline.stages",
+    ),
 )

@@ -14,6 +14,18 @@ each forward's cache kept until its backward). The gradients of the m microbatch
 summed per chunk, then averaged (as the accumulating exchange does), and each stage updates
 its own slice. BatchNorm uses each microbatch's statistics, as under accumulation.
 
+**Replicated stages** (``pipeline.replicas = [r_0, ..., r_{p-1}]`` summing to the world size,
+or ``pipeline.stages = p`` for N / p replicas of each): stage s runs on r_s consecutive ranks
+and its replica ``k mod r_s`` runs microbatch k, under the replicated GPipe or 1F1B of
+:func:`~hpcdl.parallel.pipe_plan.replicated`; activations go from the replica of s that ran k
+to the replica of s + 1 that runs it. After the step a stage's replicas sum their gradients
+with the config's exchange over the stage's replica communicator (averaged over the m
+microbatches, as one process accumulating them), so every replica updates to the same
+parameters. The global batch stays m x ``data.batch_size`` and the learning-rate rule counts
+m batches per update. BatchNorm's running statistics stay each replica's own; evaluation
+runs through replica 0 of each stage and a checkpoint holds replica 0's slice (a stage's piece
+is written once, by its first rank).
+
 This module is the strategy: its plan, what each rank builds, the step, the meeting,
 evaluation and checkpoint state; the planning inputs (layer costs, shapes) are
 :mod:`hpcdl.parallel.pipe_profile`'s.
@@ -34,7 +46,7 @@ import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
 from hpcdl.backend import array_module, synchronize
-from hpcdl.comm import notes
+from hpcdl.comm import notes, wtime
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy
 from hpcdl.parallel import make_exchange
@@ -43,7 +55,15 @@ from hpcdl.parallel.conformance import Case, Conformance
 from hpcdl.parallel.evaluation import EVAL_BATCH, Tally, test_batches
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.pipe_exec import EVAL_TAG, LOOKAHEAD, Chunk, Stage, run_step
-from hpcdl.parallel.pipe_plan import Op, Partition, Schedule, partition, schedule
+from hpcdl.parallel.pipe_plan import (
+    Op,
+    Partition,
+    ReplicatedSchedule,
+    Schedule,
+    partition,
+    replicated,
+    schedule,
+)
 from hpcdl.parallel.pipe_profile import (
     PROFILE_STEPS,
     layer_infos,
@@ -62,6 +82,7 @@ from hpcdl.parallel.strategy import (
     RunContext,
     StepStats,
 )
+from hpcdl.parallel.sync import exchange_for
 
 # the planning inputs (pipe_profile) and the executor's constants (pipe_exec) are still named here
 __all__ = [
@@ -72,6 +93,7 @@ __all__ = [
     "profile_costs",
     "sample_shapes",
     "stage_partition",
+    "stage_replicas",
 ]
 
 # -- the strategy --------------------------------------------------------------------------------
@@ -83,8 +105,53 @@ def one_process_accumulating(cfg: Any, world: int) -> tuple[dict[str, Any], int]
     return {"parallel.strategy": "sync", "exchange.accumulate": cfg["pipeline.microbatches"]}, 1
 
 
+def _schedule(cfg: Any, reps: Sequence[int], m: int) -> Schedule | ReplicatedSchedule:
+    """The config's schedule for stages of ``reps`` ranks: :func:`schedule` unreplicated,
+    :func:`replicated` otherwise (which refuses ``interleaved`` and an m that is not a multiple
+    of every replica count)."""
+    if max(reps) == 1:
+        return schedule(cfg["pipeline.schedule"], len(reps), m, cfg["pipeline.virtual_stages"])
+    return replicated(cfg["pipeline.schedule"], m, reps)
+
+
+def stage_replicas(cfg: Any, world: int) -> tuple[int, ...]:
+    """Per stage, its ranks: ``pipeline.replicas``, or ``pipeline.stages = p`` stages of
+    ``world / p`` replicas each, or one rank per stage.
+
+    Raises:
+        ConfigError: replicas that do not sum to ``world`` or below 1, a stage count that does
+            not divide it, or the two keys disagreeing (one line naming the fix).
+    """
+    reps, p = [int(r) for r in cfg["pipeline.replicas"]], int(cfg["pipeline.stages"])
+    if reps:
+        if min(reps) < 1:
+            raise ConfigError(f"pipeline.replicas = {reps}: every stage needs at least 1 rank")
+        if sum(reps) != world:
+            raise ConfigError(
+                f"pipeline.replicas = {reps} puts {sum(reps)} ranks to work; this run has {world}: "
+                f"make the replicas sum to {world}, or run on {sum(reps)} ranks"
+            )
+        if p and p != len(reps):
+            raise ConfigError(
+                f"pipeline.stages = {p} but pipeline.replicas = {reps} has {len(reps)} stages: "
+                "set one of them (pipeline.stages = 0 with replicas)"
+            )
+        return tuple(reps)
+    if p:
+        if world % p:
+            near = [d for d in range(1, world + 1) if world % d == 0]
+            closest = min(near, key=lambda d: (abs(d - p), d))
+            raise ConfigError(
+                f"pipeline.stages = {p} does not divide the {world} ranks into equal replicas: use "
+                f"pipeline.stages = {closest}, or pipeline.replicas = [r1, ..., r{p}] summing to {world}"
+            )
+        return (world // p,) * p
+    return (1,) * world
+
+
 class Pipeline(LockstepStrategy):
-    """Pipeline parallel (GPipe, 1F1B): one stage per rank, m microbatches per step.
+    """Pipeline parallel (GPipe, 1F1B): one stage per rank, or replicated stages
+    (``pipeline.replicas``), m microbatches per step.
 
     Args:
         ctx: the driver's run context.
@@ -107,6 +174,12 @@ class Pipeline(LockstepStrategy):
             "gpipe-dropout": Case(
                 {"pipeline.schedule": "gpipe", "pipeline.microbatches": 3, "model.dropout": 0.2}
             ),
+            # one stage on every rank (2 or 3): the replicas' exchange, a piece written once
+            "replicated": Case(
+                {"pipeline.schedule": "gpipe", "pipeline.microbatches": 6, "pipeline.stages": 1},
+                reference=one_process_accumulating,
+                tolerance=1e-10,
+            ),
         }
     )
     cannot_honour = {
@@ -124,22 +197,32 @@ class Pipeline(LockstepStrategy):
             ConfigError: a schedule that does not fit the stages and microbatches.
         """
         m, v = cfg["pipeline.microbatches"], cfg["pipeline.virtual_stages"]
-        sched = schedule(cfg["pipeline.schedule"], world, m, v)
-        if 2 * (world * v + 1) * m >= EVAL_TAG:
+        reps = stage_replicas(cfg, world)
+        p = len(reps)
+        sched = _schedule(cfg, reps, m)
+        if 2 * (p * v + 1) * m >= EVAL_TAG:
             raise ConfigError(
-                f"{world * v} stages x {m} microbatches need more message tags than MPI promises (32767): "
+                f"{p * v} stages x {m} microbatches need more message tags than MPI promises (32767): "
                 "use fewer microbatches"
             )
-        ranks = tuple(RankPlace(f"stage {s}", f"stage {s}", 0) for s in range(world))
+        ranks = tuple(
+            RankPlace(f"stage {s}", f"stage {s}", 0) for s, r in enumerate(reps) for _ in range(r)
+        )
         chunks = (
-            f"; stage s holds chunks c = 0..{v - 1}, virtual stages c x {world} + s (Fk.c: microbatch k "
+            f"; stage s holds chunks c = 0..{v - 1}, virtual stages c x {p} + s (Fk.c: microbatch k "
             "on chunk c)"
             if v > 1
             else ""
         )
+        held = (
+            f"most microbatches held per stage: {sched.in_flight()}"
+            if isinstance(sched, Schedule)
+            else f"replicas {list(reps)} (microbatch k on replica k mod r_s; AR: the stage's gradient "
+            f"allreduce); most microbatches held per replica: {sched.in_flight()}"
+        )
         notes_ = (
             f"schedule {sched.name}, {m} microbatch{'es' * (m > 1)} of {cfg['data.batch_size']}; "
-            f"most microbatches held per stage: {sched.in_flight()}{chunks}",
+            f"{held}{chunks}",
             str(sched),
         )
         return Placement(cls.name, ranks, cfg["data.batch_size"], m, notes=notes_)
@@ -155,8 +238,17 @@ class Pipeline(LockstepStrategy):
         model before keeping its slice. A ``time`` balance found by profiling at the start is
         estimated on a uniform cut.
         """
-        p, v, m = placement.world, cfg["pipeline.virtual_stages"], placement.micro_steps
-        sched = schedule(cfg["pipeline.schedule"], p, m, v)
+        v, m = cfg["pipeline.virtual_stages"], placement.micro_steps
+        reps = stage_replicas(cfg, placement.world)
+        p = len(reps)
+        sched = _schedule(cfg, reps, m)
+        # per rank, the most microbatches it holds (a replica: of its share)
+        held_by_rank = (
+            sched.in_flight()
+            if isinstance(sched, Schedule)
+            else [h for lanes in sched.in_flight() for h in lanes]
+        )
+        stage_of = [s for s, r in enumerate(reps) for _ in range(r)]
         note = ""
         if cfg["pipeline.balance"] == "time" and not cfg["pipeline.profile"] and not cfg["pipeline.split"]:
             infos = layer_infos(probe.model, probe.shapes[0], cfg["data.batch_size"])
@@ -170,7 +262,7 @@ class Pipeline(LockstepStrategy):
         if sched.name == "gpipe":
             hint += ", or pipeline.schedule = '1f1b' (fewer microbatches held at once)"
         out = []
-        for s, held in enumerate(sched.in_flight()):
+        for rank, (s, held) in enumerate(zip(stage_of, held_by_rank)):
             slices = [(bounds[c * p + s], bounds[c * p + s + 1]) for c in range(v)]
             sizes = [probe.parameters(a, b) for a, b in slices]
             nbytes, largest = sum(n for n, _ in sizes), max(big for _, big in sizes)
@@ -182,7 +274,7 @@ class Pipeline(LockstepStrategy):
                      for a in acts for f, per in a.step]  # fmt: skip
             lines += [line for a in acts for line in evaluation(a, min(EVAL_BATCH, test_size))]
             parts = {**model_parts(cfg, nbytes, largest), "buffers": nbytes if m > 1 else 0}
-            role = placement.ranks[s].role
+            role = placement.ranks[rank].role
             out.append(RankMemory(role, parts, tuple(lines), cfg["data.batch_size"], 2 * whole, hint, note))
         return out
 
@@ -204,20 +296,24 @@ class Pipeline(LockstepStrategy):
             x = np.asarray(data.x_train[:batch], dtype=cfg["dtype"])
             return model(), x, np.asarray(data.y_train[:batch])
 
-        stages = placement.world * cfg["pipeline.virtual_stages"]
+        stages = len(stage_replicas(cfg, placement.world)) * cfg["pipeline.virtual_stages"]
         return [stage_partition(cfg, whole, stages, data.input_shape, sample).table()]
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.comm = ctx.comm.Dup()  # its own messages: tags cannot meet the driver's collectives
-        self.p, self.s = self.comm.Get_size(), self.comm.Get_rank()
+        self.reps = stage_replicas(ctx.cfg, self.comm.Get_size())
+        rank = self.comm.Get_rank()
+        self.p = len(self.reps)
+        self.s = next(s for s in range(self.p) if rank < sum(self.reps[: s + 1]))  # this rank's stage
+        self.j = rank - sum(self.reps[: self.s])  # its replica of the stage
         self.xp, self.dtype = array_module(ctx.cfg["device"]), np.dtype(ctx.cfg["dtype"])
         self.first, self.last = self.s == 0, self.s == self.p - 1  # holds the first / last virtual stage
         self.m = ctx.placement.micro_steps
-        self.schedule: Schedule = schedule(
-            ctx.cfg["pipeline.schedule"], self.p, self.m, ctx.cfg["pipeline.virtual_stages"]
-        )
-        self.ops: tuple[Op, ...] = self.schedule.stages[self.s]
+        self.schedule: Schedule | ReplicatedSchedule = _schedule(ctx.cfg, self.reps, self.m)
+        self.chunk_count = self.schedule.chunks if isinstance(self.schedule, Schedule) else 1
+        lanes = self.schedule.stages[self.s]
+        self.ops: tuple[Op, ...] = lanes if isinstance(self.schedule, Schedule) else lanes[self.j]
         self.batch = ctx.placement.batch_size
         whole: Sequential = ctx.build_model()
         try:
@@ -226,8 +322,8 @@ class Pipeline(LockstepStrategy):
             self.comm.Free()
             raise
         # sums the microbatches' gradients and averages them (the accumulating exchange's rule),
-        # one per chunk; over one rank here, over a stage's replicas when they come
-        self.replicas = self.comm.Split(self.s, 0)
+        # one per chunk, over the stage's replicas (one rank when unreplicated)
+        self.replicas = self.comm.Split(self.s, self.j)
         self.chunks = self._chunks(whole)
         del whole  # the other stages' layers are freed
         layers = [
@@ -248,7 +344,7 @@ class Pipeline(LockstepStrategy):
         # what the executor runs every step with (pipe_exec): it measures, this object counts
         self.stage = Stage(
             ctx, self.comm, self.s, self.p, self.chunks, self.ops, self.m, self.xp, self.dtype,
-            self.loss_fn, self.tracing, self._note,
+            self.loss_fn, self.tracing, self._note, self.reps,
         )  # fmt: skip
 
     # -- building ----------------------------------------------------------------------------
@@ -262,7 +358,7 @@ class Pipeline(LockstepStrategy):
                 x, y = self.ctx.batch(np.arange(self.ctx.placement.batch_size))
                 return self.ctx.build_model(), x, y  # a model of its own to profile
 
-            stages = self.p * self.schedule.chunks
+            stages = self.p * self.chunk_count
             streams = self.ctx.random_state()  # profiling draws dropout masks: the run's draws stay
             try:
                 outcome = ("ok", stage_partition(cfg, whole, stages, data.input_shape, sample))
@@ -281,8 +377,8 @@ class Pipeline(LockstepStrategy):
         bounds = np.cumsum([0, *self.partition.balance]).tolist()
         count = len(self.partition.balance)
         chunks = []
-        for c in range(self.schedule.chunks):
-            v = self.schedule.virtual(self.s, c)
+        for c in range(self.chunk_count):
+            v = c * self.p + self.s  # Schedule.virtual
             a, b = bounds[v], bounds[v + 1]
             model = whole[a:b]
             if v > 0:  # the model's first layers skip their input gradient: here one is sent back
@@ -290,9 +386,16 @@ class Pipeline(LockstepStrategy):
                     layer.needs_input_grad = True
             chunks.append(Chunk(
                 model, v, count, (self.batch, *shapes[a]), (self.batch, *shapes[b]),
-                make_exchange("allreduce", self.replicas, model.parameters()),
+                self._exchange(model),
             ))  # fmt: skip
         return chunks
+
+    def _exchange(self, model: Sequential) -> Any:
+        """A chunk's gradient sum over its microbatches, averaged: the config's exchange over the
+        stage's replicas, or the accumulating flat one on a stage of one rank."""
+        if self.replicas.Get_size() == 1:
+            return make_exchange("allreduce", self.replicas, model.parameters())
+        return exchange_for(self.ctx.cfg, self.replicas, model)
 
     # -- a step ------------------------------------------------------------------------------
     def step(self, step: int) -> StepStats:
@@ -303,18 +406,23 @@ class Pipeline(LockstepStrategy):
         run = run_step(self.stage, parts)
         self.bytes_sent += run.bytes_sent
         self._note["phase"] = "update"
+        t0 = wtime()
         for chunk in self.chunks:
-            chunk.exchange.exchange()  # the sum over microbatches, averaged
+            chunk.exchange.exchange()  # the sum over microbatches (and replicas), averaged
+        exchange_s = wtime() - t0 if self.replicas.Get_size() > 1 else 0.0
+        if exchange_s and self.tracing:
+            self.ctx.trace("allreduce", t0, t0 + exchange_s)
         if self.optimizer is not None:
             self.optimizer.lr = lr
             self.optimizer.step()
+        share = self.reps[self.s]  # a last-stage replica: the mean loss of its m / r microbatches
         return StepStats(
-            loss=run.loss if self.last else math.nan,
+            loss=run.loss * share if self.last else math.nan,
             correct=run.correct,
-            samples=len(indices) if self.last else 0,
+            samples=len(indices) // share if self.last else 0,
             lr=lr,
-            comm_s=run.comm_s,
-            exposed_s=run.comm_s,
+            comm_s=run.comm_s + exchange_s,
+            exposed_s=run.comm_s + exchange_s,
             bytes_sent=self.bytes_sent,
             series={
                 "span": run.span,  # the meeting turns it into the bubble
@@ -338,31 +446,34 @@ class Pipeline(LockstepStrategy):
 
     def evaluate(self) -> tuple[float, float]:
         """The whole test set through the (virtual) stages, ``EVAL_BATCH`` images a message; the
-        last stage's accuracy and loss on every rank (collective)."""
+        last stage's accuracy and loss on every rank (collective). Replicated stages: through
+        replica 0 of each (its BatchNorm statistics); the other replicas wait for the result."""
         data, xp, dtype = self.ctx.data(), self.xp, self.dtype
         n = len(data.y_test)
         tally = Tally()
+        prev = self.stage.rank_of((self.s - 1) % self.p, 0)  # replica 0 of the stages around
+        after = self.stage.rank_of((self.s + 1) % self.p, 0)
         self.model.eval()
         try:
-            for part in test_batches(n):
+            for part in test_batches(n) if self.j == 0 else ():
                 count = len(part)
                 for chunk in self.chunks:
                     if chunk.first:
                         x = xp.asarray(data.x_test[part], dtype=dtype)
                     else:
                         x = xp.empty((count, *chunk.in_shape[1:]), dtype=dtype)
-                        self.comm.Recv(x, source=(self.s - 1) % self.p, tag=EVAL_TAG)
+                        self.comm.Recv(x, source=prev, tag=EVAL_TAG)
                     y = chunk.model.forward(x)
                     if not chunk.last:
                         y = xp.ascontiguousarray(y)
                         synchronize(y)  # a GPU buffer must be ready before MPI reads it
-                        self.comm.Send(y, dest=(self.s + 1) % self.p, tag=EVAL_TAG)
+                        self.comm.Send(y, dest=after, tag=EVAL_TAG)
                         continue
                     tally.add(y, xp.asarray(data.y_test[part]))
         finally:
             self.model.train()
-        result = tally.result() if self.last else None
-        acc, loss = self.comm.bcast(result, root=self.p - 1)
+        result = tally.result() if self.last and self.j == 0 else None
+        acc, loss = self.comm.bcast(result, root=self.stage.rank_of(self.p - 1, 0))
         return float(acc), float(loss)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -380,7 +491,7 @@ class Pipeline(LockstepStrategy):
 
     def _cut(self) -> dict[str, Any]:
         """How the model is cut and scheduled: what a checkpoint's stages must agree with."""
-        return {"balance": list(self.partition.balance), "chunks": self.schedule.chunks}
+        return {"balance": list(self.partition.balance), "chunks": self.chunk_count}
 
     def _check_cut(self, pieces: Mapping[str, Mapping[str, Any]]) -> None:
         """Refuse a checkpoint cut otherwise (another partition or chunks per stage).

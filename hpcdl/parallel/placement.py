@@ -154,22 +154,25 @@ class Placement:
         lines = [
             f"strategy {self.strategy} on {self.world} rank{'s' * (self.world > 1)}: {arithmetic}",
             "",
-            f"{'ranks':<14}{'role':<14}{'holds':<24}data-parallel member",
         ]
-        for place, rs in self._runs():
+        runs = self._runs()
+        wide = max([13, *(len(_ranks(rs)) for _, rs in runs), *(len(p.role) for p, _ in runs)]) + 1
+        lines.append(f"{'ranks':<{wide}}{'role':<{wide}}{'holds':<24}data-parallel member")
+        for place, rs in runs:
             members = [self.ranks[r].member for r in rs]
-            member = "-" if members[0] < 0 else _span(members)
-            lines.append(f"{_ranks(rs):<14}{place.role:<14}{place.holds or '-':<24}{member}")
+            member = "-" if members[0] < 0 else _span(sorted(set(members)))
+            lines.append(f"{_ranks(rs):<{wide}}{place.role:<{wide}}{place.holds or '-':<24}{member}")
         return "\n".join([*lines, *(["", *self.notes] if self.notes else [])])
 
     def _runs(self) -> list[tuple[RankPlace, list[int]]]:
-        """Consecutive ranks with the same role and piece, whose members count up with them."""
+        """Consecutive ranks with the same role and piece, whose members count up with them (or
+        are one member: a pipeline stage's replicas)."""
         runs: list[tuple[RankPlace, list[int]]] = []
         for r, place in enumerate(self.ranks):
             if runs:
                 head, rs = runs[-1]
                 last = self.ranks[rs[-1]]
-                steps_with = place.member < 0 and last.member < 0 or place.member == last.member + 1
+                steps_with = place.member == last.member or place.member == last.member + 1
                 if (place.role, place.holds) == (head.role, head.holds) and steps_with:
                     rs.append(r)
                     continue

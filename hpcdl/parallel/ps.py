@@ -297,4 +297,3 @@ class ParameterServer(FreeRunningStrategy):
     def close(self) -> None:
         """Free the strategy's communicator (collective)."""
         self.comm.Free()
-

@@ -53,7 +53,6 @@ __all__ = [
 ]
 
 
-
 def __getattr__(name: str) -> Any:
     if name == "STRATEGIES":  # moved: the registry is hpcdl.components's
         import warnings  # noqa: PLC0415
@@ -525,4 +524,3 @@ class FreeRunningStrategy(Strategy):
     def meet(self, phase: PhaseStats, stop: bool) -> PhaseAgreement:
         """After :meth:`run_until`: the phase's steps and rows, its evaluations, the stop (collective)."""
         raise NotImplementedError
-

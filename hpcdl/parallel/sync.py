@@ -59,8 +59,13 @@ class SyncDataParallel(LockstepStrategy):
             "sync": Case(reference=one_process_on_the_global_batch, tolerance=1e-10),
             # each rank's own BatchNorm statistics and dropout stream, Adam's moments
             "batchnorm": Case(
-                {"model.name": "cnn", "model.channels": 4, "model.dropout": 0.3, "optimizer.name": "adam",
-                 "optimizer.lr": 0.003}  # fmt: skip
+                {
+                    "model.name": "cnn",
+                    "model.channels": 4,
+                    "model.dropout": 0.3,
+                    "optimizer.name": "adam",
+                    "optimizer.lr": 0.003,
+                }  # fmt: skip
             ),
         }
     )
