@@ -109,7 +109,6 @@ class Key:
         return text
 
 
-
 @dataclass(frozen=True)
 class Table:
     """A row group of the run file beside ``metrics/`` (``staleness/``: a row per applied push).

@@ -47,7 +47,7 @@ def missing(page: Path) -> list[str]:
 
 def test_finds_links_and_images_outside_code() -> None:
     text = '[a](docs/x.md#y) ![b](fig.png "t") [c](https://e.org) [d](#z)\n'
-    text += '`[e](no.md)`\n```\n[f](no.md)\n```\n'
+    text += "`[e](no.md)`\n```\n[f](no.md)\n```\n"
     assert relative_links(text) == ["docs/x.md", "fig.png"]
 
 

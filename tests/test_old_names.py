@@ -61,7 +61,7 @@ def test_a_run_of_format_1_with_the_old_names_is_continued(
     assert "parallel.mode is now ps.mode" in capfd.readouterr().err
     _as_format_1(run)
     with h5py.File(run, "r") as f:
-        assert "ps.mode" not in f.attrs["config"] and "mode = \"sync\"" in f.attrs["config"]
+        assert "ps.mode" not in f.attrs["config"] and 'mode = "sync"' in f.attrs["config"]
     # the same settings (the stop at 8 is behind it): nothing recorded as changed, the config rewritten
     assert simulate([*SIM, *OLD, "--set", "train.stop_at=8", "--out", str(run), "--resume", "auto"]) == 0
     with h5py.File(run, "r") as f:

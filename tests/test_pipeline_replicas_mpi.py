@@ -1,9 +1,10 @@
 """Replicated pipeline stages under mpiexec, against one process accumulating the same m microbatches.
 
 Per world size the replica layouts of issue 23: ``[2]`` (one stage on two ranks) at -n 2,
-``[2, 1]`` and ``[1, 2]`` at -n 3, ``[2, 2]`` and ``[1, 3]`` at -n 4 (the slow suite runs every MPI test at -n 4). For GPipe and
-1F1B the losses and the final parameters equal one process's with ``exchange.accumulate = m``
-(float64, relative 1e-10), and every replica of a stage holds bitwise the same parameters.
+``[2, 1]`` and ``[1, 2]`` at -n 3, ``[2, 2]`` and ``[1, 3]`` at -n 4 (the slow suite runs every
+MPI test at -n 4). For GPipe and 1F1B the losses and the final parameters equal one
+process's with ``exchange.accumulate = m`` (float64, relative 1e-10), and every replica of a
+stage holds bitwise the same parameters.
 A stop and ``--resume auto`` repeating the run bit for bit is checked at -n 3 (``[2, 1]``).
 """
 
@@ -39,7 +40,7 @@ def layouts(size: int) -> list[list[int]]:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("which", [0, 1])
-def test_replicated_stages_end_where_one_process_accumulating_m_microbatches_does(kind: str, which: int) -> None:
+def test_replicated_stages_end_where_one_process_accumulating_does(kind: str, which: int) -> None:
     comm = world()
     size = comm.Get_size()
     if which >= len(layouts(size)):
@@ -98,4 +99,3 @@ def test_a_stopped_replicated_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     if comm.Get_rank() == 0:
         with h5py.File(whole) as f, h5py.File(out) as g:
             assert np.array_equal(f["rows/loss"][...], g["rows/loss"][...])
-

@@ -180,9 +180,7 @@ def test_sync_mode_counts_in_whole_rounds() -> None:
     with pytest.raises(ConfigError, match="checkpoint.every = 6 .* use 4 or 8"):
         plan(cfg("train.steps=8", "checkpoint.every=6", "ps.mode=sync"), 5)
     placement = plan(cfg("train.steps=0", "train.epochs=2", "ps.mode=sync"), 4)  # W = 3
-    _, per_epoch, total = arithmetic(
-        cfg("train.steps=0", "train.epochs=2", "ps.mode=sync"), placement, 1437
-    )
+    _, per_epoch, total = arithmetic(cfg("train.steps=0", "train.epochs=2", "ps.mode=sync"), placement, 1437)
     assert (
         per_epoch == 3 * (1437 // (3 * 16)) and total == 2 * per_epoch
     )  # whole rounds, as the sampler's epoch

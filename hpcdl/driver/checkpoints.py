@@ -41,7 +41,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-
 #: the key of the driver's counters in each rank's meta (the strategy's part holds the rest)
 DRIVER = "driver"
 

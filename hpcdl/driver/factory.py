@@ -23,7 +23,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-
 def make_optimizer(cfg: Config, params: Sequence[Parameter], lr: float) -> Optimizer:
     """The optimizer named in the config, over ``params`` (a model's, a stage's, a shard's)."""
     params = list(params)

@@ -253,16 +253,27 @@ class ReplicatedSchedule:
     def __str__(self) -> str:
         """One line per (stage, replica), operations in columns (``--plan``); a stage of one replica
         prints as :class:`Schedule` prints it."""
-        labels = [
-            f"stage {s}" + (f" replica {j}" if len(lanes) > 1 else "") + ":"
-            for s, lanes in enumerate(self.stages)
-            for j in range(len(lanes))
-        ]
-        rows = [ops for lanes in self.stages for ops in lanes]
+        return self.table()
+
+    def table(self, shown: int | None = None) -> str:
+        """:meth:`__str__`'s table; with ``shown``, a stage of more replicas than that prints its
+        first ``shown - 1`` and its last, and a line saying how many it skipped."""
+        labels: list[str] = []
+        rows: list[tuple[Op, ...]] = []
+        for s, lanes in enumerate(self.stages):
+            keep = list(range(len(lanes)))
+            if shown is not None and len(lanes) > max(shown, 2):
+                keep = [*range(max(shown, 2) - 1), len(lanes) - 1]
+            for j in keep:
+                if j == len(lanes) - 1 and len(keep) < len(lanes):
+                    labels.append(f"  ({len(lanes) - len(keep)} replicas more)")
+                    rows.append(())
+                labels.append(f"stage {s}" + (f" replica {j}" if len(lanes) > 1 else "") + ":")
+                rows.append(lanes[j])
         width = max(len(str(op)) for ops in rows for op in ops)
-        label = max(map(len, labels))
+        label = max(len(x) for x, ops in zip(labels, rows) if ops)
         return "\n".join(
-            f"{name:<{label}} " + " ".join(f"{op!s:<{width}}" for op in ops).rstrip()
+            (f"{name:<{label}} " + " ".join(f"{op!s:<{width}}" for op in ops)).rstrip()
             for name, ops in zip(labels, rows)
         )
 

@@ -205,9 +205,7 @@ class Pipeline(LockstepStrategy):
                 f"{p * v} stages x {m} microbatches need more message tags than MPI promises (32767): "
                 "use fewer microbatches"
             )
-        ranks = tuple(
-            RankPlace(f"stage {s}", f"stage {s}", 0) for s, r in enumerate(reps) for _ in range(r)
-        )
+        ranks = tuple(RankPlace(f"stage {s}", f"stage {s}", 0) for s, r in enumerate(reps) for _ in range(r))
         chunks = (
             f"; stage s holds chunks c = 0..{v - 1}, virtual stages c x {p} + s (Fk.c: microbatch k "
             "on chunk c)"
@@ -218,12 +216,12 @@ class Pipeline(LockstepStrategy):
             f"most microbatches held per stage: {sched.in_flight()}"
             if isinstance(sched, Schedule)
             else f"replicas {list(reps)} (microbatch k on replica k mod r_s; AR: the stage's gradient "
-            f"allreduce); most microbatches held per replica: {sched.in_flight()}"
+            f"allreduce); most microbatches a replica holds, per stage: {[max(h) for h in sched.in_flight()]}"
         )
         notes_ = (
             f"schedule {sched.name}, {m} microbatch{'es' * (m > 1)} of {cfg['data.batch_size']}; "
             f"{held}{chunks}",
-            str(sched),
+            sched.table(shown=4) if isinstance(sched, ReplicatedSchedule) else str(sched),
         )
         return Placement(cls.name, ranks, cfg["data.batch_size"], m, notes=notes_)
 

@@ -232,5 +232,3 @@ def _axes(axes: Any, panels: list, pairs: list[tuple[Run, str]], ylabel: str) ->
         if missing:  # an older run file without a placement: its samples are unknown
             ax.text(0.99, 0.01, f"not shown (unknown): {', '.join(missing)}", transform=ax.transAxes,
                     ha="right", va="bottom", fontsize="x-small")  # fmt: skip
-
-
