@@ -27,6 +27,7 @@ from hpcdl.driver.memory import estimate, plan_lines, read_limits
 from hpcdl.driver.run import RunResult, plan
 from hpcdl.driver.run import train as run
 from hpcdl.driver.runlog import refuse_directory
+from hpcdl.driver.settle import PlanInputs, settle
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
 from hpcdl.parallel import strategy_class
@@ -151,8 +152,9 @@ def print_plan(cfg: Config, world_size: int) -> None:
     Everything is worked out before anything is printed, so that a plan that does not fit (a
     partition, a schedule) is one line of error, not a table followed by one.
     """
-    placement = plan(cfg, world_size)
     data = load_data(cfg)
+    cfg = settle(cfg, world_size, inputs=PlanInputs(cfg, data))  # the pipeline's planner
+    placement = plan(cfg, world_size)
     samples = len(data.y_train)
     batches, steps_per_epoch, total = arithmetic(cfg, placement, samples)
     peak = scaled_lr(cfg["optimizer.lr"], batches, cfg["schedule.scale"])

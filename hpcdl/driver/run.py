@@ -19,6 +19,7 @@ from hpcdl.driver.loop import Counters, Trainer
 from hpcdl.driver.memory import check as check_memory
 from hpcdl.driver.progress import Progress, choose_mode
 from hpcdl.driver.runlog import RunLog, checkpoint_attrs, open_run, peak_rss_mb
+from hpcdl.driver.settle import PlanInputs, settle, stored_config
 from hpcdl.driver.signals import current_stop_request
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
@@ -93,15 +94,18 @@ def plan(cfg: Config, world_size: int) -> Placement:
     return cls.plan(cfg, world_size)
 
 
-def build(cfg: Config, comm: Communicator) -> tuple[Context, Strategy]:
+def build(cfg: Config, comm: Communicator, stored: dict[str, Any] | None = None) -> tuple[Context, Strategy]:
     """The run context and this rank's strategy (``parallel.strategy``), built: what a run or a
-    benchmark (``bench train``) steps. Before the strategy builds anything, the ranks check that
-    they fit in memory (:func:`hpcdl.driver.memory.check`).
+    benchmark (``bench train``) steps. First the strategy settles what it works out from the
+    model (:func:`hpcdl.driver.settle.settle`; ``stored``: the config of the run being resumed);
+    before it builds anything, the ranks check that they fit in memory
+    (:func:`hpcdl.driver.memory.check`).
 
     Raises:
         HpcdlError: the strategy is unknown or does not fit, the data or model cannot be built,
             the ranks' estimated memory exceeds a limit.
     """
+    cfg = settle(cfg, comm.Get_size(), comm, PlanInputs(cfg, stored=stored))
     ctx = Context(cfg, comm, plan(cfg, comm.Get_size()))
     check_memory(comm, cfg, ctx.placement, ctx.data())
     cls = strategy_class(cfg["parallel.strategy"])
@@ -141,7 +145,8 @@ def train(
     """
     comm = comm or world()
     factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
-    ctx, strategy = build(cfg, comm)
+    stored = on_root(comm, lambda: stored_config(out, resume))
+    ctx, strategy = build(cfg, comm, stored)
     try:
         path = Path(out) if out is not None else None
         return _run(ctx, strategy, factor, progress, path, resume, take_over)

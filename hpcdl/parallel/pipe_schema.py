@@ -33,8 +33,10 @@ KEYS: dict[str, Key] = {
         str,
         "uniform",
         "top-level layers per stage [n1, ..., np], or the automatic contiguous partition "
-        "minimising the slowest stage by layer count, parameters, profiled time or output bytes",
-        choices=("uniform", "params", "time", "memory"),
+        "minimising the slowest stage by layer count, parameters, profiled time or output bytes; "
+        "plan: the hybrid planner chooses the cut, each stage's replicas and the microbatch cut of "
+        "the global batch (pipeline.microbatches x data.batch_size)",
+        choices=("uniform", "params", "time", "memory", "plan"),
         item=int,
         or_list=True,
     ),
@@ -58,6 +60,24 @@ KEYS: dict[str, Key] = {
         0,
         "stages p, each on world size / p replicas (instead of pipeline.replicas); 0: one stage per rank",
         minimum=0,
+    ),
+    "pipeline.memory_mb": Key(
+        float,
+        0.0,
+        'balance = "plan": the most activation memory per rank a plan may need, in MiB (0: no limit)',
+        minimum=0,
+    ),
+    "pipeline.network": Key(
+        str,
+        "shm-local",
+        'balance = "plan": the network the planner predicts with (a simulator network file: a '
+        "packaged name or a path)",
+    ),
+    "pipeline.planned": Key(
+        str,
+        "",
+        'set by balance = "plan" (leave it empty): the plan chosen and its predicted step, as JSON; '
+        "a resume reuses it",
     ),
     "pipeline.profile": Key(
         str,

@@ -54,6 +54,7 @@ from hpcdl.parallel.common import mean_over_contributors
 from hpcdl.parallel.conformance import Case, Conformance
 from hpcdl.parallel.evaluation import EVAL_BATCH, Tally, test_batches
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
+from hpcdl.parallel.pipe_auto import planned_lines, settle_plan
 from hpcdl.parallel.pipe_exec import EVAL_TAG, LOOKAHEAD, Chunk, Stage, run_step
 from hpcdl.parallel.pipe_plan import (
     Op,
@@ -190,6 +191,12 @@ class Pipeline(LockstepStrategy):
     }
 
     @classmethod
+    def settle(cls, cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
+        """``pipeline.balance = "plan"``: the planner's plan as config values
+        (:func:`~hpcdl.parallel.pipe_auto.settle_plan`); {} otherwise."""
+        return settle_plan(cfg, world, inputs)
+
+    @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
         """Rank s is stage s and holds it; every stage follows the one stream of batches (member 0).
 
@@ -295,7 +302,9 @@ class Pipeline(LockstepStrategy):
             return model(), x, np.asarray(data.y_train[:batch])
 
         stages = len(stage_replicas(cfg, placement.world)) * cfg["pipeline.virtual_stages"]
-        return [stage_partition(cfg, whole, stages, data.input_shape, sample).table()]
+        table = stage_partition(cfg, whole, stages, data.input_shape, sample).table()
+        planned = planned_lines(cfg)
+        return [table, *(["", *planned] if planned else [])]
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)

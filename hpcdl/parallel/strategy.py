@@ -23,7 +23,7 @@ it uses) and is registered in :data:`hpcdl.components.STRATEGIES` under the name
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -39,6 +39,7 @@ __all__ = [
     "PhaseAgreement",
     "Batches",
     "PhaseStats",
+    "PlanInputs",
     "Placement",
     "RankPlace",
     "RankState",
@@ -330,6 +331,27 @@ class RunContext(Protocol):
         ...
 
 
+class PlanInputs(Protocol):
+    """What the driver hands :meth:`Strategy.settle`: a model, the data set, a network file's
+    α-β numbers and, on a resume, the config the run was started with."""
+
+    #: the config the run being resumed ran with (dotted key -> value), or None
+    stored: Mapping[str, Any] | None
+
+    def model(self) -> Any:
+        """The config's model, built on a stream of its own."""
+        ...
+
+    def data(self) -> Any:
+        """The config's data set."""
+        ...
+
+    def network(self, spec: str, ranks: int) -> tuple[float, float]:
+        """``(alpha, beta)``: seconds per message and per byte between two of ``ranks`` ranks
+        under the simulator's network file ``spec`` (a packaged name or a path)."""
+        ...
+
+
 class Strategy:
     """A way of spreading training over ranks: the driver's updater. Subclass one of its two kinds:
     :class:`LockstepStrategy` (the ranks step together: sync, pipeline) or
@@ -376,6 +398,19 @@ class Strategy:
             ConfigError: the config does not fit ``world`` ranks.
         """
         raise NotImplementedError
+
+    @classmethod
+    def settle(cls, cfg: Any, world: int, inputs: PlanInputs) -> dict[str, Any]:
+        """Config values the strategy works out from the model before it is placed (the
+        pipeline's planner: ``pipeline.balance = "plan"``), as updates; {}: none. The driver
+        calls it on rank 0 before :meth:`plan`, hands every rank the result, and the run file
+        stores the settled config, which a resume hands back as ``inputs.stored``: a strategy
+        reuses what it settled then rather than settle anew.
+
+        Raises:
+            ConfigError: nothing fits (one line).
+        """
+        return {}
 
     @classmethod
     def advice(cls, cfg: Any, placement: Placement) -> list[str]:

@@ -1,0 +1,91 @@
+"""What a strategy works out from the model before it is placed (:meth:`Strategy.settle`), settled once.
+
+Rank 0 builds the inputs (:class:`PlanInputs`: a model, the data set, a network file's α-β,
+and on a resume the config the run file stores), asks the strategy, and hands every rank the
+updated config — or every rank the same error. The pipeline's planner (``pipeline.balance =
+"plan"``) settles this way; a strategy with nothing to settle costs one broadcast.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcdl.backend import array_module
+from hpcdl.comm import Communicator, on_root
+from hpcdl.config import Config, stored_values
+from hpcdl.data import Dataset
+from hpcdl.driver.factory import build, load_data
+from hpcdl.errors import HpcdlError
+from hpcdl.nn import Sequential
+from hpcdl.parallel import strategy_class
+from hpcdl.rng import generator
+from hpcdl.sim.network import load_network
+from hpcdl.store.runfile import read_attrs
+
+__all__ = ["PlanInputs", "settle", "stored_config"]
+
+
+class PlanInputs:
+    """The driver's :class:`hpcdl.parallel.strategy.PlanInputs`: built lazily, the data set loaded once.
+
+    Args:
+        cfg: the config as given.
+        data: the loaded data set, if the caller has it.
+        stored: the config of the run being resumed (:func:`stored_config`), or None.
+    """
+
+    def __init__(self, cfg: Config, data: Dataset | None = None, stored: Mapping[str, Any] | None = None):
+        self.cfg, self._data, self.stored = cfg, data, stored
+
+    def data(self) -> Dataset:
+        if self._data is None:
+            self._data = load_data(self.cfg)
+        return self._data
+
+    def model(self) -> Sequential:
+        cfg = self.cfg
+        xp = array_module(cfg["device"])
+        return build(cfg, self.data(), 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
+
+    def network(self, spec: str, ranks: int) -> tuple[float, float]:
+        """α (s) and β (s/byte) between two of ``ranks`` ranks: the intra-node link when they share
+        a node (``ranks_per_node`` 0 puts every rank on one), else the inter-node one."""
+        net = load_network(spec)
+        per_node = net.ranks_per_node
+        link = net.intra if per_node == 0 or ranks <= per_node or net.inter is None else net.inter
+        return link.latency_us * 1e-6, 1.0 / (link.bandwidth_GBps * 1e9)
+
+
+def stored_config(out: str | os.PathLike[str] | None, resume: str | None) -> dict[str, Any] | None:
+    """The config a run file stores, when the run resumes from it (None for a fresh run, or a
+    file that cannot be read: opening the run reports that, in its own words)."""
+    if resume is None or out is None or not Path(out).is_file():
+        return None
+    try:
+        text = read_attrs(out).get("config")
+        return stored_values(text) if text else None
+    except HpcdlError:
+        return None
+
+
+def settle(
+    cfg: Config, world: int, comm: Communicator | None = None, inputs: PlanInputs | None = None
+) -> Config:
+    """``cfg`` with what ``parallel.strategy`` settles for ``world`` ranks (:meth:`Strategy.settle`),
+    worked out on rank 0 of ``comm`` (None: this process alone) and the same on every rank.
+
+    Raises:
+        HpcdlError: the strategy's refusal, on every rank alike.
+    """
+    cls = strategy_class(cfg["parallel.strategy"])
+    here = inputs or PlanInputs(cfg)
+    if comm is None:
+        updates = cls.settle(cfg, world, here)
+    else:
+        updates = on_root(comm, lambda: cls.settle(cfg, world, here))
+    return cfg.with_updates(updates) if updates else cfg
