@@ -15,9 +15,18 @@ from hpcdl.store import RunFile
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(path: Path, series: dict[str, np.ndarray], ranks: int = 3, m: int = 4, config: str = "") -> Path:
-    """A finished pipeline run of three steps with ``series`` (steps, ranks) in ``ranks/``."""
-    places = [{"role": f"stage {s}", "holds": f"stage {s}", "member": 0} for s in range(ranks)]
+def _write(
+    path: Path,
+    series: dict[str, np.ndarray],
+    ranks: int = 3,
+    m: int = 4,
+    config: str = "",
+    stage_of: list[int] | None = None,
+) -> Path:
+    """A finished pipeline run of three steps with ``series`` (steps, ranks) in ``ranks/``; rank r
+    runs stage ``stage_of[r]`` (default: stage r)."""
+    stage_of = stage_of or list(range(ranks))
+    places = [{"role": f"stage {s}", "holds": f"stage {s}", "member": 0} for s in stage_of]
     placement = json.dumps({"strategy": "pipeline", "batch_size": 8, "micro_steps": m, "ranks": places})
     attrs = {"name": path.stem, "world": "sim", "ranks": ranks, "strategy": "pipeline"}
     attrs |= {"placement": placement, "config": config}
@@ -38,6 +47,15 @@ IN_FLIGHT = np.array([[3, 2, 1], [3, 2, 1], [2, 2, 1]], dtype=np.float64)
 
 def _staged(path: Path) -> Path:
     return _write(path, {"bubble": BUBBLE, "activation_bytes": ACTIVATIONS, "in_flight": IN_FLIGHT})
+
+
+def test_replicas_of_a_stage_are_named_by_rank_and_the_equal_stage_bubble_counts_stages(
+    tmp_path: Path,
+) -> None:
+    path = _write(tmp_path / "rep.h5", {"bubble": BUBBLE}, m=4, stage_of=[0, 0, 1])
+    st = stage_stats(load(path))
+    assert st is not None and st.names == ["stage 0 (rank 0)", "stage 0 (rank 1)", "stage 1 (rank 2)"]
+    assert st.equal_stages == pytest.approx(1 / 5)  # two stages, four microbatches
 
 
 def test_each_stage_has_its_median_bubble_and_its_peak_activations(tmp_path: Path) -> None:

@@ -76,7 +76,13 @@ def stage_stats(run: Run) -> StageStats | None:
     bubble = np.asarray(bubble, dtype=np.float64)
     p = bubble.shape[1]
     named = roles(run.attrs)
-    names = named if len(named) == p and len(set(named)) == p else [f"rank {r}" for r in range(p)]
+    if len(named) == p and len(set(named)) == p:
+        names = named
+    elif len(named) == p:  # replicated stages: a stage's ranks share its role
+        names = [f"{role} (rank {r})" for r, role in enumerate(named)]
+    else:
+        names = [f"rank {r}" for r in range(p)]
+    stages = len(set(named)) if len(named) == p else p
     m = micro_steps(run.attrs)
     v = 1
     if config_value(run.attrs, "pipeline.schedule") == "interleaved":
@@ -94,7 +100,7 @@ def stage_stats(run: Run) -> StageStats | None:
         bubble_high=_over_steps(bubble, "nanmax"),
         activation_bytes=extra["activation_bytes"],
         in_flight=extra["in_flight"],
-        equal_stages=None if m is None else (p - 1) / (v * m + p - 1),
+        equal_stages=None if m is None else (stages - 1) / (v * m + stages - 1),
         chunks=v,
     )
 
