@@ -86,9 +86,10 @@ class Context:
             self._schedule = make_schedule(self.cfg, self.batches, self.steps_per_epoch, self.total_steps)
         return self._schedule
 
-    def optimizer(self, params: Sequence[Parameter]) -> Optimizer:
-        """The config's optimizer over ``params``, at the schedule's first learning rate."""
-        return make_optimizer(self.cfg, params, self.schedule()(0))
+    def optimizer(self, params: Sequence[Parameter], model: Sequential | None = None) -> Optimizer:
+        """The config's optimizer over ``params`` (K-FAC: over ``model``'s layers), at the schedule's
+        first learning rate."""
+        return make_optimizer(self.cfg, params, self.schedule()(0), model)
 
     def sampler(self, member: int) -> DistributedSampler:
         """The batches of data-parallel member ``member``: micro-steps x ``data.batch_size`` per step.

@@ -14,7 +14,7 @@ from hpcdl.data import Dataset, load_dataset
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
 from hpcdl.nn import Parameter, Sequential
-from hpcdl.optim import SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
+from hpcdl.optim import KFAC, SGD, Adam, AdamW, Optimizer, Schedule, scaled_lr
 from hpcdl.parallel.evaluation import EVAL_BATCH, Tally, test_batches
 from hpcdl.rng import generator
 
@@ -23,10 +23,33 @@ __all__ = [
 ]  # fmt: skip
 
 
-def make_optimizer(cfg: Config, params: Sequence[Parameter], lr: float) -> Optimizer:
-    """The optimizer named in the config, over ``params`` (a model's, a stage's, a shard's)."""
+def make_optimizer(
+    cfg: Config, params: Sequence[Parameter], lr: float, model: Sequential | None = None
+) -> Optimizer:
+    """The optimizer named in the config, over ``params`` (a model's, a stage's, a shard's);
+    K-FAC over ``model`` (it observes the model's layers).
+
+    Raises:
+        ConfigError: K-FAC without a model (a strategy that hands only parameters), or a
+            K-FAC setting out of range.
+    """
     params = list(params)
     name, wd = cfg["optimizer.name"], cfg["optimizer.weight_decay"]
+    if name == "kfac":
+        if model is None:
+            raise ConfigError(
+                f"optimizer.name = 'kfac' preconditions whole layers; parallel.strategy = "
+                f"{cfg['parallel.strategy']!r} hands the optimizer parameters only: "
+                "use parallel.strategy = 'sync'"
+            )
+        try:
+            return KFAC(
+                model, lr, momentum=cfg["optimizer.momentum"], weight_decay=wd, damping=cfg["kfac.damping"],
+                factor_decay=cfg["kfac.factor_decay"], factor_every=cfg["kfac.factor_every"],
+                inv_every=cfg["kfac.inv_every"], kl_clip=cfg["kfac.kl_clip"],
+            )  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     if name == "sgd":
         if cfg["optimizer.nesterov"] and cfg["optimizer.momentum"] <= 0:
             raise ConfigError("optimizer.nesterov = true needs optimizer.momentum > 0 (got 0)")

@@ -2,7 +2,13 @@
 
 Observers live in a ``contextvars`` variable (docs/design.md, per-layer hook): each simulated rank
 (greenlet) has its own, and nothing is module state. ``Sequential`` calls
-``before``/``after`` for every child layer, phase ``"forward"`` or ``"backward"``.
+``before``/``after`` for every child layer, phase ``"forward"`` or ``"backward"``, through
+:func:`call`, as blocks (a residual block) do for the layers inside them.
+
+**Nesting.** A model's top-level layers are at depth 0; the layers inside a block are one
+deeper (:func:`depth` while they run). Every observer sees depth 0, so a profile or a cost
+table charges each top-level layer once, a block included whole; an observer that sets
+``nested = True`` sees the layers inside blocks too (K-FAC needs a ResNet's convolutions).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from hpcdl.nn.layer import Layer
 
-__all__ = ["LayerObserver", "observe", "current_observers", "LayerProfiler"]
+__all__ = ["LayerObserver", "call", "current_observers", "depth", "observe", "LayerProfiler"]
 
 
 class LayerObserver(Protocol):
@@ -30,6 +36,32 @@ class LayerObserver(Protocol):
 
 
 _observers: ContextVar[tuple[LayerObserver, ...]] = ContextVar("hpcdl_layer_observers", default=())
+_depth: ContextVar[int] = ContextVar("hpcdl_layer_depth", default=0)
+
+
+def depth() -> int:
+    """The nesting depth of the layer whose call is observed (0: a top-level layer of the model)."""
+    return _depth.get() - 1
+
+
+def call(layer: Layer, phase: str, x: Any) -> Any:
+    """``layer.forward(x)`` (phase ``"forward"``) or ``layer.backward(x)``, with the observers that
+    see its depth around it (every observer at depth 0, those with ``nested = True`` below)."""
+    observers = _observers.get()
+    if not observers:
+        return layer.forward(x) if phase == "forward" else layer.backward(x)
+    level = _depth.get()
+    seen = observers if level == 0 else tuple(o for o in observers if getattr(o, "nested", False))
+    token = _depth.set(level + 1)
+    try:
+        for o in seen:
+            o.before(phase, layer, x)
+        y = layer.forward(x) if phase == "forward" else layer.backward(x)
+        for o in reversed(seen):
+            o.after(phase, layer, y)
+    finally:
+        _depth.reset(token)
+    return y
 
 
 def current_observers() -> tuple[LayerObserver, ...]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from hpcdl.nn.activation import ReLU
 from hpcdl.nn.conv import Conv2d
+from hpcdl.nn.hooks import call
 from hpcdl.nn.init import default_rng
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.norm import BatchNorm2d
@@ -27,8 +28,8 @@ class ResidualBlock(Layer):
 
     Subclasses set ``self._main`` (the attribute names of the main branch, in
     order) and ``self.shortcut`` (a ``Sequential`` projection or ``None`` for
-    the identity). Child layers are called directly: the per-layer hook fires
-    for the block as a whole, not inside it.
+    the identity). Child layers are called through :func:`hpcdl.nn.hooks.call` one level
+    deeper: a profile sees the block as a whole, a ``nested`` observer (K-FAC) each layer.
     """
 
     _main: tuple[str, ...] = ()
@@ -44,21 +45,21 @@ class ResidualBlock(Layer):
     def forward(self, x: Any) -> Any:
         h = x  # N, Cin, H, W
         for attr in self._main:
-            h = getattr(self, attr).forward(h)  # N, Cout, Ho, Wo at the end
+            h = call(getattr(self, attr), "forward", h)  # N, Cout, Ho, Wo at the end
         s = x  # N, Cin, H, W
-        for layer in self.shortcut or ():  # not shortcut.forward: the hook must not fire inside
-            s = layer.forward(s)  # N, Cout, Ho, Wo at the end
+        for layer in self.shortcut or ():
+            s = call(layer, "forward", s)  # N, Cout, Ho, Wo at the end
         h += s  # N, Cout, Ho, Wo (h is a fresh BatchNorm output)
-        return self.relu_out.forward(h)  # N, Cout, Ho, Wo
+        return call(self.relu_out, "forward", h)  # N, Cout, Ho, Wo
 
     def backward(self, gy: Any) -> Any:
-        g = self.relu_out.backward(gy)  # N, Cout, Ho, Wo
+        g = call(self.relu_out, "backward", gy)  # N, Cout, Ho, Wo
         gs = g  # N, Cout, Ho, Wo
         for layer in reversed(self.shortcut.layers if self.shortcut is not None else []):
-            gs = layer.backward(gs)  # N, Cin, H, W at the end
+            gs = call(layer, "backward", gs)  # N, Cin, H, W at the end
         gh = g  # N, Cout, Ho, Wo
         for attr in reversed(self._main):
-            gh = getattr(self, attr).backward(gh)  # N, Cin, H, W at the end
+            gh = call(getattr(self, attr), "backward", gh)  # N, Cin, H, W at the end
         gh += gs  # N, Cin, H, W (gh is a fresh convolution gradient)
         return gh
 

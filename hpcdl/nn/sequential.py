@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from hpcdl.nn.hooks import current_observers
+from hpcdl.nn.hooks import call, current_observers
 from hpcdl.nn.layer import Layer
 
 __all__ = ["Sequential"]
@@ -39,29 +39,21 @@ class Sequential(Layer):
             child.assign_names(f"{prefix}{child_name}.")
 
     def forward(self, x: Any) -> Any:
-        observers = current_observers()
+        if current_observers():
+            for layer in self.layers:
+                x = call(layer, "forward", x)
+            return x
         for layer in self.layers:
-            if observers:
-                for o in observers:
-                    o.before("forward", layer, x)
-                x = layer.forward(x)
-                for o in reversed(observers):
-                    o.after("forward", layer, x)
-            else:
-                x = layer.forward(x)
+            x = layer.forward(x)
         return x
 
     def backward(self, gy: Any) -> Any:
-        observers = current_observers()
+        if current_observers():
+            for layer in reversed(self.layers):
+                gy = call(layer, "backward", gy)
+            return gy
         for layer in reversed(self.layers):
-            if observers:
-                for o in observers:
-                    o.before("backward", layer, gy)
-                gy = layer.backward(gy)
-                for o in reversed(observers):
-                    o.after("backward", layer, gy)
-            else:
-                gy = layer.backward(gy)
+            gy = layer.backward(gy)
         return gy
 
     def __len__(self) -> int:

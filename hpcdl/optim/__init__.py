@@ -1,27 +1,65 @@
-"""Optimizers (SGD, Adam, AdamW), learning-rate schedules and rank scaling."""
+"""Optimizers (SGD, Adam, AdamW, K-FAC), learning-rate schedules and rank scaling."""
 
 from __future__ import annotations
 
 from hpcdl.components import Declares, Key
 from hpcdl.optim.adam import Adam, AdamW
+from hpcdl.optim.kfac import KFAC
 from hpcdl.optim.optimizer import Optimizer
 from hpcdl.optim.schedule import Schedule, scaled_lr
 from hpcdl.optim.sgd import SGD
 
-__all__ = ["DECLARES", "OPTIMIZERS", "SGD", "Adam", "AdamW", "Optimizer", "Schedule", "scaled_lr"]
+__all__ = [
+    "DECLARES", "ELEMENTWISE", "KFAC", "OPTIMIZERS", "SGD", "Adam", "AdamW", "Optimizer", "Schedule",
+    "elementwise", "scaled_lr",
+]  # fmt: skip
 
 #: ``optimizer.name`` values
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "kfac")
+#: the optimizers whose update of a parameter element reads that element's gradient and state
+#: only: they can be split into shards of parameters (a parameter server's); K-FAC cannot
+ELEMENTWISE = ("sgd", "adam", "adamw")
+
+
+def elementwise(name: str) -> bool:
+    """Whether ``optimizer.name = name`` updates element by element (:data:`ELEMENTWISE`)."""
+    return name in ELEMENTWISE
+
 
 #: the optimizer's and the learning-rate schedule's config sections
 DECLARES = Declares(
     keys={
         "optimizer.name": Key(str, "sgd", "optimizer", choices=OPTIMIZERS),
         "optimizer.lr": Key(float, 0.1, "base learning rate (before rank scaling)", minimum=0.0),
-        "optimizer.momentum": Key(float, 0.9, "sgd: momentum", minimum=0.0),
+        "optimizer.momentum": Key(float, 0.9, "sgd, kfac: momentum", minimum=0.0),
         "optimizer.nesterov": Key(bool, False, "sgd: Nesterov momentum"),
         "optimizer.weight_decay": Key(
-            float, 0.0, "L2 (sgd, adam) or decoupled (adamw) weight decay", minimum=0.0
+            float, 0.0, "L2 (sgd, adam, kfac) or decoupled (adamw) weight decay", minimum=0.0
+        ),
+        "kfac.damping": Key(float, 1e-3, "kfac: added to every product of eigenvalues", above=0.0),
+        "kfac.factor_decay": Key(
+            float,
+            0.95,
+            "kfac: running-average decay of the factors (0: the last batch's)",
+            minimum=0.0,
+            below=1.0,
+        ),
+        "kfac.factor_every": Key(int, 1, "kfac: collect the factors every this many steps", minimum=1),
+        "kfac.inv_every": Key(
+            int,
+            10,
+            "kfac: eigendecompose the factors every this many steps (>= kfac.factor_every)",
+            minimum=1,
+        ),
+        "kfac.kl_clip": Key(
+            float, 1e-3, "kfac: KL clipping of the preconditioned gradients (0: off)", minimum=0.0
+        ),
+        "kfac.grad_workers": Key(
+            int,
+            0,
+            "kfac: ranks that precondition each layer, dividing N (0: N, eigenbases to every rank; 1: "
+            "one rank per layer, its preconditioned gradient broadcast)",
+            minimum=0,
         ),
         "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0, below=1.0),
         "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0, below=1.0),

@@ -27,11 +27,26 @@ from hpcdl.parallel.strategy import RankState, differing_parameters
 __all__ = ["Checker", "Loader", "Saver", "Serializer"]
 
 
-def _optimizer_parts(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An optimizer's state as (arrays, small values)."""
+def _optimizer_parts(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+    """An optimizer's state as (arrays, small values, groups of its own): an array keyed
+    ``<group>/<name>`` for a group the optimizer names in ``state_groups`` (K-FAC's ``kfac``)
+    goes to the piece's group ``<group>`` as ``<name>``."""
     opt = optimizer.state_dict() if optimizer is not None else {}
     arrays = {k: v for k, v in opt.items() if isinstance(v, np.ndarray)}
-    return arrays, {k: v for k, v in opt.items() if k not in arrays}
+    small = {k: v for k, v in opt.items() if k not in arrays}
+    groups: dict[str, dict[str, Any]] = {}
+    for group in getattr(optimizer, "state_groups", ()):
+        mine = {k for k in arrays if k.startswith(group + "/")}
+        groups[group] = {k[len(group) + 1 :]: arrays.pop(k) for k in sorted(mine)}
+    return arrays, small, groups
+
+
+def _optimizer_state(optimizer: Any, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``optimizer.load_state_dict`` takes, from a piece :func:`_optimizer_parts` made."""
+    state = {**saved["meta"].get("optimizer", {}), **saved.get("optimizer", {})}
+    for group in getattr(optimizer, "state_groups", ()):
+        state.update({f"{group}/{k}": v for k, v in saved.get(group, {}).items()})
+    return state
 
 
 def _put(target: Any, saved: Any) -> None:
@@ -48,6 +63,8 @@ class Serializer:
 
     #: True while a checkpoint is being put back (a strategy restarts its batches then)
     loading: bool = False
+    #: True while a rank's part is being saved (a strategy gathers what its first holder writes)
+    saving: bool = False
 
     def piece(
         self,
@@ -96,6 +113,8 @@ class Serializer:
 class Saver(Serializer):
     """Collects a rank's part into :attr:`state`; pieces only when asked (their first holder)."""
 
+    saving = True
+
     def __init__(self, pieces: bool) -> None:
         self.pieces = pieces
         self.state = RankState()
@@ -109,8 +128,8 @@ class Saver(Serializer):
             params = {n: to_numpy(p.data).copy() for n, p in model.named_parameters()}
         else:
             params = {n: to_numpy(a).copy() for n, a in (arrays or {}).items()}
-        opt_arrays, opt_meta = _optimizer_parts(optimizer)
-        self.state.pieces[name] = {"params": params, "optimizer": opt_arrays,
+        opt_arrays, opt_meta, groups = _optimizer_parts(optimizer)
+        self.state.pieces[name] = {"params": params, "optimizer": opt_arrays, **groups,
                                    "meta": {"optimizer": opt_meta, **(meta or {})}}  # fmt: skip
 
     def own_arrays(self, arrays: Mapping[str, Any]) -> None:
@@ -144,7 +163,7 @@ class Loader(Serializer):
         for key, target in (arrays or {}).items():
             _put(target, saved["params"][key])
         if optimizer is not None:
-            optimizer.load_state_dict({**saved["meta"]["optimizer"], **saved["optimizer"]})
+            optimizer.load_state_dict(_optimizer_state(optimizer, saved))
 
     def own_arrays(self, arrays: Mapping[str, Any]) -> None:
         for key, target in arrays.items():
@@ -187,6 +206,10 @@ class Checker(Serializer):
             if diff:
                 where = "" if name == "model" else f"{name}: "
                 raise ConfigError(f"it holds another model ({where}parameters differ: {diff} ...)")
+        if optimizer is not None and hasattr(optimizer, "check_state"):
+            problem = optimizer.check_state(_optimizer_state(optimizer, saved))
+            if problem:
+                raise ConfigError(problem)
         for key, target in (arrays or {}).items():
             got = tuple(np.shape(saved.get("params", {}).get(key, ())))
             if got != tuple(np.shape(target)):

@@ -283,8 +283,9 @@ class RunContext(Protocol):
         """The config's model, initialised alike on every rank; dropout from this rank's stream."""
         ...
 
-    def optimizer(self, params: Any) -> Any:
-        """The config's optimizer over ``params``."""
+    def optimizer(self, params: Any, model: Any = None) -> Any:
+        """The config's optimizer over ``params``; one that observes the layers (K-FAC) needs the
+        ``model`` (refused without it, in one line)."""
         ...
 
     def schedule(self) -> Any:

@@ -23,6 +23,7 @@ from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
 from hpcdl.parallel.conformance import Case, Conformance
+from hpcdl.parallel.kfac import make_update
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
@@ -112,8 +113,10 @@ class SyncDataParallel(LockstepStrategy):
         self.sampler = ctx.sampler(ctx.placement.ranks[ctx.rank].member)
         self.model: Sequential = ctx.build_model()
         self.lr = ctx.schedule()
-        self.optimizer = ctx.optimizer(self.model.parameters())
+        self.optimizer = ctx.optimizer(self.model.parameters(), self.model)
         self.exchange = exchange_for(ctx.cfg, self.comm, self.model)
+        # the optimizer's slot after the exchange: its own communication (K-FAC's), then its update
+        self.update = make_update(self.optimizer, self.comm, ctx.cfg)
         self.exchange.broadcast_parameters(root=0)  # rank 0's weights, whatever the others built
         if ctx.cfg["log.trace"] and hasattr(self.exchange, "tracer"):
             self.exchange.tracer = ctx.trace  # the buckets' pack, wait and unpack on the timeline
@@ -129,10 +132,14 @@ class SyncDataParallel(LockstepStrategy):
         self.optimizer.lr = self.lr(step)
         comm_before, exposed_before = self.exchange.comm_time, self.exchange.exposed_time
         loss, correct = 0.0, 0
+        optimizer = self.update.observer
         for m, part in enumerate(np.split(indices, self.micro_steps)):
             x, y = self.ctx.batch(part)
             last = m == self.micro_steps - 1  # the exchange observes only the last backward
-            with observe(self.exchange) if last and hasattr(self.exchange, "after") else nullcontext():
+            with (
+                observe(optimizer) if optimizer is not None else nullcontext(),
+                observe(self.exchange) if last and hasattr(self.exchange, "after") else nullcontext(),
+            ):
                 micro_loss, micro_correct = forward_backward(self.model, self.loss_fn, x, y)
             if not last:
                 self.exchange.accumulate()
@@ -140,7 +147,8 @@ class SyncDataParallel(LockstepStrategy):
             correct += micro_correct
         self._note["phase"] = "gradient exchange"
         self.exchange.exchange()  # with buckets in flight since backward: only what is left
-        self.optimizer.step()
+        self._note["phase"] = "optimizer step"
+        self.update.step()
         return StepStats(
             loss=loss,
             correct=correct,
@@ -164,6 +172,8 @@ class SyncDataParallel(LockstepStrategy):
     def serialize(self, s: Serializer) -> None:
         """The model and optimizer (the piece every rank holds alike), BatchNorm statistics, the
         sampler's position, the random streams and the exchange's counters."""
+        if s.saving:
+            self.update.gather()  # rank 0 writes the piece: what the optimizer spread goes there
         s.piece("model", model=self.model, optimizer=self.optimizer)
         s.own_buffers(self.model)
         s.random(self.ctx)
@@ -177,7 +187,8 @@ class SyncDataParallel(LockstepStrategy):
             self.batches.restart()
 
     def close(self) -> None:
-        """Free the exchange's duplicated communicator (collective)."""
+        """Free the exchange's and the optimizer's communicators (collective)."""
+        self.update.close()
         self.exchange.free()
 
 
