@@ -150,7 +150,8 @@ def test_factors_and_the_first_update_match_the_formulas_in_float64(kind: str, k
             w0 = before[id(param)]
             expect = w0 - lr * (pg + wd * w0)  # first step: the momentum buffer is the gradient
             np.testing.assert_allclose(param.data, expect, rtol=1e-10, atol=1e-12, err_msg=param.name)
-    others = [p for p in net.parameters() if all(p is not q for layer in layers for q in (layer.weight, layer.bias))]
+    covered = {id(q) for layer in layers for q in (layer.weight, layer.bias) if q is not None}
+    others = [p for p in net.parameters() if id(p) not in covered]
     for p in others:  # BatchNorm: SGD's update with the raw gradient
         np.testing.assert_allclose(p.data, before[id(p)] - lr * (np.array(p.grad) + wd * before[id(p)]),
                                    rtol=1e-12, atol=1e-14)  # fmt: skip

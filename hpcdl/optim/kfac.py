@@ -400,7 +400,6 @@ class KFAC(Optimizer):
             raise ValueError(problem)
 
 
-
 def _finite(factor: Any) -> bool:
     return factor is None or bool(get_array_module(factor).isfinite(factor).all())
 

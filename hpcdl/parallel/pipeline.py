@@ -82,6 +82,7 @@ from hpcdl.parallel.strategy import (
     RankPlace,
     RunContext,
     StepStats,
+    elementwise_only,
 )
 from hpcdl.parallel.sync import exchange_for
 
@@ -203,6 +204,7 @@ class Pipeline(LockstepStrategy):
         Raises:
             ConfigError: a schedule that does not fit the stages and microbatches.
         """
+        elementwise_only(cfg, cls.name, "splits the model into stages (K-FAC over stages is not built)")
         m, v = cfg["pipeline.microbatches"], cfg["pipeline.virtual_stages"]
         reps = stage_replicas(cfg, world)
         p = len(reps)

@@ -84,6 +84,7 @@ from hpcdl.parallel.strategy import (
     Placement,
     RankPlace,
     RunContext,
+    elementwise_only,
 )
 
 __all__ = ["ParameterServer", "PsSettings", "compensated_lr", "dc_gradient"]
@@ -117,6 +118,7 @@ class ParameterServer(FreeRunningStrategy):
         Raises:
             ConfigError: fewer than one server, or no rank left for a worker.
         """
+        elementwise_only(cfg, cls.name, "splits the parameters into the servers' shards")
         ps = PsSettings.from_config(cfg)
         servers, sync = ps.servers, ps.mode == "sync"
         if servers < 1:

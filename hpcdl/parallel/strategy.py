@@ -71,6 +71,23 @@ def _reads(cls: type[Strategy], key: str) -> bool:
     return any(key == own or (own.endswith(".") and key.startswith(own)) for own in cls.keys)
 
 
+def elementwise_only(cfg: Any, strategy: str, splits: str) -> None:
+    """Refuse an optimizer that is not elementwise (K-FAC) under a strategy that ``splits`` the
+    model's parameters (a parameter server's shards, a pipeline's stages).
+
+    Raises:
+        ConfigError: one line naming the optimizer and what to use instead.
+    """
+    from hpcdl.optim import elementwise  # noqa: PLC0415  (the optimizers' registry, at use)
+
+    name = cfg["optimizer.name"]
+    if not elementwise(name):
+        raise ConfigError(
+            f"optimizer.name = {name!r} updates whole layers, not parameter by parameter: "
+            f"parallel.strategy = {strategy!r} {splits}; use parallel.strategy = 'sync'"
+        )
+
+
 def check_keys(cfg: Any) -> None:
     """Refuse a config that sets a key ``parallel.strategy`` cannot honour.
 

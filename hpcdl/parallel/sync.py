@@ -20,10 +20,11 @@ from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
 from hpcdl.comm.pack import wire_dtype
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.optim.kfac import KfacLayer, covered_layers
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
 from hpcdl.parallel.conformance import Case, Conformance
-from hpcdl.parallel.kfac import make_update
+from hpcdl.parallel.kfac import assign, grad_workers, make_update
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
@@ -78,13 +79,39 @@ class SyncDataParallel(LockstepStrategy):
         return Placement(cls.name, ranks, cfg["data.batch_size"], cfg["exchange.accumulate"])
 
     @classmethod
+    def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
+        """K-FAC (``--plan``): each covered layer's factor sizes, its eigendecomposition's cost,
+        the rank that decomposes it and its gradient workers (:mod:`hpcdl.parallel.kfac`)."""
+        if cfg["optimizer.name"] != "kfac":
+            return []
+        n = placement.world
+        k = grad_workers(cfg["kfac.grad_workers"], n)
+        layers = covered_layers(model())
+        dims = [KfacLayer(layer, layer.name).dims for layer in layers]
+        costs = [float(a) ** 3 + float(g) ** 3 for a, g in dims]
+        owner = assign(costs, n)
+        per = n // k
+        mode = "COMM-OPT" if k == n else "MEM-OPT" if k == 1 else "HYBRID"
+        lines = [
+            f"K-FAC: eigendecompositions by rank (largest d_A^3 + d_G^3 first, to the least-loaded rank); "
+            f"{k} grad worker{'s' * (k > 1)} per layer of {n} ranks ({mode})",
+            f"{'layer':<16}{'A':>7}{'G':>7}{'cost (d^3)':>14}  {'rank':>4}  grad workers",
+        ]
+        for layer, (a, g), cost, r in zip(layers, dims, costs, owner):
+            workers = [x for x in range(n) if x % per == r % per]
+            lines.append(f"{layer.name:<16}{a:>7}{g:>7}{cost:>14.3g}  {r:>4}  {_span(workers)}")
+        return lines
+
+    @classmethod
     def memory(
         cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
     ) -> list[RankMemory]:
         """Every rank: the model, its gradients, the optimizer's state, the exchange's buffers (the
         flat allreduce: a packed copy and the sum; bucketed: the buckets in the wire format and as
         much for the collectives' rounds; accumulation: the kept sum), and one micro-step's
-        activations or an evaluation's (of its share of the test set)."""
+        activations or an evaluation's (of its share of the test set); K-FAC's factors, the
+        step's factors and the eigenbases of every covered layer (a rank holds all of them
+        while a checkpoint is written)."""
         nbytes, largest = probe.parameters()
         act = probe.activations()
         exchange = 0
@@ -97,9 +124,13 @@ class SyncDataParallel(LockstepStrategy):
         if placement.micro_steps > 1:
             exchange += nbytes
         share = -(-test_size // placement.width)  # the test images one rank evaluates
+        parts = {**model_parts(cfg, nbytes, largest), "exchange": exchange}
+        if cfg["optimizer.name"] == "kfac":  # running and batch factors, eigenbases (every layer's, at worst)
+            dims = [KfacLayer(layer, layer.name).dims for layer in covered_layers(probe.model)]
+            parts["kfac"] = probe.dtype.itemsize * sum(3 * (a * a + g * g) + a + g for a, g in dims)
         one = RankMemory(
             "worker",
-            {**model_parts(cfg, nbytes, largest), "exchange": exchange},
+            parts,
             tuple([(f, s, "a batch") for f, s in act.step] + evaluation(act, min(eval_batch, share))),
             cfg["data.batch_size"],
             hint="(and raise exchange.accumulate by as much to keep the global batch)",
@@ -204,6 +235,12 @@ def __getattr__(name: str) -> Any:
             return common.forward_backward
         return lambda comm, stats, stop, width, buf=None: common.mean_over_contributors(comm, stats, stop)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _span(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}, {ranks[1]}, ... ({len(ranks)})"
 
 
 def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExchange:
