@@ -15,6 +15,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from kfac_config import COMMON, flat  # tests/ is on sys.path (pytest prepend mode)
 from simulated import sim  # tests/ is on sys.path (pytest prepend mode)
 
 from hpcdl.comm import world
@@ -25,24 +26,14 @@ from hpcdl.parallel.kfac import assign
 from hpcdl.store.checkpoint import list_checkpoints, load_checkpoint
 from hpcdl.train import main as train_main
 
-COMMON = [
-    "dtype=float64", "model.depth=3", "model.width=24", "data.batch_size=8", "optimizer.name=kfac",
-    "optimizer.lr=0.05", "schedule.name=constant", "schedule.warmup_epochs=0", "checkpoint.every=0",
-    "kfac.inv_every=2", "train.steps=5", "train.eval_every=5",
-]  # fmt: skip
-
-
-def params(result) -> np.ndarray:
-    return np.concatenate([np.asarray(p.data).ravel() for p in result.strategy.model.parameters()])
-
 
 @pytest.mark.parametrize(("n", "k"), [(2, 1), (2, 2), (3, 1), (3, 3), (8, 1), (8, 2), (8, 4), (8, 8)])
 def test_distributed_kfac_ends_where_one_process_accumulating_ends(n: int, k: int) -> None:
     got = sim(n, load_config("digits-mlp", [*COMMON, f"kfac.grad_workers={k}"]))
     alone = train(load_config("digits-mlp", [*COMMON, f"exchange.accumulate={n}"]), world())
-    want = params(alone)
+    want = flat(alone)
     for r in range(n):  # every rank holds the same model
-        np.testing.assert_allclose(params(got[r]), want, rtol=0, atol=1e-10 * np.abs(want).max())
+        np.testing.assert_allclose(flat(got[r]), want, rtol=0, atol=1e-10 * np.abs(want).max())
     np.testing.assert_allclose([row["loss"] for row in got[0].history],
                                [row["loss"] for row in alone.history], rtol=1e-10)  # fmt: skip
 

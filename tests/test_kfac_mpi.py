@@ -11,21 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kfac_config import COMMON, flat  # tests/ is on sys.path (pytest prepend mode)
 
 from hpcdl.comm import world
 from hpcdl.config import load_config
 from hpcdl.store.checkpoint import list_checkpoints, load_checkpoint
 from hpcdl.train import run
-
-COMMON = [
-    "dtype=float64", "model.depth=3", "model.width=24", "data.batch_size=8", "optimizer.name=kfac",
-    "optimizer.lr=0.05", "schedule.name=constant", "schedule.warmup_epochs=0", "checkpoint.every=0",
-    "kfac.inv_every=2", "train.steps=5", "train.eval_every=5",
-]  # fmt: skip
-
-
-def flat(result) -> np.ndarray:
-    return np.concatenate([np.asarray(p.data).ravel() for p in result.strategy.model.parameters()])
 
 
 @pytest.mark.mpi(min_size=2)
