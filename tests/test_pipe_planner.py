@@ -70,6 +70,98 @@ def test_planner_equals_exhaustive_search(seed):
             assert max(memory(got, model)) <= model.memory_limit
 
 
+def check(model: CostModel, ranks: int, batch: int) -> None:
+    """The planner's step is exhaustive search's, its plan is valid and its step is predict's."""
+    want = exhaustive(model, ranks, batch)
+    if want == math.inf:
+        with pytest.raises(ConfigError):
+            plan(model, ranks, batch)
+        return
+    got, step = plan(model, ranks, batch)
+    assert math.isclose(step, want, rel_tol=1e-9), (got, step, want)
+    assert math.isclose(predict(got, model), step, rel_tol=1e-9)
+    assert sum(got.replicas) == ranks and all(got.microbatches % r == 0 for r in got.replicas)
+    if model.memory_limit:
+        assert max(memory(got, model)) <= model.memory_limit
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_planner_equals_exhaustive_search_with_many_ranks_and_few_layers(seed):
+    """N up to 24 on 1-3 layers, batches of many divisors: long rank vectors, many replica counts."""
+    rng = random.Random(100 + seed)
+    for _ in range(10):
+        model, _, _ = random_case(rng)
+        model = CostModel(model.layers[:3], model.batch, model.network, model.schedule, model.memory_limit)
+        check(model, rng.randint(7, 24), rng.choice([16, 24, 36, 48, 60, 64]))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_planner_equals_exhaustive_search_on_ties(schedule):
+    """Small integer costs, free or round-number networks: many plans share the least step."""
+    rng = random.Random(7)
+    for _ in range(30):
+        n = rng.randint(2, 6)
+        layers = [
+            LayerInfo(str(i), rng.choice([0, 100, 200]), rng.choice([0, 1, 2]), rng.choice([0, 1, 2]), 100)
+            for i in range(n)
+        ]
+        net = rng.choice([Network(), Network(1.0, 0.0), Network(0.0, 0.01, 0.0, 0.01), Network(1.0, 0.01)])
+        check(CostModel(layers, 1, net, schedule), rng.randint(1, 5), rng.choice([4, 6, 8, 12]))
+
+
+def test_planner_equals_exhaustive_search_where_memory_binds_by_depth():
+    """1F1B limits at the memory of a random plan: a stage fits at one depth and not at the next."""
+    rng = random.Random(11)
+    for _ in range(40):
+        model, ranks, batch = random_case(rng)
+        ranks = min(ranks, 4)
+        p = rng.randint(1, min(len(model.layers), ranks))
+        balance = rng.choice(list(compositions(len(model.layers), p)))
+        replicas = rng.choice(list(compositions(ranks, p)))
+        ms = [d for d in range(1, batch + 1) if batch % d == 0 and all(d % r == 0 for r in replicas)]
+        if not ms:
+            continue
+        m = rng.choice(ms)
+        unlimited = CostModel(model.layers, model.batch, model.network, "1f1b")
+        limit = max(memory(Plan(balance, replicas, m, batch), unlimited))
+        check(CostModel(model.layers, model.batch, model.network, "1f1b", limit or 1.0), ranks, batch)
+
+
+def test_planner_no_worse_than_any_sampled_plan_at_a_larger_size():
+    """12 layers on 32 ranks (past exhaustive search): no random plan and no baseline beats it."""
+    rng = random.Random(5)
+    layers = [
+        LayerInfo(str(i), rng.randint(10**4, 10**7), rng.uniform(0.01, 1), rng.uniform(0.02, 2), 10**5)
+        for i in range(12)
+    ]
+    for net in (Network(1e-5, 1e-9), Network(1e-4, 1e-8)):
+        model = CostModel(layers, 1, net, "1f1b", memory_limit=2e6)
+        got, step = plan(model, 32, 64)
+        assert math.isclose(predict(got, model), step, rel_tol=1e-9)
+        assert all(v is None or step <= v[1] * (1 + 1e-9) for v in baselines(model, 32, 64).values())
+        for _ in range(300):
+            p = rng.randint(1, 12)
+            balance = rng.choice(list(compositions(12, p)))
+            replicas = [2 ** rng.randint(0, 5) for _ in range(p)]
+            if sum(replicas) != 32:
+                continue
+            m = rng.choice([r for r in (1, 2, 4, 8, 16, 32, 64) if r >= max(replicas)])
+            sample = Plan(balance, tuple(replicas), m, 64)
+            if max(memory(sample, model)) <= model.memory_limit:
+                assert step <= predict(sample, model) * (1 + 1e-9), sample
+
+
+def test_a_pipeline_just_above_the_work_bound_is_found():
+    """Stage busy times (m / r) t equal on every rank: the step is W / N plus the fill (3), half a
+    percent above the bound the search prunes by, and no baseline has the plan."""
+    layers = [LayerInfo("0", 0, 1.0, 2.0, 100), LayerInfo("1", 10**6, 0.5, 0.5, 100)]
+    model = CostModel(layers, 1, Network(0.0, 0.0, allreduce_alpha=0.0, allreduce_beta=1e-6))
+    got, step = plan(model, 4, 600)
+    assert (got.balance, got.replicas, got.microbatches) == ((1, 1), (3, 1), 600)
+    assert math.isclose(step, 603, rel_tol=1e-12) and math.isclose(step, exhaustive(model, 4, 600))
+    assert all(v is None or v[1] > step for v in baselines(model, 4, 600).values())
+
+
 def test_memory_limit_no_plan_meets_is_one_line():
     layers = [LayerInfo(str(i), 10, 1.0, 2.0, 2**20) for i in range(3)]
     model = CostModel(layers, 1, Network(), "gpipe", memory_limit=100)

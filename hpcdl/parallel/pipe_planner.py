@@ -27,22 +27,30 @@ stage s holds ``h_s`` microbatches' activations, ``h_s = m / r_s`` (GPipe) or
 for every stage (limit 0: no limit).
 
 **The search, and why it is exact.** ``Σ_s t_s = σ Σ_l (f_l + w_l)`` depends on m alone.
-For each m (the divisors of B) the rest, ``max X + Σ A + max Y``, is found by
-enumerating the two bottlenecks: for thresholds ``(X*, Y*)`` taken from the finite sets of
-values ``X`` and ``Y`` any (segment, replicas) pair takes, a dynamic program over
-(first layer of the remaining stages, stages after it, ranks used) — stages built from the
-last layer back, so a stage's 1F1B depth ``p − s`` is the DP's stage count — gives the
-least ``Σ A`` over plans whose every stage has ``X_s ≤ X*``, ``Y_s ≤ Y*`` and fits in
-memory. The optimum's own ``(max X, max Y)`` is one of the pairs, where the DP finds a
-``Σ A`` no larger than its own; every DP answer is a real plan whose step is at most
-``Σ t + X* + Y* + Σ A``. So the least ``Σ t + X* + Y* + DP(X*, Y*)`` over pairs is the
-optimum. Pairs are visited in increasing ``X*`` then ``Y*`` and the loops stop when
-``Σ t + X* + Y*`` alone reaches the best step found (``Σ A ≥ 0``): a bound, not a
-heuristic. The DP's rank dimension is a NumPy vector, one shift per allowed replica count.
+The rest, ``max X + max Y + Σ A``, is searched over rectangles ``[X_a, X_b] × [Y_a, Y_b]``
+of thresholds taken from the finite sets of values X and Y any (segment, replicas) pair
+takes (one set each per m); a rectangle stands for the plans whose own ``(max X, max Y)``
+lies in it. For a rectangle, a dynamic program over (first layer of the remaining stages,
+stages after it, ranks used) — stages built from the last layer back, so a stage's 1F1B
+depth ``p − s`` is bounded by the DP's stage count — gives the least ``Σ A`` over plans whose
+every stage has ``X_s ≤ X_b``, ``Y_s ≤ Y_b`` and fits in memory, one such plan P with its
+own ``(x, y)``, and lower bounds on those plans' max X and max Y (the same program in
+(min, max)), which raise ``X_a`` and ``Y_a``. Every plan in the rectangle with max X ≥ x and
+max Y ≥ y takes at least as long as P (its ``Σ A`` is no smaller), so two rectangles remain:
+max X below x, and max X from x with max Y below y, each with P's ``Σ A`` as a bound on
+theirs. A rectangle's plans take at least ``Σ t + max(X_a, W / N − Σ t) + Y_a + Σ A``:
+with ``W = (B / batch) Σ_l (f_l + w_l)`` all the work of a step, the replicas' busy times
+``(m / r_s) t_s`` add up over the N ranks to ``m Σ_s t_s = W``, so the busiest one's is at
+least ``W / N``, and ``Σ t + max X`` is at least that. Rectangles of every m are taken
+lowest bound first, starting from the best of :func:`baselines`, and the search stops when
+the lowest bound reaches the best step found: a bound, not a heuristic, so the result is
+the optimum. The DP's rank dimension is a NumPy vector, one shift per allowed replica count.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -72,12 +80,17 @@ class Network:
         """One message of ``nbytes``."""
         return self.alpha + self.beta * nbytes
 
+    def ring(self) -> tuple[float, float]:
+        """The allreduce's α and β."""
+        a = self.alpha if self.allreduce_alpha is None else self.allreduce_alpha
+        b = self.beta if self.allreduce_beta is None else self.allreduce_beta
+        return a, b
+
     def allreduce(self, ranks: int, nbytes: float) -> float:
         """A ring allreduce of ``nbytes`` over ``ranks`` ranks (0 for one rank)."""
         if ranks <= 1:
             return 0.0
-        a = self.alpha if self.allreduce_alpha is None else self.allreduce_alpha
-        b = self.beta if self.allreduce_beta is None else self.allreduce_beta
+        a, b = self.ring()
         return 2 * (ranks - 1) / ranks * nbytes * b + 2 * (ranks - 1) * a
 
 
@@ -197,7 +210,7 @@ class _Tables:
         self.n = n = len(layers)
         self.m, self.ranks, self.model = m, ranks, model
         scale = (global_batch // m) / model.batch
-        self.rs = np.array([r for r in _divisors(m) if r <= ranks])
+        self.rs = rs = np.array([r for r in _divisors(m) if r <= ranks])
         time = np.concatenate([[0.0], np.cumsum([scale * (x.forward_s + x.backward_s) for x in layers])])
         act = np.concatenate([[0.0], np.cumsum([scale * x.output_bytes for x in layers])])
         par = np.concatenate([[0.0], np.cumsum([model.itemsize * x.params for x in layers])])
@@ -208,18 +221,16 @@ class _Tables:
         ]
         seg_t = time[None, :] - time[:, None]  # [i, j]: layers i .. j-1
         self.act = act[None, :] - act[:, None]
-        self.x = (m // self.rs - 1)[None, None, :] * seg_t[:, :, None]  # [i, j, q]
-        self.y = np.array(
-            [
-                [[net.allreduce(int(r), par[j] - par[i]) for r in self.rs] for j in range(n + 1)]
-                for i in range(n + 1)
-            ]
-        )
-        self.segments = [(i, j) for i in range(n) for j in range(i + 1, n + 1)]
+        self.x = (m // rs - 1)[None, None, :] * seg_t[:, :, None]  # [i, j, q]
+        alpha, beta = net.ring()  # Network.allreduce's formula, term for term
+        seg_p = (par[None, :] - par[:, None])[:, :, None]
+        self.y = 2 * (rs - 1) / rs * seg_p * beta + 2 * (rs - 1) * alpha  # [i, j, q]; 0 at r = 1
+        self.real = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [i, j]: i < j, a segment
         self.depths = min(n, m) if model.schedule == "1f1b" and model.memory_limit else 1
 
     def lowest(self, limit: float) -> np.ndarray:
-        """[d, i, j]: the first replica index fitting ``limit`` at 1F1B depth d + 1 (len(rs): none)."""
+        """[d, i, j]: the first replica index fitting ``limit`` at 1F1B depth d + 1 (len(rs): none);
+        non-decreasing in d."""
         q = len(self.rs)
         out = np.full((self.depths, self.n + 1, self.n + 1), 0, dtype=np.int64)
         if not limit:
@@ -234,80 +245,101 @@ class _Tables:
     def candidates(self, values: np.ndarray, lowest: np.ndarray) -> np.ndarray:
         """The sorted distinct values of ``values[i, j, q]`` over segments and replica counts that
         fit memory at some depth."""
-        q = np.arange(len(self.rs))
-        low = lowest.min(axis=0)
-        keep = np.zeros(values.shape, dtype=bool)
-        for i, j in self.segments:
-            keep[i, j] = q >= low[i, j]
+        keep = (np.arange(len(self.rs)) >= lowest[0][:, :, None]) & self.real[:, :, None]
         return np.unique(values[keep])
 
+    def measure(self, found: Plan) -> tuple[float, float, float]:
+        """A plan's own ``max X``, ``max Y`` and ``Σ A``, read from the tables."""
+        x = y = a = 0.0
+        for s, i, j in _stages(found):
+            q = int(np.searchsorted(self.rs, found.replicas[s]))
+            x, y, a = max(x, float(self.x[i, j, q])), max(y, float(self.y[i, j, q])), a + self.send[j]
+        return x, y, a
 
-def _dp(tab: _Tables, lowest: np.ndarray, xmax: float, ymax: float) -> tuple[float, Plan | None]:
-    """Least Σ A over plans with every X_s ≤ xmax and Y_s ≤ ymax that fit memory; one such plan.
 
-    ``f[i][d]`` over ranks k: the least Σ A of layers i .. n-1 cut into stages (d + 1 of them,
-    the last depth standing for all deeper) on k ranks. A stage i .. j-1 with replica index q
-    is allowed when ``lo ≤ q ≤ hi``: X falls with r (``lo`` from xmax and memory), Y rises
-    (``hi`` from ymax), so the allowed replica counts are an interval.
+def _dp(
+    tab: _Tables, lowest: np.ndarray, xmax: float, ymax: float, bounds: bool = False
+) -> tuple[float, Plan | None, float, float]:
+    """Least Σ A over plans whose every stage has X_s ≤ xmax, Y_s ≤ ymax and fits memory, one
+    such plan (None: there is none), and with ``bounds`` lower bounds on those plans' max X
+    and max Y (else 0, 0).
+
+    ``g[i, c]`` over ranks k: the least Σ A of layers i .. n-1 cut into at most c + 1 stages on
+    k ranks (the last c standing for any number: past it, memory allows what it allows). A
+    stage i .. j-1 at 1F1B depth c + 1 with replica index q is allowed when ``lo[c, i, j] ≤ q ≤
+    hi[i, j]``: X falls with r and memory with depth (``lo``), Y rises with r (``hi``). It is
+    followed by at most c stages, so checking its memory at depth c + 1 admits every plan of
+    ``g[i, c]`` and nothing that does not fit. Stages are built from the last layer back; the
+    rank dimension is a NumPy vector, shifted once per replica count. The bounds are the same
+    program in (min, max) over X and Y with memory at depth 1: a relaxation, not values.
     """
-    n, N, rs, depths = tab.n, tab.ranks, tab.rs, tab.depths
+    n, N, rs = tab.n, tab.ranks, tab.rs
     nq = len(rs)
-    lo_x = np.where((tab.x <= xmax).any(axis=2), (tab.x <= xmax).argmax(axis=2), nq)
-    hi_y = np.where(tab.y <= ymax, np.arange(nq), -1).max(axis=2)
+    lo = np.maximum(lowest, (tab.x > xmax).sum(axis=2))  # [c, i, j]
+    hi = (tab.y <= ymax).sum(axis=2) - 1  # [i, j]
+    changed = np.flatnonzero((lo[1:] != lo[:-1]).any(axis=(1, 2)))
+    D = int(changed[-1]) + 2 if len(changed) else 1  # deeper allows what depth D allows
+    lo = lo[:D]
     inf = math.inf
-    f: list[list[np.ndarray]] = [[] for _ in range(n + 1)]
-    end = np.full(N + 1, inf)
-    end[0] = 0.0
-    f[n] = [end]
-    shifted: list[list[np.ndarray]] = [[] for _ in range(n + 1)]  # [j][d]: (nq, N+1), row q shifted by rs[q]
-
-    def shift(src: np.ndarray) -> np.ndarray:
-        out = np.full((nq, N + 1), inf)
+    g = np.full((n + 1, D, N + 1), inf)
+    g[n, :, 0] = 0.0
+    shifted = np.empty((D, nq, N + 1))  # [c, q, k]: what may follow, at k - rs[q] ranks
+    qs = np.arange(nq)
+    if bounds:
+        gb = np.full((n + 1, 2, N + 1), inf)  # [i, 0 | 1, k]: least max X | max Y
+        gb[n, :, 0] = 0.0
+        shifted_b = np.empty((2, nq, N + 1))
+        xy = np.stack([tab.x, tab.y])
+    for j in range(n, 0, -1):
+        top = 0 if j == n else min(D - 1, n - j)  # a stage ending at j has at most n - j after it
+        u = _after(g[j], j == n)
         for q, r in enumerate(rs):
-            out[q, r:] = src[: N + 1 - r]
-        return out
-
-    shifted[n] = [shift(end)]
-    how: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # stage end, q, next d
-    for i in range(n - 1, -1, -1):
-        best = [np.full(N + 1, inf) for _ in range(depths)]
-        how_j = [np.zeros(N + 1, dtype=np.int64) for _ in range(depths)]
-        how_q = [np.zeros(N + 1, dtype=np.int64) for _ in range(depths)]
-        how_d = [np.zeros(N + 1, dtype=np.int64) for _ in range(depths)]
-        for j in range(i + 1, n + 1):
-            hi = hi_y[i, j]
-            for dprev, mat in enumerate(shifted[j]):
-                depth = 0 if j == n else dprev + 1  # this stage's p − s, minus one
-                d = min(depth, depths - 1)
-                lo = max(lo_x[i, j], lowest[d, i, j])
-                if lo > hi:
-                    continue
-                block = mat[lo : hi + 1]
-                q = block.argmin(axis=0)
-                cand = block[q, np.arange(N + 1)] + tab.send[j]
-                better = cand < best[d]
-                if better.any():
-                    best[d][better] = cand[better]
-                    how_j[d][better] = j
-                    how_q[d][better] = q[better] + lo
-                    how_d[d][better] = dprev
-        f[i] = best
-        shifted[i] = [shift(b) for b in best]
-        for d in range(depths):
-            how[i, d] = (how_j[d], how_q[d], how_d[d])
-    final = [f[0][d][N] for d in range(depths)]
-    d = int(np.argmin(final))
-    value = float(final[d])
+            shifted[: top + 1, q, :r] = inf
+            shifted[: top + 1, q, r:] = u[: top + 1, : N + 1 - r]
+            if bounds:
+                shifted_b[:, q, :r] = inf
+                shifted_b[:, q, r:] = gb[j, :, : N + 1 - r]
+        for i in range(j):
+            qa, qb = lo[0, i, j], hi[i, j]
+            if qa > qb:
+                continue
+            block = shifted[: top + 1, qa : qb + 1]
+            if top:  # memory: replica indices below lo[c] do not fit at depth c + 1
+                unfit = qs[None, qa : qb + 1] < lo[: top + 1, i, j, None]
+                block = block + np.where(unfit, inf, 0.0)[..., None]
+            np.minimum(g[i, : top + 1], block.min(axis=1) + tab.send[j], out=g[i, : top + 1])
+            if bounds:
+                block = np.maximum(shifted_b[:, qa : qb + 1], xy[:, i, j, qa : qb + 1, None])
+                np.minimum(gb[i], block.min(axis=1), out=gb[i])
+        np.minimum.accumulate(g[j - 1], axis=0, out=g[j - 1])  # at most c + 1 stages
+    value = float(g[0, D - 1, N])
     if value == inf:
-        return inf, None
-    balance, replicas, i, k = [], [], 0, N
-    while i < n:
-        hj, hq, hd = how[i, d]
-        j, r, d = int(hj[k]), int(rs[hq[k]]), int(hd[k])
+        return inf, None, inf, inf
+    balance, replicas, i, c, k = [], [], 0, D - 1, N
+    while i < n:  # the plan, from its first stage: a candidate that gave g[i, c, k]
+        target = g[i, c, k]
+        c = int(np.argmax(g[i, : c + 1, k] == target))  # the depth it entered at
+        j, q = next(
+            (j, q)
+            for j in range(i + 1, n + 1)
+            for q in range(lo[c, i, j], hi[i, j] + 1)
+            if rs[q] <= k and _after(g[j], j == n)[c, k - rs[q]] + tab.send[j] == target
+        )
+        c = c if j == n or D == 1 else (c - 1 if c < D - 1 else D - 1)
         balance.append(j - i)
-        replicas.append(r)
-        i, k = j, k - r
-    return value, Plan(tuple(balance), tuple(replicas), tab.m, 0)
+        replicas.append(int(rs[q]))
+        i, k = j, k - int(rs[q])
+    x_least, y_least = (float(gb[0, 0, N]), float(gb[0, 1, N])) if bounds else (0.0, 0.0)
+    return value, Plan(tuple(balance), tuple(replicas), tab.m, 0), x_least, y_least
+
+
+def _after(gj: np.ndarray, last: bool) -> np.ndarray:
+    """[c, k]: what may follow a stage that ends before layer j at depth index c: nothing when
+    j = n, else plans of layers j .. of at most c stages (none at c = 0; any at the last c)."""
+    D = gj.shape[0]
+    if last or D == 1:
+        return gj
+    return np.concatenate([np.full((1, gj.shape[1]), math.inf), gj[: D - 2], gj[D - 1 :]])
 
 
 def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
@@ -321,46 +353,61 @@ def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
     return lo
 
 
-def _staircase(
-    values: np.ndarray, solve: Callable[[float], tuple[float, Plan | None]], cap: float
-) -> tuple[float, Plan | None]:
-    """min over thresholds v in ``values`` (ascending) of ``v + solve(v)``, where ``solve`` is
-    non-increasing in v (its set of allowed plans grows): only the left end of each of its
-    steps can be the minimum, found by binary search; stops once ``v + solve(inf)`` reaches
-    ``cap`` or the best so far."""
-    floor, _ = solve(math.inf)
-    if floor == math.inf:
-        return math.inf, None
-    last = len(values) - 1
-    idx = _first(0, last, lambda k: solve(float(values[k]))[1] is not None)
-    best, found = math.inf, None
-    while True:
-        v = float(values[idx])
-        if v + floor >= min(best, cap):
+@dataclass(frozen=True)
+class _Space:
+    """One m's thresholds: the X and Y values a plan's max X and max Y can take (ascending),
+    memory's lowest replica indices, and the work bound on max X, ``W / N − Σ t``."""
+
+    tab: _Tables
+    lowest: np.ndarray
+    xs: np.ndarray
+    ys: np.ndarray
+    work_x: float
+
+    def bound(self, xa: int, ya: int, a: float) -> float:
+        """The least step of a plan with max X ≥ xs[xa], max Y ≥ ys[ya] and Σ A ≥ a."""
+        return self.tab.total + max(float(self.xs[xa]), self.work_x) + float(self.ys[ya]) + a
+
+
+def _search(tabs: list[_Tables], work: float, best: float) -> tuple[float, Plan | None]:
+    """The least step over the m of ``tabs`` and its plan if below ``best`` (else ``best`` and
+    None): rectangles of thresholds, lowest bound first (see the module). ``work`` is W."""
+    found = None
+    spaces: list[_Space] = []
+    # bound, order, space, rectangle xa, xb, ya, yb (indices into its xs, ys), a bound on Σ A
+    heap: list[tuple[float, int, int, int, int, int, int, float]] = []
+
+    order = itertools.count()  # ties in the bound go first in, first out
+
+    def push(k: int, xa: int, xb: int, ya: int, yb: int, a: float) -> None:
+        if xa <= xb and ya <= yb:
+            low = spaces[k].bound(xa, ya, a)
+            if low < best:
+                heapq.heappush(heap, (low, next(order), k, xa, xb, ya, yb, a))
+
+    for tab in tabs:
+        lowest = tab.lowest(tab.model.memory_limit)
+        xs, ys = tab.candidates(tab.x, lowest), tab.candidates(tab.y, lowest)
+        if len(xs):  # rounding must not lift the work bound over a plan's own step
+            spaces.append(_Space(tab, lowest, xs, ys, work / tab.ranks * (1 - 1e-12) - tab.total))
+            push(len(spaces) - 1, 0, len(xs) - 1, 0, len(ys) - 1, 0.0)
+    while heap:
+        low, _, k, xa, xb, ya, yb, _ = heapq.heappop(heap)
+        if low >= best:
             break
-        g, p = solve(v)
-        if v + g < best:
-            best, found = v + g, p
-        if g <= floor or idx == last:
-            break
-        idx = _first(idx + 1, last, lambda k, g=g: solve(float(values[k]))[0] < g)
+        sp = spaces[k]
+        a, p, x_least, y_least = _dp(sp.tab, sp.lowest, float(sp.xs[xb]), float(sp.ys[yb]), bounds=True)
+        if p is None:  # no plan at all under (xs[xb], ys[yb]): none in the rectangle
+            continue
+        x, y, _ = sp.tab.measure(p)
+        if sp.tab.total + x + y + a < best:
+            best, found = sp.tab.total + x + y + a, p
+        xa = max(xa, int(np.searchsorted(sp.xs, x_least)))  # the rectangle's plans lie above the bounds
+        ya = max(ya, int(np.searchsorted(sp.ys, y_least)))
+        ix, iy = int(np.searchsorted(sp.xs, x)), int(np.searchsorted(sp.ys, y))
+        push(k, xa, min(xb, ix - 1), ya, yb, a)  # max X below p's
+        push(k, max(xa, ix), xb, ya, min(yb, iy - 1), a)  # max X at least p's, max Y below p's
     return best, found
-
-
-def _search_m(tab: _Tables, bound: float) -> tuple[float, Plan | None]:
-    """The least ``Σ t + max X + max Y + Σ A`` for one m below ``bound``, and its plan: a
-    staircase over X*, each step a staircase over Y*, each probe a DP (see the module)."""
-    lowest = tab.lowest(tab.model.memory_limit)
-    xs = tab.candidates(tab.x, lowest)
-    ys = tab.candidates(tab.y, lowest)
-    if not len(xs):
-        return math.inf, None
-
-    def inner(xmax: float) -> tuple[float, Plan | None]:
-        return _staircase(ys, lambda ymax: _dp(tab, lowest, xmax, ymax), math.inf)  # exact h(X*): monotone
-
-    value, found = _staircase(xs, inner, bound - tab.total)
-    return tab.total + value, found
 
 
 def plan(model: CostModel, ranks: int, global_batch: int) -> tuple[Plan, float]:
@@ -379,13 +426,11 @@ def plan(model: CostModel, ranks: int, global_batch: int) -> tuple[Plan, float]:
     for seed in baselines(model, ranks, global_batch).values():  # an incumbent: a bound to prune by
         if seed is not None and seed[1] < best:
             (found, best) = seed
-    for m in sorted(_divisors(global_batch), reverse=True):
-        tab = _Tables(model, ranks, global_batch, m)
-        if tab.total >= best:
-            continue
-        value, p = _search_m(tab, best)
-        if p is not None and value < best:
-            best, found = value, Plan(p.balance, p.replicas, m, global_batch)
+    tabs = [_Tables(model, ranks, global_batch, m) for m in sorted(_divisors(global_batch), reverse=True)]
+    work = global_batch / model.batch * sum(x.forward_s + x.backward_s for x in model.layers)
+    best, p = _search([t for t in tabs if t.total < best], work, best)
+    if p is not None:
+        found = Plan(p.balance, p.replicas, p.microbatches, global_batch)
     if found is None:
         need = _least_memory(model, ranks, global_batch)
         raise ConfigError(
@@ -402,8 +447,8 @@ def _least_memory(model: CostModel, ranks: int, global_batch: int) -> float:
     best = math.inf
     for m in _divisors(global_batch):
         tab = _Tables(_with_limit(model, 1.0), ranks, global_batch, m)  # a limit: DP keeps the 1F1B depth
-        held = {_in_flight(model.schedule, d, m, int(r)) for d in range(1, tab.n + 1) for r in tab.rs}
-        cands = np.unique([h * a for h in held for i, j in tab.segments for a in [tab.act[i, j]]])
+        held = sorted({_in_flight(model.schedule, d, m, int(r)) for d in range(1, tab.n + 1) for r in tab.rs})
+        cands = np.unique(np.multiply.outer(held, tab.act[tab.real]))
 
         def fits(k: int, tab: _Tables = tab, cands: np.ndarray = cands) -> bool:
             limit = float(cands[k]) or 1e-300
