@@ -96,3 +96,28 @@ def test_pipeline_in_one_process_says_to_run_under_mpiexec() -> None:
         main(["pipeline", "--reps", "1", "--steps", "1"])
     with pytest.raises(ConfigError, match="positive"):
         main(["pipeline", "--reps", "0"])
+
+
+def test_planner_rows_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """ResNet-50 from the packaged table at a tiny size: a valid plan no slower than any baseline."""
+    out = tmp_path / "planner.json"
+    argv = ["planner", "--ranks", "4", "--networks", "eth10g", "--repeat", "1", "--json", str(out)]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["network"] == "eth10g" and row["ranks"] == 4 and row["global_batch"] == 4 * 32
+    assert row["layers"] == 22 and sum(row["balance"]) == 22 and sum(row["replicas"]) == 4
+    assert all(row["microbatches"] % r == 0 for r in row["replicas"])
+    assert row["predicted_step_s"] <= row["baseline_step_s"] * (1 + 1e-9)
+    assert {"plan_s", "baselines_s", "best_baseline", "plan"} <= set(row)
+    assert "bench planner: ResNet-50" in capsys.readouterr().out
+
+
+def test_planner_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"argument --ranks: expected a whole number above 0"):
+        main(["planner", "--ranks", "0"])
+    with pytest.raises(ConfigError, match="not found"):
+        main(["planner", "--ranks", "2", "--networks", str(tmp_path / "none.toml")])
+    table = tmp_path / "costs.toml"
+    table.write_text('[[layers]]\nlayer = "0"\nforward_s = 1.0\nbackward_s = 1.0\n')
+    with pytest.raises(ConfigError, match="no row for ResNet-50's layer '1'"):
+        main(["planner", "--ranks", "2", "--costs", str(table)])
