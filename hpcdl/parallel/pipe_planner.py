@@ -30,21 +30,26 @@ for every stage (limit 0: no limit).
 The rest, ``max X + max Y + Σ A``, is searched over rectangles ``[X_a, X_b] × [Y_a, Y_b]``
 of thresholds taken from the finite sets of values X and Y any (segment, replicas) pair
 takes (one set each per m); a rectangle stands for the plans whose own ``(max X, max Y)``
-lies in it. For a rectangle, a dynamic program over (first layer of the remaining stages,
-stages after it, ranks used) — stages built from the last layer back, so a stage's 1F1B
-depth ``p − s`` is bounded by the DP's stage count — gives the least ``Σ A`` over plans whose
-every stage has ``X_s ≤ X_b``, ``Y_s ≤ Y_b`` and fits in memory, one such plan P with its
-own ``(x, y)``, and lower bounds on those plans' max X and max Y (the same program in
-(min, max)), which raise ``X_a`` and ``Y_a``. Every plan in the rectangle with max X ≥ x and
-max Y ≥ y takes at least as long as P (its ``Σ A`` is no smaller), so two rectangles remain:
-max X below x, and max X from x with max Y below y, each with P's ``Σ A`` as a bound on
-theirs. A rectangle's plans take at least ``Σ t + max(X_a, W / N − Σ t) + Y_a + Σ A``:
-with ``W = (B / batch) Σ_l (f_l + w_l)`` all the work of a step, the replicas' busy times
+lies in it, and its plans take at least ``Σ t + max(X_a, W / N − Σ t) + Y_a + Σ A``: with
+``W = (B / batch) Σ_l (f_l + w_l)`` all the work of a step, the replicas' busy times
 ``(m / r_s) t_s`` add up over the N ranks to ``m Σ_s t_s = W``, so the busiest one's is at
-least ``W / N``, and ``Σ t + max X`` is at least that. Rectangles of every m are taken
-lowest bound first, starting from the best of :func:`baselines`, and the search stops when
-the lowest bound reaches the best step found: a bound, not a heuristic, so the result is
-the optimum. The DP's rank dimension is a NumPy vector, one shift per allowed replica count.
+least ``W / N``, and so is ``Σ t + max X``. Rectangles of every m are taken lowest bound
+first, starting from the best of :func:`baselines` as the best step found. A rectangle is
+first cut down: ``X_b`` and ``Y_b`` to where, with the other's bound, the step reaches the
+best found, and ``X_a`` and ``Y_a`` to the least thresholds at which a relaxation admits a
+plan — some partition into stages allowed at the thresholds (``X_s ≤ X*``, ``Y_s ≤ Y*``,
+memory at depth 1) whose least replica counts add up to at most N, and some whose most add
+up to at least N, as a plan's partition does — a program over layers alone, bisected over
+the thresholds. Then a dynamic program over (first layer of the remaining stages, stages
+after it, ranks used) — stages built from the last layer back, so a stage's 1F1B depth
+``p − s`` is bounded by the DP's stage count — gives the least ``Σ A`` over plans whose every
+stage has ``X_s ≤ X_b``, ``Y_s ≤ Y_b`` and fits in memory, and one such plan P with its own
+``(x, y)``. Every plan in the rectangle with max X ≥ x and max Y ≥ y takes at least as long
+as P (its ``Σ A`` is no smaller), so two rectangles remain: max X below x, and max X from x
+with max Y below y, each with P's ``Σ A`` as a bound on theirs. The search stops when the
+lowest bound reaches the best step found: every cut is by a bound, not a heuristic, so the
+result is the optimum. The DP's rank dimension is a NumPy vector, one shift per allowed
+replica count.
 """
 
 from __future__ import annotations
@@ -257,21 +262,17 @@ class _Tables:
         return x, y, a
 
 
-def _dp(
-    tab: _Tables, lowest: np.ndarray, xmax: float, ymax: float, bounds: bool = False
-) -> tuple[float, Plan | None, float, float]:
-    """Least Σ A over plans whose every stage has X_s ≤ xmax, Y_s ≤ ymax and fits memory, one
-    such plan (None: there is none), and with ``bounds`` lower bounds on those plans' max X
-    and max Y (else 0, 0).
+def _dp(tab: _Tables, lowest: np.ndarray, xmax: float, ymax: float) -> tuple[float, Plan | None]:
+    """Least Σ A over plans whose every stage has X_s ≤ xmax, Y_s ≤ ymax and fits memory, and
+    one such plan (None: there is none).
 
     ``g[i, c]`` over ranks k: the least Σ A of layers i .. n-1 cut into at most c + 1 stages on
     k ranks (the last c standing for any number: past it, memory allows what it allows). A
     stage i .. j-1 at 1F1B depth c + 1 with replica index q is allowed when ``lo[c, i, j] ≤ q ≤
-    hi[i, j]``: X falls with r and memory with depth (``lo``), Y rises with r (``hi``). It is
+    hi[i, j]``: X falls as r rises, memory needs more replicas deeper (``lo``), Y rises (``hi``). It is
     followed by at most c stages, so checking its memory at depth c + 1 admits every plan of
     ``g[i, c]`` and nothing that does not fit. Stages are built from the last layer back; the
-    rank dimension is a NumPy vector, shifted once per replica count. The bounds are the same
-    program in (min, max) over X and Y with memory at depth 1: a relaxation, not values.
+    rank dimension is a NumPy vector, shifted once per replica count.
     """
     n, N, rs = tab.n, tab.ranks, tab.rs
     nq = len(rs)
@@ -285,20 +286,12 @@ def _dp(
     g[n, :, 0] = 0.0
     shifted = np.empty((D, nq, N + 1))  # [c, q, k]: what may follow, at k - rs[q] ranks
     qs = np.arange(nq)
-    if bounds:
-        gb = np.full((n + 1, 2, N + 1), inf)  # [i, 0 | 1, k]: least max X | max Y
-        gb[n, :, 0] = 0.0
-        shifted_b = np.empty((2, nq, N + 1))
-        xy = np.stack([tab.x, tab.y])
     for j in range(n, 0, -1):
         top = 0 if j == n else min(D - 1, n - j)  # a stage ending at j has at most n - j after it
         u = _after(g[j], j == n)
         for q, r in enumerate(rs):
             shifted[: top + 1, q, :r] = inf
             shifted[: top + 1, q, r:] = u[: top + 1, : N + 1 - r]
-            if bounds:
-                shifted_b[:, q, :r] = inf
-                shifted_b[:, q, r:] = gb[j, :, : N + 1 - r]
         for i in range(j):
             qa, qb = lo[0, i, j], hi[i, j]
             if qa > qb:
@@ -308,13 +301,10 @@ def _dp(
                 unfit = qs[None, qa : qb + 1] < lo[: top + 1, i, j, None]
                 block = block + np.where(unfit, inf, 0.0)[..., None]
             np.minimum(g[i, : top + 1], block.min(axis=1) + tab.send[j], out=g[i, : top + 1])
-            if bounds:
-                block = np.maximum(shifted_b[:, qa : qb + 1], xy[:, i, j, qa : qb + 1, None])
-                np.minimum(gb[i], block.min(axis=1), out=gb[i])
         np.minimum.accumulate(g[j - 1], axis=0, out=g[j - 1])  # at most c + 1 stages
     value = float(g[0, D - 1, N])
     if value == inf:
-        return inf, None, inf, inf
+        return inf, None
     balance, replicas, i, c, k = [], [], 0, D - 1, N
     while i < n:  # the plan, from its first stage: a candidate that gave g[i, c, k]
         target = g[i, c, k]
@@ -329,8 +319,7 @@ def _dp(
         balance.append(j - i)
         replicas.append(int(rs[q]))
         i, k = j, k - int(rs[q])
-    x_least, y_least = (float(gb[0, 0, N]), float(gb[0, 1, N])) if bounds else (0.0, 0.0)
-    return value, Plan(tuple(balance), tuple(replicas), tab.m, 0), x_least, y_least
+    return value, Plan(tuple(balance), tuple(replicas), tab.m, 0)
 
 
 def _after(gj: np.ndarray, last: bool) -> np.ndarray:
@@ -353,20 +342,71 @@ def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
     return lo
 
 
-@dataclass(frozen=True)
 class _Space:
     """One m's thresholds: the X and Y values a plan's max X and max Y can take (ascending),
     memory's lowest replica indices, and the work bound on max X, ``W / N − Σ t``."""
 
-    tab: _Tables
-    lowest: np.ndarray
-    xs: np.ndarray
-    ys: np.ndarray
-    work_x: float
+    def __init__(
+        self, tab: _Tables, lowest: np.ndarray, xs: np.ndarray, ys: np.ndarray, work_x: float
+    ) -> None:
+        self.tab, self.lowest, self.xs, self.ys, self.work_x = tab, lowest, xs, ys, work_x
+        self.tx = np.searchsorted(xs, tab.x)  # [i, j, q]: X below xs[t] iff tx <= t (falls along q)
+        self.ty = np.searchsorted(ys, tab.y)  # rises along q
 
     def bound(self, xa: int, ya: int, a: float) -> float:
         """The least step of a plan with max X ≥ xs[xa], max Y ≥ ys[ya] and Σ A ≥ a."""
         return self.tab.total + max(float(self.xs[xa]), self.work_x) + float(self.ys[ya]) + a
+
+    def shrink(self, xa: int, xb: int, ya: int, yb: int, room: float) -> tuple[int, int, int, int] | None:
+        """The rectangle cut down to the plans that may take less than ``tab.total + room``
+        (None: none may): max X and max Y above the bounds of a relaxation of the DP, and below
+        where, with the other's bound, they reach ``room``."""
+        xs, ys = self.xs, self.ys
+
+        def caps(xa: int, ya: int) -> tuple[int, int]:  # last indices below room with the other's bound
+            xcap = int(np.searchsorted(xs, room - float(ys[ya]))) - 1
+            ycap = int(np.searchsorted(ys, room - max(float(xs[xa]), self.work_x))) - 1
+            return min(xb, xcap), min(yb, ycap)
+
+        xb, yb = caps(xa, ya)
+        first = self._first(0, xa, xb, yb)
+        if first is None:
+            return None
+        xa = first
+        xb, yb = caps(xa, ya)
+        first = self._first(1, ya, yb, xb)
+        if first is None:
+            return None
+        ya = first
+        xb, yb = caps(xa, ya)
+        return (xa, xb, ya, yb) if xa <= xb and ya <= yb else None
+
+    def _first(self, axis: int, a: int, b: int, other: int) -> int | None:
+        """The least threshold index t in [a, b] of X (axis 0; Y at most ys[other]) or Y (axis 1;
+        X at most xs[other]) at which the relaxation (:meth:`_fits`) has a plan (it has one at
+        every larger t: the allowed stages and replica counts only grow), by bisection."""
+        if a > b or not self._fits(axis, b, other):
+            return None
+        return _first(a, b, lambda t: self._fits(axis, t, other))
+
+    def _fits(self, axis: int, t: int, other: int) -> bool:
+        """Whether some partition into stages allowed at the thresholds ``(t, other)`` (axis 0) or
+        ``(other, t)`` (axis 1), memory at depth 1, has least replica counts adding up to at
+        most N, and some has most adding up to at least N: a plan's partition does both, so
+        where this fails no plan is (the DP without its rank dimension, relaxed)."""
+        tab, memory = self.tab, self.lowest[0]
+        n, rs = tab.n, tab.rs
+        xb, yb = (t, other) if axis == 0 else (other, t)
+        lo = np.maximum(memory, (self.tx > xb).sum(axis=2))  # [i, j]
+        hi = (self.ty <= yb).sum(axis=2) - 1
+        allowed = (lo <= hi) & tab.real
+        fewest = np.where(allowed, rs[np.minimum(lo, len(rs) - 1)], math.inf)
+        most = np.where(allowed, rs[np.maximum(hi, 0)], -math.inf)
+        few, many = np.zeros(n + 1), np.zeros(n + 1)  # [i]: over layers i .., least and most sums
+        for i in range(n - 1, -1, -1):
+            few[i] = (fewest[i, i + 1 :] + few[i + 1 :]).min()
+            many[i] = (most[i, i + 1 :] + many[i + 1 :]).max()
+        return bool(few[0] <= tab.ranks <= many[0])
 
 
 def _search(tabs: list[_Tables], work: float, best: float) -> tuple[float, Plan | None]:
@@ -392,18 +432,20 @@ def _search(tabs: list[_Tables], work: float, best: float) -> tuple[float, Plan 
             spaces.append(_Space(tab, lowest, xs, ys, work / tab.ranks * (1 - 1e-12) - tab.total))
             push(len(spaces) - 1, 0, len(xs) - 1, 0, len(ys) - 1, 0.0)
     while heap:
-        low, _, k, xa, xb, ya, yb, _ = heapq.heappop(heap)
+        low, _, k, xa, xb, ya, yb, a_low = heapq.heappop(heap)
         if low >= best:
             break
         sp = spaces[k]
-        a, p, x_least, y_least = _dp(sp.tab, sp.lowest, float(sp.xs[xb]), float(sp.ys[yb]), bounds=True)
+        shrunk = sp.shrink(xa, xb, ya, yb, best * (1 + 1e-12) - sp.tab.total - a_low)
+        if shrunk is None:  # no plan in the rectangle, or none below the best step
+            continue
+        xa, xb, ya, yb = shrunk
+        a, p = _dp(sp.tab, sp.lowest, float(sp.xs[xb]), float(sp.ys[yb]))
         if p is None:  # no plan at all under (xs[xb], ys[yb]): none in the rectangle
             continue
         x, y, _ = sp.tab.measure(p)
         if sp.tab.total + x + y + a < best:
             best, found = sp.tab.total + x + y + a, p
-        xa = max(xa, int(np.searchsorted(sp.xs, x_least)))  # the rectangle's plans lie above the bounds
-        ya = max(ya, int(np.searchsorted(sp.ys, y_least)))
         ix, iy = int(np.searchsorted(sp.xs, x)), int(np.searchsorted(sp.ys, y))
         push(k, xa, min(xb, ix - 1), ya, yb, a)  # max X below p's
         push(k, max(xa, ix), xb, ya, min(yb, iy - 1), a)  # max X at least p's, max Y below p's
