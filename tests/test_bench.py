@@ -108,7 +108,7 @@ def test_planner_rows_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert row["layers"] == 22 and sum(row["balance"]) == 22 and sum(row["replicas"]) == 4
     assert all(row["microbatches"] % r == 0 for r in row["replicas"])
     assert row["predicted_step_s"] <= row["baseline_step_s"] * (1 + 1e-9)
-    assert {"plan_s", "baselines_s", "best_baseline", "plan"} <= set(row)
+    assert {"plan_s", "plan_cpu_s", "baselines_s", "best_baseline", "plan"} <= set(row)
     assert "bench planner: ResNet-50" in capsys.readouterr().out
 
 
