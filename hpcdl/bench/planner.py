@@ -85,11 +85,8 @@ def resnet50_layers(costs: str | None, speedup: float) -> tuple[list[LayerInfo],
 
 def link(net: SimNetwork, ranks: int) -> Network:
     """The planner's network from a simulator's, as ``pipeline.network`` is read
-    (``hpcdl/driver/settle.py``): α-β of the intra-node link when the ranks share a node, else
-    of the inter-node one."""
-    per_node = net.ranks_per_node
-    chosen = net.intra if per_node == 0 or ranks <= per_node or net.inter is None else net.inter
-    return Network(chosen.latency_us * 1e-6, 1.0 / (chosen.bandwidth_GBps * 1e9))
+    (:meth:`hpcdl.sim.network.Network.alpha_beta`)."""
+    return Network(*net.alpha_beta(ranks))
 
 
 def bench_planner(

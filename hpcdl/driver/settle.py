@@ -53,12 +53,8 @@ class PlanInputs:
         return build(cfg, self.data(), 0, np.dtype(cfg["dtype"]), xp, generator(cfg["seed"], "plan"))
 
     def network(self, spec: str, ranks: int) -> tuple[float, float]:
-        """α (s) and β (s/byte) between two of ``ranks`` ranks: the intra-node link when they share
-        a node (``ranks_per_node`` 0 puts every rank on one), else the inter-node one."""
-        net = load_network(spec)
-        per_node = net.ranks_per_node
-        link = net.intra if per_node == 0 or ranks <= per_node or net.inter is None else net.inter
-        return link.latency_us * 1e-6, 1.0 / (link.bandwidth_GBps * 1e9)
+        """α (s) and β (s/byte) between two of ``ranks`` ranks (:meth:`Network.alpha_beta`)."""
+        return load_network(spec).alpha_beta(ranks)
 
 
 def stored_config(out: str | os.PathLike[str] | None, resume: str | None) -> dict[str, Any] | None:

@@ -165,6 +165,15 @@ class Network(NetCore):
     # [(t_sent, t_arrival), ...] does the same for a list of messages without an engine.
     # A rank outside 0 .. nranks - 1 is a ValueError.
 
+    def alpha_beta(self, ranks: int) -> tuple[float, float]:
+        """``(alpha, beta)`` in seconds and seconds per byte between two of ``ranks`` ranks: the
+        intra-node link when they share a node (``ranks_per_node`` 0 puts every rank on one),
+        else the inter-node one (the pipeline planner's network, ``pipeline.network``)."""
+        per_node = self.ranks_per_node
+        shared = per_node == 0 or ranks <= per_node or self.inter is None
+        chosen = self.intra if shared else self.inter
+        return chosen.latency_us * 1e-6, 1.0 / (chosen.bandwidth_GBps * 1e9)
+
     def describe(self) -> dict[str, Any]:
         """The model's parameters, JSON-able (for run-file attributes)."""
         out: dict[str, Any] = {
