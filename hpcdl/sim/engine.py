@@ -194,6 +194,7 @@ def simulate(
     """
     from hpcdl.comm.context import set_world
     from hpcdl.nn.hooks import _observers
+    from hpcdl.nn.init import shared_draws
     from hpcdl.sim.comm import SimWorld
 
     if network is None:
@@ -215,4 +216,5 @@ def simulate(
         if obs is not None:
             ctx.run(_observers.set, (obs,))
         contexts.append(ctx)
-    return engine.run(lambda r: target(), contexts)
+    with shared_draws():  # the ranks' models are initialised alike: drawn once
+        return engine.run(lambda r: target(), contexts)
