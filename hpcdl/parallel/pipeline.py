@@ -39,7 +39,7 @@ with ``log.trace`` every forward, backward, send and receive goes to ``trace/``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -324,17 +324,15 @@ class Pipeline(LockstepStrategy):
         lanes = self.schedule.stages[self.s]
         self.ops: tuple[Op, ...] = lanes if isinstance(self.schedule, Schedule) else lanes[self.j]
         self.batch = ctx.placement.batch_size
-        whole: Sequential = ctx.build_model()
         try:
-            self.partition = self._agree_partition(whole)
+            self.partition = self._agree_partition()
         except ConfigError:  # on every rank alike: the duplicated communicator goes with it
             self.comm.Free()
             raise
         # sums the microbatches' gradients and averages them (the accumulating exchange's rule),
         # one per chunk, over the stage's replicas (one rank when unreplicated)
         self.replicas = self.comm.Split(self.s, self.j)
-        self.chunks = self._chunks(whole)
-        del whole  # the other stages' layers are freed
+        self.chunks = self._chunks(ctx.build_model)
         layers = [
             (name, layer) for c in self.chunks for name, layer in zip(c.model._children, c.model.layers)
         ]
@@ -357,10 +355,11 @@ class Pipeline(LockstepStrategy):
         )  # fmt: skip
 
     # -- building ----------------------------------------------------------------------------
-    def _agree_partition(self, whole: Sequential) -> Partition:
-        """Rank 0 works the partition out (it may profile) and every rank takes it, or its error."""
+    def _agree_partition(self) -> Partition:
+        """Rank 0 works the partition out on a model of its own (it may profile) and every rank
+        takes it, or its error."""
         outcome: tuple[str, Any] | None = None
-        if self.s == 0:
+        if self.comm.Get_rank() == 0:
             cfg, data = self.ctx.cfg, self.ctx.data()
 
             def sample() -> tuple[Sequential, Any, Any]:
@@ -370,6 +369,7 @@ class Pipeline(LockstepStrategy):
             stages = self.p * self.chunk_count
             streams = self.ctx.random_state()  # profiling draws dropout masks: the run's draws stay
             try:
+                whole = self.ctx.build_model()
                 outcome = ("ok", stage_partition(cfg, whole, stages, data.input_shape, sample))
             except (HpcdlError, OSError) as err:  # a bad description or profile: every rank says so
                 outcome = ("error", str(err))
@@ -380,12 +380,15 @@ class Pipeline(LockstepStrategy):
             raise ConfigError(value)
         return value
 
-    def _chunks(self, whole: Sequential) -> list[Chunk]:
-        """This rank's model chunks (virtual stages ``c p + s``), with the shapes they receive."""
+    def _chunks(self, build: Callable[[], Sequential]) -> list[Chunk]:
+        """This rank's model chunks (virtual stages ``c p + s``) of the model ``build()`` makes,
+        with the shapes they receive. The other stages' layers are freed before the exchanges'
+        collectives: ranks never hold whole models at once (1,024 simulated ranks in one process)."""
+        whole = build()
         shapes = sample_shapes(whole, self.xp.zeros((1, *self.ctx.data().input_shape), dtype=self.dtype))
         bounds = np.cumsum([0, *self.partition.balance]).tolist()
         count = len(self.partition.balance)
-        chunks = []
+        cut = []
         for c in range(self.chunk_count):
             v = c * self.p + self.s  # Schedule.virtual
             a, b = bounds[v], bounds[v + 1]
@@ -393,11 +396,9 @@ class Pipeline(LockstepStrategy):
             if v > 0:  # the model's first layers skip their input gradient: here one is sent back
                 for layer in model:
                     layer.needs_input_grad = True
-            chunks.append(Chunk(
-                model, v, count, (self.batch, *shapes[a]), (self.batch, *shapes[b]),
-                self._exchange(model),
-            ))  # fmt: skip
-        return chunks
+            cut.append((model, v, (self.batch, *shapes[a]), (self.batch, *shapes[b])))
+        del whole
+        return [Chunk(model, v, count, into, out, self._exchange(model)) for model, v, into, out in cut]
 
     def _exchange(self, model: Sequential) -> Any:
         """A chunk's gradient sum over its microbatches, averaged: the config's exchange over the
