@@ -38,6 +38,7 @@ with ``log.trace`` every forward, backward, send and receive goes to ``trace/``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -111,9 +112,16 @@ def _schedule(cfg: Any, reps: Sequence[int], m: int) -> Schedule | ReplicatedSch
     """The config's schedule for stages of ``reps`` ranks: :func:`schedule` unreplicated,
     :func:`replicated` otherwise (which refuses ``interleaved`` and an m that is not a multiple
     of every replica count)."""
+    return _schedule_of(cfg["pipeline.schedule"], tuple(reps), m, cfg["pipeline.virtual_stages"])
+
+
+@functools.lru_cache(maxsize=8)
+def _schedule_of(name: str, reps: tuple[int, ...], m: int, v: int) -> Schedule | ReplicatedSchedule:
+    """:func:`_schedule`'s, built once per process: it is immutable, and the ranks of a
+    simulation (1,024 of them) would each build every stage's lanes twice (plan, then build)."""
     if max(reps) == 1:
-        return schedule(cfg["pipeline.schedule"], len(reps), m, cfg["pipeline.virtual_stages"])
-    return replicated(cfg["pipeline.schedule"], m, reps)
+        return schedule(name, len(reps), m, v)
+    return replicated(name, m, reps)
 
 
 def stage_replicas(cfg: Any, world: int) -> tuple[int, ...]:
