@@ -19,6 +19,7 @@ own schedule, without a meeting.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -239,12 +240,18 @@ class Trainer:
         evaluations and checkpoints that held training up (:mod:`hpcdl.driver.figures`)."""
         return (self.elapsed() if at is None else at) - self.counters.held_s
 
+    @functools.cached_property
+    def step_samples(self) -> int:
+        """Training samples one step processes (the placement's, worked out once: it counts the
+        placement's ranks, and a simulation's N ranks would each count N ranks at every step)."""
+        return self.ctx.placement.step_samples
+
     @property
     def samples_per_s(self) -> float:
         """The run's throughput as last shown (:mod:`hpcdl.driver.figures`): samples processed
         up to the step of the last meeting (or early rows) over the training time up to it."""
         step, seconds, _ = self.trained
-        return throughput(step * self.ctx.placement.step_samples, seconds)
+        return throughput(step * self.step_samples, seconds)
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -360,7 +367,7 @@ class Trainer:
         A step's time runs from the previous step's end (the phase's start for its first).
         ``bytes_sent``: the rank's running total, unless the strategy's row gives its own.
         """
-        spe, per_step = self.ctx.steps_per_epoch, self.ctx.placement.step_samples
+        spe, per_step = self.ctx.steps_per_epoch, self.step_samples
         out = []
         for i, (row, end) in enumerate(zip(rows, ended)):
             step, wall = first + i, end - self._prev_end
@@ -403,7 +410,7 @@ class Trainer:
                 f"loss is {agreed['loss']} at step {step}: stopped; the last good checkpoint is kept "
                 "(lower optimizer.lr or check the data)"
             )
-        spe, stats, per_step = self.ctx.steps_per_epoch, done.stats, self.ctx.placement.step_samples
+        spe, stats, per_step = self.ctx.steps_per_epoch, done.stats, self.step_samples
         rate = per_step / done.wall_s if done.wall_s > 0 else math.nan  # no time: none
         return {"step": step, "epoch": (step - 1) // spe, "samples": step * per_step, **agreed,
                 "lr": stats.lr, "step_time": done.wall_s, "samples_per_s": rate,
