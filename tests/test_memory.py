@@ -232,6 +232,18 @@ def test_ranks_sharing_a_host_or_a_process_are_summed() -> None:
     assert "its 2 ranks need about 400 B together" in errors[0] and "at most 5" in errors[0]
 
 
+def test_the_ranks_of_one_process_build_one_after_another() -> None:
+    stage = RankMemory("stage 0", {"parameters": 100}, ((0, 10, "a batch"),), 10, building=1000)  # 200 built
+    host = limits(2100)
+    sim4 = [(0, 7, host)] * 4  # virtual ranks: 4 x 200 built, and one build's 800 beyond its own
+    assert verdicts([stage] * 4, sim4) == ([], [])
+    errors, _ = verdicts([stage] * 4, [(0, 7, limits(1500))] * 4)
+    assert len(errors) == 1 and "its 4 ranks need about 1.56 KiB together" in errors[0]
+    processes = [(0, pid, host) for pid in range(4)]  # separate processes build at once: 4 x 1000
+    errors, _ = verdicts([stage] * 4, processes)
+    assert len(errors) == 1 and "its 4 ranks need about 3.91 KiB together" in errors[0]
+
+
 def test_the_cgroup_limit_is_the_lowest_up_the_hierarchy(tmp_path: Path) -> None:
     proc, cg = tmp_path / "proc", tmp_path / "cgroup"
     (proc / "self").mkdir(parents=True)

@@ -19,10 +19,17 @@ estimate, the limit and the fix, before anything is written; above :data:`WARN_A
 rank 0 warns. The estimate counts the arrays hpcdl allocates and is within about
 :data:`MARGIN` of them (``tests/test_memory.py``); ``HPCDL_MEMORY_LIMIT=off`` skips the
 check. A GPU run is not checked (its arrays are the device's).
+
+Ranks in separate processes build at once, so a host's ranks need the sum of each one's
+peak, building included. The virtual ranks of a simulation share one process and build one
+after another (the simulator runs one rank at a time between communicator calls, and a
+pipeline stage drops the other stages' layers before its next one): they need the sum of
+their built states and one rank's building peak beyond its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import sys
@@ -255,6 +262,7 @@ def verdicts(
     Returns:
         ``(refusals, warnings)``, each a list of one-line messages.
     """
+    estimates = _one_build_at_a_time(estimates, everyone)
     checks: list[tuple[list[int], int | None, int, str]] = []  # ranks, limit, in use, the limit in words
     for ranks in _groups(everyone, lambda host, pid, lim: (host, pid)):
         lim = everyone[ranks[0]][2]
@@ -282,6 +290,25 @@ def verdicts(
                 f"{need / room:.0%} of what {name} leaves ({format_bytes(room)}): it may not fit"
             )
     return [message for _, message in sorted(errors, key=lambda e: e[0])], warnings
+
+
+def _one_build_at_a_time(
+    estimates: Sequence[RankMemory], everyone: Sequence[tuple[int, int, Limits]]
+) -> list[RankMemory]:
+    """``estimates`` with the building peaks of the ranks of one process (a simulation's) but
+    one dropped: they build one after another, so beside the others' built states only the
+    rank whose building rises most above its own built state counts it."""
+    out = list(estimates)
+    for ranks in _groups(everyone, lambda host, pid, lim: (host, pid)):
+        builders = [r for r in ranks if estimates[r].building]
+        if len(builders) < 2:
+            continue
+        steady = {r: sum(estimates[r].parts.values()) + estimates[r].activation_bytes() for r in builders}
+        top = max(builders, key=lambda r: estimates[r].building - steady[r])
+        for r in builders:
+            if r != top:
+                out[r] = dataclasses.replace(estimates[r], building=0)
+    return out
 
 
 def _groups(everyone: Sequence[tuple[int, int, Limits]], key: Callable[..., Any]) -> list[list[int]]:
