@@ -25,7 +25,9 @@ the run also writes its final checkpoint (each stage's piece once). Both are in 
         --schedules 1f1b gpipe --record                                               # the table
 
 Rows go to ``WORK/scale.json`` (with ``--record``, to ``scale.json`` beside this script);
-run files and the cost table stay in ``--work``.
+run files and the cost table stay in ``--work``. The table is measured on this machine at the
+time, so the simulated figures move with its load from one profile to the next; ``--table
+FILE`` reuses one (``WORK/profile.h5`` of an earlier run) to compare code, not machines.
 """
 
 from __future__ import annotations
@@ -169,19 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1024], help="virtual ranks (multiples of 8)")
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=("1f1b", "gpipe"))
     parser.add_argument("--record", action="store_true", help="write scale.json beside this script")
+    parser.add_argument("--table", type=Path, help="a cost table to use instead of profiling one here")
     args = parser.parse_args(argv)
     bad = [n for n in args.ranks if n % STAGES or MICROBATCHES % (n // STAGES)]
     if bad:
         parser.error(f"--ranks {bad}: each must be 8 x r with r dividing {MICROBATCHES}")
     args.work.mkdir(parents=True, exist_ok=True)
-    table = profile(args.work)
+    table = args.table.resolve() if args.table else profile(args.work)
     rows = [point(args.work, table, n, s) for s in args.schedules for n in args.ranks]
     result = {
         "commit": git_commit(),
         "cpus": os.cpu_count(),
         "model": MODEL,
         "network": NETWORK,
-        "cost_table": "profile.h5: one process, profile.layers = true, 6 steps of batch 8",
+        "cost_table": str(args.table) if args.table else "profiled here: one process, 6 steps of batch 8",
         "rows": rows,
     }
     path = (HERE if args.record else args.work) / "scale.json"
