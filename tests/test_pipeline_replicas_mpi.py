@@ -98,4 +98,4 @@ def test_a_stopped_replicated_run_resumes_bit_for_bit(tmp_path: Path) -> None:
         assert np.array_equal(a.data, b.data)
     if comm.Get_rank() == 0:
         with h5py.File(whole) as f, h5py.File(out) as g:
-            assert np.array_equal(f["rows/loss"][...], g["rows/loss"][...])
+            assert np.array_equal(f["metrics/loss"][...], g["metrics/loss"][...])
