@@ -26,6 +26,22 @@ def test_step_writes_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "samples/s" in capsys.readouterr().out
 
 
+def test_step_with_kfac_splits_kfacs_time_beside_sgd(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "kfac.json"
+    argv = ["step", "--model", "mlp", "--batch", "8", "--repeat", "2", "--steps", "3", "--optimizer", "kfac",
+            "--inv-every", "3", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"hpcdl", "hpcdl-kfac"}
+    kfac = rows["hpcdl-kfac"]
+    parts = [kfac[f"{p}_s"] for p in ("factors", "fold", "decompose", "precondition", "update")]
+    assert all(p > 0 for p in parts) and sum(parts) < kfac["step_s_max"]  # parts of a step, each measured
+    assert kfac["inv_every"] == 3
+    assert "K-FAC per step" in capsys.readouterr().out
+
+
 def test_step_vs_torch_same_network(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "step.json"

@@ -46,7 +46,7 @@ def kernels() -> dict[str, Callable[[], None]]:
     """The kernels of the module docstring, each a call that takes a few to tens of milliseconds."""
     from hpcdl.bench.step import _hpcdl_stepper
 
-    _, step = _hpcdl_stepper("mlp32", 128, (1, 28, 28), 10, 0)
+    _, step, _ = _hpcdl_stepper("mlp32", 128, (1, 28, 28), 10, 0)
     rng = np.random.default_rng(0)
     m1, m2 = (rng.standard_normal((256, 256), dtype=np.float32) for _ in range(2))
     m3 = np.empty_like(m1)

@@ -1,10 +1,18 @@
-"""``bench step``: forward + backward + update samples/s of one process, beside PyTorch."""
+"""``bench step``: forward + backward + update samples/s of one process, beside PyTorch.
+
+With ``--optimizer kfac`` the same network also steps with K-FAC (``hpcdl.optim.kfac``) in
+the same interleaved repetitions, and K-FAC's row splits its time per step into factor
+collection (in forward and backward), folding, eigendecomposition (every ``--inv-every``
+steps: amortised), preconditioning and the update — beside SGD's whole step. (The factors'
+exchange is a distributed step's: ``bench train --set optimizer.name=kfac`` under mpiexec.)
+"""
 
 from __future__ import annotations
 
 import os
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -14,8 +22,8 @@ from hpcdl.comm import world, wtime
 from hpcdl.driver.cli import positive_int
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
-from hpcdl.nn import SoftmaxCrossEntropy
-from hpcdl.optim import SGD
+from hpcdl.nn import SoftmaxCrossEntropy, observe
+from hpcdl.optim import KFAC, SGD
 from hpcdl.rng import generator
 
 __all__ = ["add_parser", "bench_step", "run"]
@@ -23,20 +31,29 @@ __all__ = ["add_parser", "bench_step", "run"]
 LR, MOMENTUM = 0.01, 0.9
 
 
-def _hpcdl_stepper(model_name: str, batch: int, shape: tuple[int, ...], classes: int, seed: int):
+def _hpcdl_stepper(
+    model_name: str, batch: int, shape: tuple[int, ...], classes: int, seed: int, inv_every: int = 0
+):
+    """A step of hpcdl's network: SGD with momentum, or K-FAC (``inv_every > 0``) with the
+    same momentum; returns the model, the step and the optimizer."""
     model = build_model(model_name, shape, classes, rng=generator(seed, "init"))
-    opt = SGD(model.parameters(), LR, momentum=MOMENTUM)
+    if inv_every:
+        opt: Any = KFAC(model, LR, momentum=MOMENTUM, inv_every=inv_every)
+    else:
+        opt = SGD(model.parameters(), LR, momentum=MOMENTUM)
     loss_fn = SoftmaxCrossEntropy()
     rng = generator(seed, "bench-data")
     x = rng.standard_normal((batch, *shape), dtype=np.float32)
     y = rng.integers(0, classes, batch)
+    observer = getattr(opt, "observer", None)
 
     def step() -> None:
-        loss_fn.forward(model.forward(x), y)
-        model.backward(loss_fn.backward())
+        with observe(observer) if observer is not None else nullcontext():
+            loss_fn.forward(model.forward(x), y)
+            model.backward(loss_fn.backward())
         opt.step()
 
-    return model, step
+    return model, step, opt
 
 
 def _torch_stepper(model: Any, batch: int, shape: tuple[int, ...], classes: int, seed: int, threads: int):
@@ -75,16 +92,22 @@ def bench_step(
     warmup: int = 5,
     threads: int = 1,
     seed: int = 0,
+    optimizer: str = "sgd",
+    inv_every: int = 10,
 ) -> list[dict[str, Any]]:
-    """Forward + backward + SGD update samples/s of one process, optionally beside PyTorch.
+    """Forward + backward + SGD update samples/s of one process, optionally beside PyTorch, and
+    with ``optimizer = "kfac"`` K-FAC's step beside it (module docstring).
 
     Repetitions alternate between the implementations (hpcdl, torch, hpcdl, …)
     so that drifts of the machine hit both alike; each figure is the median.
     """
     shape: tuple[int, ...] = (1, 28, 28) if model.startswith("mlp") else (3, 32, 32)
     classes = 10
-    net, hp_step = _hpcdl_stepper(model, batch, shape, classes, seed)
+    net, hp_step, _ = _hpcdl_stepper(model, batch, shape, classes, seed)
     impls: dict[str, Callable[[], None]] = {"hpcdl": hp_step}
+    kfac = None
+    if optimizer == "kfac":
+        _, impls["hpcdl-kfac"], kfac = _hpcdl_stepper(model, batch, shape, classes, seed, inv_every)
     if vs == "torch":
         try:
             import torch  # noqa: F401
@@ -96,9 +119,14 @@ def bench_step(
     times: dict[str, list[float]] = {name: [] for name in impls}
     for step in impls.values():
         _time(step, warmup)
+    split: dict[str, list[float]] = {}
     for _ in range(repeat):
         for name, step in impls.items():
+            before = dict(kfac.seconds) if kfac is not None and name == "hpcdl-kfac" else None
             times[name].append(_time(step, steps))
+            if before is not None:
+                for key, value in kfac.seconds.items():
+                    split.setdefault(key, []).append((value - before[key]) / steps)
     rows = []
     for name, ts in times.items():
         step_s = statistics.median(ts)
@@ -113,8 +141,10 @@ def bench_step(
                 "step_s_max": max(ts),
                 "repeat": repeat,
                 "threads": threads,
+                **({"inv_every": inv_every, **{f"{k}_s": statistics.median(v) for k, v in split.items()}}
+                   if name == "hpcdl-kfac" else {}),
             }
-        )
+        )  # fmt: skip
     return rows
 
 
@@ -125,11 +155,22 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         f"bench step: {rows[0]['model']}, batch {rows[0]['batch']}, median of {rows[0]['repeat']} "
         f"interleaved repetitions (OPENBLAS_NUM_THREADS={blas}, torch threads={rows[0]['threads']})"
     )
-    print(f"{'impl':<8}{'samples/s':>12}{'step ms':>10}{'min..max ms':>16}{'vs torch':>10}")
+    print(f"{'impl':<12}{'samples/s':>12}{'step ms':>10}{'min..max ms':>16}{'vs torch':>10}")
     for r in rows:
         ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
         span = f"{1e3 * r['step_s_min']:.1f}..{1e3 * r['step_s_max']:.1f}"
-        print(f"{r['impl']:<8}{r['samples_per_s']:>12.0f}{1e3 * r['step_s']:>10.2f}{span:>16}{ratio:>10}")
+        print(f"{r['impl']:<12}{r['samples_per_s']:>12.0f}{1e3 * r['step_s']:>10.2f}{span:>16}{ratio:>10}")
+    kfac = next((r for r in rows if r["impl"] == "hpcdl-kfac"), None)
+    sgd = next((r for r in rows if r["impl"] == "hpcdl"), None)
+    if kfac is not None and sgd is not None:
+        parts = ("factors", "fold", "decompose", "precondition", "update")
+        rest = kfac["step_s"] - sum(kfac[p + "_s"] for p in parts)
+        print(
+            f"K-FAC per step (ms, medians; eigendecompositions every {kfac['inv_every']} steps, amortised): "
+            + ", ".join(f"{p} {1e3 * kfac[p + '_s']:.2f}" for p in parts)
+            + f"; the rest (forward, backward) {1e3 * rest:.2f}"
+            + f"; SGD's whole step {1e3 * sgd['step_s']:.2f} ({kfac['step_s'] / sgd['step_s']:.2f}x)"
+        )
 
 
 def add_parser(sub: Any) -> None:
@@ -148,6 +189,18 @@ def add_parser(sub: Any) -> None:
         help="also time the same network, with the same initial weights, in PyTorch (needs torch; "
         "default: hpcdl only)",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=("sgd", "kfac"),
+        default="sgd",
+        help="kfac: also step with K-FAC and split its time per step (default: SGD only)",
+    )
+    p.add_argument(
+        "--inv-every",
+        type=positive_int,
+        default=10,
+        help="with --optimizer kfac: eigendecompose every this many steps (amortised in the split)",
+    )
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     p.add_argument("--steps", type=int, default=20, help="steps per repetition")
     p.add_argument(
@@ -162,7 +215,8 @@ def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench step`` with parsed ``args``; prints the table on rank 0 and returns the rows."""
     if args.batch < 1 or args.repeat < 1 or args.steps < 1:
         raise ConfigError("--batch, --repeat and --steps must be positive integers")
-    rows = bench_step(args.model, args.batch, args.vs, args.repeat, args.steps, threads=args.threads)
+    rows = bench_step(args.model, args.batch, args.vs, args.repeat, args.steps, threads=args.threads,
+                      optimizer=args.optimizer, inv_every=args.inv_every)  # fmt: skip
     if world().Get_rank() == 0:
         print_rows(rows)
     return rows

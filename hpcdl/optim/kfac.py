@@ -40,6 +40,7 @@ checkpoint stores them in its piece's ``kfac`` group: ``/pieces/<piece>/kfac/<la
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,14 +138,18 @@ class _Collector:
         if phase == "backward" and self.kfac.collecting:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
+                t0 = time.perf_counter()
                 _add(entry, "batch_G", _g_factor(layer, x))
+                self.kfac.seconds["factors"] += time.perf_counter() - t0
 
     def after(self, phase: str, layer: Layer, y: Any) -> None:
         if phase == "forward" and self.kfac.collecting:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
+                t0 = time.perf_counter()
                 _add(entry, "batch_A", _a_factor(layer))
                 entry.micro += 1
+                self.kfac.seconds["factors"] += time.perf_counter() - t0
 
 
 def _add(entry: KfacLayer, attr: str, value: Any) -> None:
@@ -240,6 +245,9 @@ class KFAC(Optimizer):
             raise ValueError("K-FAC needs a Linear or Conv2d layer; the model has none")
         self.by_layer = {id(e.layer): e for e in self.layers}
         self.observer = _Collector(self)
+        #: seconds spent so far (a monotonic counter; for benchmarks): collecting factors (in
+        #: forward and backward), folding them, decomposing, preconditioning, updating
+        self.seconds = dict.fromkeys(("factors", "fold", "decompose", "precondition", "update"), 0.0)
 
     # -- when ----------------------------------------------------------------------------
     @property
@@ -276,6 +284,7 @@ class KFAC(Optimizer):
             HpcdlError: a factor is not finite (the same on every rank of a distributed step:
                 the factors were averaged); the run stops as a non-finite loss stops it.
         """
+        t0 = time.perf_counter()
         self.batch_factors()  # means over micro-steps, if not taken yet
         decay = self.factor_decay
         for e in self.layers:
@@ -289,6 +298,7 @@ class KFAC(Optimizer):
                     running += running.dtype.type(1 - decay) * batch
             e.batch_A = e.batch_G = None
             e.micro = 0
+        self.seconds["fold"] += time.perf_counter() - t0
         bad = next((e.name for e in self.layers if not _finite(e.A) or not _finite(e.G)), None)
         if bad is not None:
             raise HpcdlError(
@@ -301,21 +311,26 @@ class KFAC(Optimizer):
         e = self.layers[index]
         if e.A is None:
             raise RuntimeError(f"K-FAC: layer {e.name} has no factors to decompose yet")
+        t0 = time.perf_counter()
         e.QA, e.dA = eigen(e.A)
         e.QG, e.dG = eigen(e.G)
+        self.seconds["decompose"] += time.perf_counter() - t0
 
     def precondition(self, index: int) -> Any:
         """Layer ``index``'s preconditioned gradient matrix P (kept for :meth:`apply`)."""
         e = self.layers[index]
+        t0 = time.perf_counter()
         g = e.gradient()
         v = e.QG.T @ g @ e.QA
         v /= e.dG[:, None] * e.dA[None, :] + v.dtype.type(self.damping)
         e.grad = e.QG @ v @ e.QA.T
+        self.seconds["precondition"] += time.perf_counter() - t0
         return e.grad
 
     def apply(self) -> None:
         """KL clipping over the preconditioned gradients, then SGD's update with them in place of
         the covered layers' gradients (their ``.grad`` left as it was); ``t`` advances."""
+        t0 = time.perf_counter()
         lr = self.lr
         nu = 1.0
         if self.kl_clip > 0:
@@ -340,6 +355,7 @@ class KFAC(Optimizer):
             for param, grad in kept:
                 param.grad = grad
         self.t = self.sgd.t
+        self.seconds["update"] += time.perf_counter() - t0
 
     def step(self) -> None:
         """One process's whole step: fold the factors, decompose when due, precondition every

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from hpcdl.backend import get_array_module
-from hpcdl.comm import Communicator, waitall
+from hpcdl.comm import Communicator, waitall, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives
 from hpcdl.errors import ConfigError
@@ -148,6 +148,8 @@ class DistributedKfac:
         self.costs = [float(a) ** 3 + float(g) ** 3 for a, g in dims]
         self.owner = assign(self.costs, self.n)
         self.bytes_factors = self.bytes_eigen = self.bytes_grads = 0
+        kfac.seconds.setdefault("exchange", 0.0)  # the factors' allreduce (wtime: virtual in the simulator)
+        kfac.seconds.setdefault("broadcast", 0.0)  # eigenbases and preconditioned gradients
         self._coll = self._col = self._row = self._p2p = None
         if self.n > 1:
             self._p2p = comm.Dup()  # the eigenbases sent to rank 0 before a checkpoint
@@ -172,15 +174,19 @@ class DistributedKfac:
         if self.n == 1:
             kfac.step()
             return
+        t0 = wtime()
         self._average(kfac.batch_factors())
+        kfac.seconds["exchange"] += wtime() - t0
         kfac.update_factors()
         if kfac.inverting:
             for i, r in enumerate(self.owner):
                 if r == self.rank:
                     kfac.decompose(i)
+            t0 = wtime()
             for i in range(len(kfac.layers)):
                 if self.works_on(i) and self.k > 1:
                     self._share_eigen(i)
+            kfac.seconds["broadcast"] += wtime() - t0
         for i, e in enumerate(kfac.layers):
             if self.works_on(i):
                 kfac.precondition(i)
@@ -188,7 +194,9 @@ class DistributedKfac:
                 a, g = e.dims
                 e.grad = self._empty((g, a))
             if self.per > 1:
+                t0 = wtime()
                 self._row.Bcast(e.grad, root=self.owner[i] % self.per)
+                kfac.seconds["broadcast"] += wtime() - t0
                 if self.works_on(i):
                     self.bytes_grads += e.grad.nbytes * (self.per - 1)
         kfac.apply()
