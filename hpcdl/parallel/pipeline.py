@@ -246,12 +246,13 @@ class Pipeline(LockstepStrategy):
     def memory(
         cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
     ) -> list[RankMemory]:
-        """Stage s: its slice's parameters, gradients and optimizer state, the sum of its
-        microbatches' gradients; the caches of the microbatches it holds at once (the schedule's
+        """Stage s (each of its replicas): its slice's parameters, gradients and optimizer state,
+        the sum of its microbatches' gradients (and the replicas' exchange buffers); the caches of
+        the microbatches it holds at once (the schedule's
         :meth:`~hpcdl.parallel.pipe_plan.Schedule.in_flight`) beside one microbatch's step and the
-        receives posted ahead, or an evaluation through its slice. Every stage builds the whole
-        model before keeping its slice. A ``time`` balance found by profiling at the start is
-        estimated on a uniform cut.
+        receives posted ahead, or (replica 0) an evaluation through its slice. Every stage builds
+        the whole model before keeping its slice. A ``time`` balance found by profiling at the
+        start is estimated on a uniform cut.
         """
         v, m = cfg["pipeline.virtual_stages"], placement.micro_steps
         reps = stage_replicas(cfg, placement.world)
@@ -264,6 +265,7 @@ class Pipeline(LockstepStrategy):
             else [h for lanes in sched.in_flight() for h in lanes]
         )
         stage_of = [s for s, r in enumerate(reps) for _ in range(r)]
+        first_of = [sum(reps[:s]) for s in range(p)]
         note = ""
         if cfg["pipeline.balance"] == "time" and not cfg["pipeline.profile"] and not cfg["pipeline.split"]:
             infos = layer_infos(probe.model, probe.shapes[0], cfg["data.batch_size"])
@@ -287,8 +289,11 @@ class Pipeline(LockstepStrategy):
             what = f"{held} microbatch{'es' * (held > 1)} held"
             lines = [(f + (held - 1) * hf, per + (held - 1) * hs + LOOKAHEAD * io, what)
                      for a in acts for f, per in a.step]  # fmt: skip
-            lines += [line for a in acts for line in evaluation(a, min(EVAL_BATCH, test_size))]
-            parts = {**model_parts(cfg, nbytes, largest), "buffers": nbytes if m > 1 else 0}
+            if rank == first_of[s]:  # replica 0 evaluates; the others wait for its result
+                lines += [line for a in acts for line in evaluation(a, min(EVAL_BATCH, test_size))]
+            # the kept sum of the microbatches, and a replicated stage's exchange (sync's estimate)
+            exchange = 2 * nbytes if reps[s] > 1 else 0
+            parts = {**model_parts(cfg, nbytes, largest), "buffers": (nbytes if m > 1 else 0) + exchange}
             role = placement.ranks[rank].role
             out.append(RankMemory(role, parts, tuple(lines), cfg["data.batch_size"], 2 * whole, hint, note))
         return out
