@@ -60,7 +60,7 @@ from reproduce import QUIET_CORES, other_cores, row, write_summary  # noqa: E402
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
-PARTS = ("profile", "plan", "sim", "real", "trace")
+PARTS = ("profile", "units", "plan", "sim", "real", "trace")
 #: the model: 64 top-level layers (Flatten, then Linear/ReLU pairs), layer "1" the heavy Linear
 DEPTH = 32  # Linear layers: 2 x DEPTH top-level layers
 MODEL = ["model.name=mlp", "model.width=128", "data.shape=[1,112,112]", "data.sampler=random",
@@ -349,6 +349,32 @@ def part_sim(work: Path, plans: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def part_units(work: Path) -> dict[str, Any]:
+    """Why the planner gets the batch in granules: the measured cost per sample against the
+    microbatch size (one process, the Python API's profiler), and the baselines' microbatch cut
+    when the planner's unit is one sample (the profile's costs at GRANULE samples, scaled)."""
+    from hpcdl.config import load_config
+    from hpcdl.driver.factory import build, load_data
+    from hpcdl.parallel.pipe_profile import profile_costs
+
+    cfg = load_config("mlp32-synthetic", [*MODEL, f"model.depth={DEPTH}"])
+    data = load_data(cfg)
+    per_sample = {}
+    for b in (1, 4, 16, 64, 256):
+        x = np.asarray(data.x_train[:b], dtype=np.float32)
+        costs = profile_costs(build(cfg, data, 0, np.float32, np, None), x, np.asarray(data.y_train[:b]), 5)
+        per_sample[b] = sum(c.forward_s + c.backward_s for c in costs.values()) / b
+    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK)
+    samples = dataclasses.replace(model, batch=GRANULE)  # the same costs, the unit one sample
+    cuts = {}
+    for kind, found in planner().baselines(samples, TRACE_RANKS, GRANULES * GRANULE).items():
+        if found is not None:
+            cuts[kind] = {"microbatches": found[0].microbatches, "microbatch": found[0].microbatch_size,
+                          "predicted_s": found[1]}  # fmt: skip
+    print(per_sample, cuts, flush=True)
+    return {"per_sample_s": per_sample, "ranks": TRACE_RANKS, "sample_unit": cuts}
+
+
 def part_real(work: Path, plans: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for r in plans["real"]:
@@ -459,6 +485,55 @@ def figures(results: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def tables(results: dict[str, Any]) -> str:
+    """The README's tables, in Markdown, from ``results.json`` (``--tables``)."""
+
+    def short(xs: list[int]) -> str:  # [2, 1, 1, 1, 61] -> [2] + [1]*3 + [61]
+        groups: list[list[int]] = []
+        for x in xs:
+            if groups and groups[-1][0] == x:
+                groups[-1][1] += 1
+            else:
+                groups.append([x, 1])
+        parts: list[str] = []
+        singles: list[str] = []
+        for x, k in groups:
+            if k == 1:
+                singles.append(str(x))
+                continue
+            if singles:
+                parts.append(f"[{', '.join(singles)}]")
+                singles = []
+            parts.append(f"[{x}]*{k}")
+        if singles:
+            parts.append(f"[{', '.join(singles)}]")
+        return " + ".join(parts)
+
+    def plan_text(r: dict[str, Any]) -> str:
+        return f"{short(r['balance'])} x {short(r['replicas'])}, m = {r['microbatches']} x {r['microbatch']}"
+
+    lines = ["| N | plan | balance x replicas, microbatches | predicted ms | simulated ms (runs) | "
+             "predicted / simulated − 1 | samples/s | other cores |", "|" + "---|" * 8]  # fmt: skip
+    for r in sorted(results.get("sim", []), key=lambda r: (r["ranks"], KINDS.index(r["kind"]))):
+        runs_ms = ", ".join(f"{1e3 * x:.1f}" for x in r["runs_s"])
+        same = f" (= {LABELS[r['same_as']]})" if "same_as" in r else ""
+        lines.append(
+            f"| {r['ranks']} | {LABELS[r['kind']]}{same} | {plan_text(r)} | {1e3 * r['predicted_s']:.1f} | "
+            f"{1e3 * r['step_s']:.1f} ({runs_ms}) | {100 * (r['predicted_s'] / r['step_s'] - 1):+.1f} % | "
+            f"{r['global_batch'] / r['step_s']:,.0f} | {r['other_cores']:.2f} |"
+        )
+    lines += ["", "| plan (mpiexec -n 3) | balance x replicas, microbatches | predicted ms | measured ms "
+              "(steps) | measured / predicted | other cores |", "|" + "---|" * 6]  # fmt: skip
+    for r in results.get("real", []):
+        steps = ", ".join(f"{1e3 * x:.0f}" for x in r["steps_s"])
+        lines.append(
+            f"| {LABELS[r['kind']]} | {plan_text(r)} | {1e3 * r['predicted_s']:.0f} | "
+            f"{1e3 * r['step_s']:.0f} ({steps}) | {r['step_s'] / r['predicted_s']:.2f} | "
+            f"{r['other_cores']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, measured again: rows for ``reproduce.py`` (its :func:`row`). A timed
     comparison counts only when other processes kept fewer than QUIET_CORES cores busy during
@@ -511,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, required=True, help="directory for run files")
     parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
     parser.add_argument("--figures-only", action="store_true", help="redraw from results.json")
+    parser.add_argument("--tables", action="store_true", help="print the README's tables from results.json")
     parser.add_argument("--reproduce", choices=list(SIZES),
                         help="every part at this size; results, figures, summary.json in --work")  # fmt: skip
     parser.add_argument(
@@ -527,13 +603,16 @@ def main(argv: list[str] | None = None) -> int:
         (OUT / "results.json").unlink(missing_ok=True)
     results_path = OUT / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if args.tables:
+        print(tables(results))
+        return 0
     if not args.figures_only:
         args.work.mkdir(parents=True, exist_ok=True)
         for name in args.parts:
             t0 = time.monotonic()
             part = globals()[f"part_{name}"]
             results[name] = (
-                part(args.work) if name in ("profile", "plan") else part(args.work, results["plan"])
+                part(args.work) if name in ("profile", "units", "plan") else part(args.work, results["plan"])
             )
             results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
             results["sizes"] = {"ranks": list(RANKS), "granule": GRANULE, "granules": GRANULES,
