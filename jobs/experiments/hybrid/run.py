@@ -402,22 +402,28 @@ def part_trace(work: Path, plans: dict[str, Any]) -> dict[str, Any]:
 
 
 def gantt(work: Path, names: list[str], figure: str, titles: list[str]) -> None:
-    """``python -m hpcdl.report`` on each run (its RUN-gantt.png, last step), side by side."""
+    """``python -m hpcdl.report`` on each run (its RUN-gantt.png of the last step), one above the other."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(names), figsize=(8 * len(names), 6))
-    for ax, name, title in zip(axes, names, titles):
+    images = []
+    for name in names:
         cmd = [PYTHON, "-m", "hpcdl.report", str(work / f"{name}.h5"), "--gantt-steps", "1",
                "--out", str(work / f"report-{name}")]  # fmt: skip
         subprocess.run(cmd, env=env(), check=True, capture_output=True)
-        ax.imshow(plt.imread(work / f"report-{name}-gantt.png"))
-        ax.set_title(title)
+        images.append(plt.imread(work / f"report-{name}-gantt.png"))
+    width = 12.0
+    heights = [width * im.shape[0] / im.shape[1] for im in images]
+    fig, axes = plt.subplots(len(images), 1, figsize=(width, sum(heights) + 0.4 * len(images)),
+                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    for ax, image, title in zip(axes, images, titles):
+        ax.imshow(image)
+        ax.set_title(title, fontsize=10)
         ax.axis("off")
     fig.tight_layout()
-    fig.savefig(OUT / figure, dpi=90)
+    fig.savefig(OUT / figure, dpi=100)
     plt.close(fig)
 
 
