@@ -60,7 +60,7 @@ from reproduce import QUIET_CORES, other_cores, row, write_summary  # noqa: E402
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
-PARTS = ("profile", "units", "plan", "sim", "real", "trace")
+PARTS = ("profile", "units", "plan", "sim", "real", "trace", "explain")
 #: the model: 64 top-level layers (Flatten, then Linear/ReLU pairs), layer "1" the heavy Linear
 DEPTH = 32  # Linear layers: 2 x DEPTH top-level layers
 MODEL = ["model.name=mlp", "model.width=128", "data.shape=[1,112,112]", "data.sampler=random",
@@ -373,6 +373,54 @@ def part_units(work: Path) -> dict[str, Any]:
                           "predicted_s": found[1]}  # fmt: skip
     print(per_sample, cuts, flush=True)
     return {"per_sample_s": per_sample, "ranks": TRACE_RANKS, "sample_unit": cuts}
+
+
+def part_explain(work: Path, plans: dict[str, Any]) -> dict[str, Any]:
+    """Two per-microbatch costs the cost model leaves out, measured here (one process, medians),
+    added to its layers, and every plan predicted again: stage 0 gathering a microbatch's
+    inputs (``ctx.batch``: a copy of 64 x 12,544 floats) and each stage adding a microbatch's
+    gradients to the sum it keeps (``accumulate``: one pass over its parameters), charged to
+    layer 0's forward and to each layer's backward, divided by SPEED as the simulator does."""
+    from hpcdl.config import load_config
+    from hpcdl.data import gather_batch
+    from hpcdl.driver.factory import build, load_data
+
+    cfg = load_config("mlp32-synthetic", [*MODEL, f"model.depth={DEPTH}"])
+    data = load_data(cfg)
+    params = build(cfg, data, 0, np.float32, np, None).parameters()
+    grads = [np.ones_like(p.data) for p in params]
+    sums = [np.zeros_like(p.data) for p in params]
+    rng = np.random.default_rng(0)
+    gather, add = [], []
+    for _ in range(21):
+        idx = rng.integers(0, len(data.y_train), GRANULE)
+        t0 = time.perf_counter()
+        x, _ = gather_batch(data.x_train, data.y_train, idx, np)
+        x.astype(np.float32, copy=False)
+        t1 = time.perf_counter()
+        for a, g in zip(sums, grads):
+            a += g
+        t2 = time.perf_counter()
+        gather.append(t1 - t0)
+        add.append(t2 - t1)
+    per_param = statistics.median(add) / sum(int(p.size) for p in params)
+    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK)
+    extra = [x.params * per_param / SPEED for x in model.layers]
+    layers = [dataclasses.replace(x, backward_s=x.backward_s + e) for x, e in zip(model.layers, extra)]
+    layers[0] = dataclasses.replace(
+        layers[0], forward_s=layers[0].forward_s + statistics.median(gather) / SPEED
+    )
+    more = dataclasses.replace(model, layers=tuple(layers))
+    pp = planner()
+    rows = []
+    for r in plans["rows"]:
+        p = pp.Plan(
+            tuple(r["balance"]), tuple(r["replicas"]), r["microbatches"], r["global_batch"] // GRANULE
+        )
+        rows.append({"ranks": r["ranks"], "kind": r["kind"], "predicted_s": pp.predict(p, more)})
+    out = {"gather_s": statistics.median(gather), "accumulate_s_per_param": per_param, "rows": rows}
+    print({k: v for k, v in out.items() if k != "rows"}, flush=True)
+    return out
 
 
 def part_real(work: Path, plans: dict[str, Any]) -> list[dict[str, Any]]:
