@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import os
 import statistics
@@ -57,6 +55,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from reproduce import QUIET_CORES, other_cores, row, write_summary  # noqa: E402
+
+from hpcdl.parallel import pipe_planner  # noqa: E402
+from hpcdl.parallel.pipe_planner import CostModel, Network, Plan  # noqa: E402
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
@@ -87,7 +88,6 @@ REAL = {"ranks": 3, "granules": 24, "steps": 6, "network": "shm-local"}
 TRACE_RANKS = 8
 WAIT_QUIET = 30.0  # seconds a timed run waits for other processes to leave the cores
 PROFILE_STEPS = 10
-PLANNER = ""  # --planner FILE: another pipe_planner.py (recorded in results.json)
 #: --reproduce's sizes, setting the constants above: full is the README's; small (about 4 minutes)
 #: cuts the model to 16 Linear layers, as main's planner takes minutes per N on 64 layers
 SIZES: dict[str, dict[str, Any]] = {
@@ -162,42 +162,26 @@ def step_stats(path: Path | str) -> dict[str, Any]:
 # -- the planner's inputs -----------------------------------------------------------------------
 
 
-def planner() -> Any:
-    """The planner module: ``hpcdl.parallel.pipe_planner``, or the file ``PLANNER`` names
-    (``--planner``: a version under review with the same cost model and a faster search)."""
-    if not PLANNER:
-        from hpcdl.parallel import pipe_planner
-
-        return pipe_planner
-    spec = importlib.util.spec_from_file_location("pipe_planner_under_review", PLANNER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def planner_network(name: str) -> Any:
-    """The planner's α-β network of the simulator's network ``name``: a message of S bytes
-    between two ranks costs α + S/B in the simulator (alone on its channels), the planner's
-    ``alpha + beta S``; the stages' allreduce is hpcdl's ring (``exchange.algorithm = "ring"``),
-    2 (r − 1) (α + S / (r B)) in the simulator, the planner's ring formula with the same α, β.
+def planner_network(name: str, ranks: int) -> Network:
+    """The planner's α-β network of the simulator's network ``name`` (``Network.alpha_beta``: the
+    link between two of ``ranks`` ranks): a message of S bytes costs α + S/B in the simulator
+    (alone on its channels), the planner's ``alpha + beta S``; the stages' allreduce is hpcdl's
+    ring (``exchange.algorithm = "ring"``), 2 (r − 1) (α + S / (r B)) in the simulator, the
+    planner's ring formula with the same α and β.
 
     Raises:
-        ValueError: a network with both intra- and inter-node links (no single α-β).
+        ValueError: a network whose ranks straddle nodes (two links: no single α-β).
     """
     from hpcdl.sim.network import load_network
-    from hpcdl.sim.ticks import TICKS_PER_SECOND
 
     net = load_network(name)
     if net.ranks_per_node not in (0, 1):
         raise ValueError(f"{name}: ranks_per_node = {net.ranks_per_node} mixes two links; use 0 or 1")
-    link = net.intra if net.ranks_per_node == 0 else net.inter
-    alpha, beta = link.alpha / TICKS_PER_SECOND, 1.0 / link.bps
-    return planner().Network(alpha, beta, alpha, beta)
+    alpha, beta = net.alpha_beta(ranks)
+    return Network(alpha, beta, alpha, beta)
 
 
-def cost_model(profile: Path, speed: float, network: str) -> Any:
+def cost_model(profile: Path, speed: float, network: str, ranks: int) -> CostModel:
     """The planner's cost model: the model's layers with the profile's costs at GRANULE samples
     (one granule is the planner's sample, so a plan's microbatch counts granules) / ``speed``."""
     from hpcdl.config import load_config
@@ -212,7 +196,7 @@ def cost_model(profile: Path, speed: float, network: str) -> Any:
     slow = [
         dataclasses.replace(x, forward_s=x.forward_s / speed, backward_s=x.backward_s / speed) for x in infos
     ]
-    return planner().CostModel(slow, 1, planner_network(network), schedule="1f1b")
+    return CostModel(slow, 1, planner_network(network, ranks), schedule="1f1b")
 
 
 def plan_row(kind: str, plan: Any, predicted: float, ranks: int, model: Any) -> dict[str, Any]:
@@ -232,10 +216,9 @@ def plan_row(kind: str, plan: Any, predicted: float, ranks: int, model: Any) -> 
 
 def best_m(model: Any, balance: list[int], replicas: list[int], granules: int) -> tuple[Any, float]:
     """The microbatch cut of least predicted step for this partition and replication."""
-    pp = planner()
-    plans = [pp.Plan(tuple(balance), tuple(replicas), m, granules) for m in range(1, granules + 1)]
+    plans = [Plan(tuple(balance), tuple(replicas), m, granules) for m in range(1, granules + 1)]
     return min(
-        ((p, pp.predict(p, model)) for p in plans if granules % p.microbatches == 0
+        ((p, pipe_planner.predict(p, model)) for p in plans if granules % p.microbatches == 0
          and all(p.microbatches % r == 0 for r in replicas)),
         key=lambda x: x[1],
     )  # fmt: skip
@@ -289,14 +272,12 @@ def part_profile(work: Path) -> dict[str, Any]:
 
 
 def part_plan(work: Path) -> dict[str, Any]:
-    pp = planner()
-    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK)
-    digest = hashlib.sha256(Path(pp.__file__).read_bytes()).hexdigest()
-    out: dict[str, Any] = {"planner": pp.__file__, "sha256": digest, "rows": []}
+    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
+    out: dict[str, Any] = {"rows": []}
     for n in RANKS:
         t0 = time.monotonic()
-        found = {k: v for k, v in pp.baselines(model, n, GRANULES).items() if v is not None}
-        found["plan"] = pp.plan(model, n, GRANULES)
+        found = {k: v for k, v in pipe_planner.baselines(model, n, GRANULES).items() if v is not None}
+        found["plan"] = pipe_planner.plan(model, n, GRANULES)
         wall = time.monotonic() - t0
         if n < len(model.layers):
             found["time-kept"] = best_m(model, time_kept(model, n), [1] * n, GRANULES)
@@ -304,9 +285,9 @@ def part_plan(work: Path) -> dict[str, Any]:
             if kind in found:
                 out["rows"].append({**plan_row(kind, *found[kind], n, model), "planner_s": round(wall, 1)})
                 print({k: v for k, v in out["rows"][-1].items() if k != "compute_s"}, flush=True)
-    model = cost_model(work / "profile-mlp.h5", 1.0, REAL["network"])
+    model = cost_model(work / "profile-mlp.h5", 1.0, REAL["network"], REAL["ranks"])
     n, granules = REAL["ranks"], REAL["granules"]
-    found = {k: pp.baselines(model, n, granules)[k] for k in ("uniform", "time")}
+    found = {k: pipe_planner.baselines(model, n, granules)[k] for k in ("uniform", "time")}
     cuts = [best_m(model, [c, len(model.layers) - c], [2, 1], granules) for c in range(1, len(model.layers))]
     found["pair"] = min(cuts, key=lambda x: x[1])  # replicas [2, 1]: the cut and m the cost model prefers
     out["real"] = [plan_row(kind, *found[kind], n, model) for kind in ("pair", "uniform", "time")]
@@ -364,10 +345,10 @@ def part_units(work: Path) -> dict[str, Any]:
         x = np.asarray(data.x_train[:b], dtype=np.float32)
         costs = profile_costs(build(cfg, data, 0, np.float32, np, None), x, np.asarray(data.y_train[:b]), 5)
         per_sample[b] = sum(c.forward_s + c.backward_s for c in costs.values()) / b
-    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK)
+    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
     samples = dataclasses.replace(model, batch=GRANULE)  # the same costs, the unit one sample
     cuts = {}
-    for kind, found in planner().baselines(samples, TRACE_RANKS, GRANULES * GRANULE).items():
+    for kind, found in pipe_planner.baselines(samples, TRACE_RANKS, GRANULES * GRANULE).items():
         if found is not None:
             cuts[kind] = {"microbatches": found[0].microbatches, "microbatch": found[0].microbatch_size,
                           "predicted_s": found[1]}  # fmt: skip
@@ -404,20 +385,17 @@ def part_explain(work: Path, plans: dict[str, Any]) -> dict[str, Any]:
         gather.append(t1 - t0)
         add.append(t2 - t1)
     per_param = statistics.median(add) / sum(int(p.size) for p in params)
-    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK)
+    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
     extra = [x.params * per_param / SPEED for x in model.layers]
     layers = [dataclasses.replace(x, backward_s=x.backward_s + e) for x, e in zip(model.layers, extra)]
     layers[0] = dataclasses.replace(
         layers[0], forward_s=layers[0].forward_s + statistics.median(gather) / SPEED
     )
     more = dataclasses.replace(model, layers=tuple(layers))
-    pp = planner()
     rows = []
     for r in plans["rows"]:
-        p = pp.Plan(
-            tuple(r["balance"]), tuple(r["replicas"]), r["microbatches"], r["global_batch"] // GRANULE
-        )
-        rows.append({"ranks": r["ranks"], "kind": r["kind"], "predicted_s": pp.predict(p, more)})
+        p = Plan(tuple(r["balance"]), tuple(r["replicas"]), r["microbatches"], r["global_batch"] // GRANULE)
+        rows.append({"ranks": r["ranks"], "kind": r["kind"], "predicted_s": pipe_planner.predict(p, more)})
     out = {"gather_s": statistics.median(gather), "accumulate_s_per_param": per_param, "rows": rows}
     print({k: v for k, v in out.items() if k != "rows"}, flush=True)
     return out
@@ -663,8 +641,6 @@ def main(argv: list[str] | None = None) -> int:
         "--planner", type=Path, help="a pipe_planner.py to use instead of hpcdl's (under review)"
     )
     args = parser.parse_args(argv)
-    if args.planner:
-        globals()["PLANNER"] = str(args.planner.resolve())
     if args.reproduce:
         # the size's keys name the constants above that the parts read (RANKS, GRANULES, ...)
         globals().update({key.upper(): value for key, value in SIZES[args.reproduce].items()}, OUT=args.work)
