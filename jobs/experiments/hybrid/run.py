@@ -2,7 +2,7 @@
 learning method with improved load balancing" (IPSJ SIG HPC-185, 2022): replicate the heavy stage.
 
 A model with one clearly heavy top-level layer (an MLP whose first Linear takes 12,544
-inputs: about 60 % of a step's compute), cut for N ranks by the planner
+inputs: 53-59 % of a microbatch's forward and backward here), cut for N ranks by the planner
 (:func:`hpcdl.parallel.pipe_planner.plan`) and by the baselines it names
 (:func:`~hpcdl.parallel.pipe_planner.baselines`: the uniform cut, the time-balanced cut,
 data parallelism, uniform replication), each run in the simulator with measured compute, so
@@ -11,19 +11,23 @@ that the planner's predicted step time meets a measurement it did not read.
 * ``profile``: per top-level layer, forward and backward at the planner's microbatch
   (``GRANULE`` samples; ``profile.layers = true``, one process); VGG16 and ResNet-50 (width
   0.25, 3x32x32, microbatch 32) profiled the same way, to see whether they have a heavy layer.
+* ``units``: why the batch is handed to the planner in granules of GRANULE samples: the cost
+  per sample against the microbatch size, and ``baselines()`` with one sample as the unit.
 * ``plan``: for each N of ``RANKS``, the planner's plan and the baselines with their predicted
   step times, at ``GRANULES`` x ``GRANULE`` samples per step; the cost model's network is the
   simulator's (``NETWORK``: α and 1/B of its link, the same for the stages' ring allreduce),
   its layer costs the profile's divided by ``SPEED``, as the simulator divides measured compute.
 * ``sim``: every distinct plan of ``plan`` under ``python -m hpcdl.simulate -n N --network
   NETWORK --compute measured --speed SPEED`` (the pipeline strategy; data parallelism is one
-  stage on N replicas; ``exchange.algorithm = "ring"``, the planner's allreduce): the median
-  step time over the steps after the first.
+  stage on N replicas; ``exchange.algorithm = "ring"``, the planner's allreduce), ``REPEATS``
+  runs each, in turn: the median over the runs of the median step time after the first step.
 * ``real``: ``mpiexec -n 3`` with the heavy stage on two ranks (replicas [2, 1], the cut the cost
   model prefers for them) beside the unreplicated uniform and time-balanced cuts, traced
   (``log.trace = true``); the cost model with ``shm-local``, this machine's α-β, and no speed-up.
 * ``trace``: the time-balanced cut (the Flatten kept with its Linear) and the planner's plan
   simulated at N = 8, traced.
+* ``explain``: costs the cost model leaves out (stage 0's input gather, the per-microbatch
+  gradient accumulation), measured, added to it, and every plan predicted again.
 
     python jobs/experiments/hybrid/run.py --work /tmp/hybrid                   # everything
     python jobs/experiments/hybrid/run.py --work /tmp/hybrid --parts plan sim  # (plan reads the profile)
@@ -88,12 +92,12 @@ REAL = {"ranks": 3, "granules": 24, "steps": 6, "network": "shm-local"}
 TRACE_RANKS = 8
 WAIT_QUIET = 30.0  # seconds a timed run waits for other processes to leave the cores
 PROFILE_STEPS = 10
-#: --reproduce's sizes, setting the constants above: full is the README's; small (about 4 minutes)
-#: cuts the model to 16 Linear layers, as main's planner takes minutes per N on 64 layers
+#: --reproduce's sizes, setting the constants above: full is the README's (9 minutes on a quiet machine);
+#: small (73 s) N = 4 and 8 at a quarter of the batch, one run of each plan, no waiting for quiet
 SIZES: dict[str, dict[str, Any]] = {
     "full": {"depth": DEPTH, "ranks": RANKS, "granules": GRANULES, "steps": STEPS, "repeats": REPEATS,
              "wait_quiet": WAIT_QUIET},
-    "small": {"depth": 16, "ranks": (4, 8), "granules": 24, "steps": 3, "repeats": 1, "wait_quiet": 0.0,
+    "small": {"depth": DEPTH, "ranks": (4, 8), "granules": 24, "steps": 3, "repeats": 1, "wait_quiet": 0.0,
               "real": {**REAL, "steps": 4}, "profile_steps": 6},
 }  # fmt: skip
 OUT = HERE  # results.json and the figures: beside this script, or --work under --reproduce
@@ -101,8 +105,6 @@ KINDS = ("uniform", "time", "time-kept", "replicated", "data", "plan")
 LABELS = {"uniform": "uniform cut", "time": "time-balanced cut", "time-kept": "time-balanced, Flatten kept",
           "replicated": "uniform replication",
           "data": "data parallel", "plan": "planner", "pair": "heavy stage on 2 ranks"}  # fmt: skip
-
-
 SHORT = {"uniform": "uniform", "time": "time", "time-kept": "time, Flatten kept", "replicated": "replicated",
          "data": "data parallel", "plan": "planner"}  # fmt: skip
 
@@ -373,7 +375,7 @@ def part_explain(work: Path, plans: dict[str, Any]) -> dict[str, Any]:
     sums = [np.zeros_like(p.data) for p in params]
     rng = np.random.default_rng(0)
     gather, add = [], []
-    for _ in range(21):
+    for i in range(26):  # the first 5 warm up (first touches of the samples and the sums)
         idx = rng.integers(0, len(data.y_train), GRANULE)
         t0 = time.perf_counter()
         x, _ = gather_batch(data.x_train, data.y_train, idx, np)
@@ -382,8 +384,9 @@ def part_explain(work: Path, plans: dict[str, Any]) -> dict[str, Any]:
         for a, g in zip(sums, grads):
             a += g
         t2 = time.perf_counter()
-        gather.append(t1 - t0)
-        add.append(t2 - t1)
+        if i >= 5:
+            gather.append(t1 - t0)
+            add.append(t2 - t1)
     per_param = statistics.median(add) / sum(int(p.size) for p in params)
     model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
     extra = [x.params * per_param / SPEED for x in model.layers]
@@ -555,7 +558,9 @@ def tables(results: dict[str, Any]) -> str:
         return " + ".join(parts)
 
     def plan_text(r: dict[str, Any]) -> str:
-        return f"{short(r['balance'])} x {short(r['replicas'])}, m = {r['microbatches']} x {r['microbatch']}"
+        return (
+            f"`{short(r['balance'])} x {short(r['replicas'])}`, m = {r['microbatches']} x {r['microbatch']}"
+        )
 
     lines = ["| N | plan | balance x replicas, microbatches | predicted ms | simulated ms (runs) | "
              "predicted / simulated − 1 | samples/s | other cores |", "|" + "---|" * 8]  # fmt: skip
