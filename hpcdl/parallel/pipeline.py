@@ -172,7 +172,9 @@ class Pipeline(LockstepStrategy):
 
     name = "pipeline"
     rank_series = ("bubble", "busy_time", "activation_bytes", "in_flight")
-    keys = ("pipeline.",)
+    # replicated stages sum their gradients with the config's exchange: its keys are read too
+    keys = ("pipeline.", "exchange.name", "exchange.algorithm", "exchange.bucket_mb", "exchange.auto_table",
+            "exchange.auto_threshold_kb", "exchange.debug")  # fmt: skip
     declares = DECLARES
     conformance = Conformance(
         {
