@@ -164,10 +164,6 @@ class DistributedKfac:
         """Whether this rank preconditions layer ``i`` (it is congruent to its owner mod N / k)."""
         return self.rank % self.per == self.owner[i] % self.per
 
-    def workers(self, i: int) -> list[int]:
-        """Layer ``i``'s gradient workers (ranks)."""
-        return [r for r in range(self.n) if r % self.per == self.owner[i] % self.per]
-
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> None:
         kfac = self.kfac
@@ -230,11 +226,10 @@ class DistributedKfac:
             self._empty((g,)),
         )
 
-    def _share_eigen(self, i: int, root_rank: int | None = None, comm: Any = None) -> None:
+    def _share_eigen(self, i: int) -> None:
         """Broadcast layer ``i``'s eigenbases and eigenvalues from its owner to its workers."""
-        e = self.kfac.layers[i]
-        comm = self._col if comm is None else comm
-        root = self.owner[i] // self.per if root_rank is None else root_rank
+        e, comm = self.kfac.layers[i], self._col
+        root = self.owner[i] // self.per
         if comm.Get_rank() != root:
             self._receive_eigen(i)
         for arr in (e.QA, e.dA, e.QG, e.dG):
