@@ -27,13 +27,15 @@ from hpcdl.store.costs import load_cost_table
 from hpcdl.train import main as train_main
 
 LAYERS = 16  # digits-mlp with model.depth = 8: flatten, then 7 x (linear, relu), linear
-COMMON = ["model.depth=8", "model.width=256", "parallel.strategy=pipeline", "pipeline.balance=plan",
+COMMON = ["model.depth=8", "model.width=1024", "parallel.strategy=pipeline", "pipeline.balance=plan",
           "pipeline.microbatches=8", "data.batch_size=16", "pipeline.network=eth10g"]  # fmt: skip
 
 
 def table(tmp_path: Path, heavy: int, name: str = "costs.toml") -> Path:
     """Layer ``heavy`` costs 40x the others (0.4 ms forward, 0.8 ms backward at 16 samples; the others
-    10 and 20 us): on eth10g's 4 ranks the plan is a pipeline with the heavy layer's stage replicated."""
+    10 and 20 us): on eth10g's 4 ranks, with 1,024-wide layers (4 MiB of parameters each) whose
+    allreduce makes data parallelism slow, the plan is a pipeline with the heavy layer's stage
+    replicated."""
     path = tmp_path / name
     rows = []
     for i in range(LAYERS):
@@ -96,12 +98,20 @@ def test_a_planned_run_trains_under_its_plan_and_a_resume_reuses_it(tmp_path: Pa
 
 def test_a_recut_keeps_the_learning_rate_of_the_global_batch(tmp_path: Path) -> None:
     costs = table(tmp_path, heavy=5)
-    cfg = load_config("digits-mlp", [*COMMON, f"pipeline.profile={costs}", "schedule.scale=sqrt"])
+    # 16 microbatches of 8: the table's costs are at 16 samples, so the plan cuts fewer, larger ones
+    sets = [
+        *COMMON,
+        f"pipeline.profile={costs}",
+        "schedule.scale=sqrt",
+        "data.batch_size=8",
+        "pipeline.microbatches=16",
+    ]
+    cfg = load_config("digits-mlp", sets)
     ran = sim(4, cfg.with_updates({"train.steps": 1}))
     settled = ran[0].strategy.ctx.cfg
     m = settled["pipeline.microbatches"]
-    assert settled["data.batch_size"] * m == 128
-    assert settled["optimizer.lr"] * m**0.5 == pytest.approx(cfg["optimizer.lr"] * 8**0.5, rel=1e-12)
+    assert settled["data.batch_size"] * m == 128 and m != 16
+    assert settled["optimizer.lr"] * m**0.5 == pytest.approx(cfg["optimizer.lr"] * 16**0.5, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -9,7 +10,16 @@ import pytest
 
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.pipe_plan import LayerInfo
-from hpcdl.parallel.pipe_planner import CostModel, Network, Plan, baselines, memory, plan, predict
+from hpcdl.parallel.pipe_planner import (
+    CostModel,
+    Network,
+    Plan,
+    baselines,
+    memory,
+    microbatch_counts,
+    plan,
+    predict,
+)
 
 
 def compositions(total: int, parts: int):
@@ -22,9 +32,10 @@ def compositions(total: int, parts: int):
 
 
 def exhaustive(model: CostModel, ranks: int, batch: int) -> float:
-    """Every partition × replication × microbatch cut: the least predicted step that fits."""
+    """Every partition × replication × microbatch cut the model allows: the least predicted step
+    that fits."""
     best, n = math.inf, len(model.layers)
-    for m in (d for d in range(1, batch + 1) if batch % d == 0):
+    for m in microbatch_counts(model, batch):
         for p in range(1, min(n, ranks) + 1):
             for balance in compositions(n, p):
                 for replicas in compositions(ranks, p):
@@ -45,9 +56,17 @@ def random_case(rng: random.Random) -> tuple[CostModel, int, int]:
         LayerInfo(str(i), rng.randint(0, 10**6), rng.uniform(0, 1), rng.uniform(0, 2), rng.randint(1, 10**6))
         for i in range(n)
     ]
-    net = Network(rng.choice([0, 1e-3, 1e-2]), rng.choice([0, 1e-9, 1e-7]), rng.choice([None, 0.0, 1e-2]))
+    # beta up to 1e-6 s/B: a 10**6-byte activation's channel time rivals a layer's compute
+    net = Network(
+        rng.choice([0, 1e-3, 1e-2]), rng.choice([0, 1e-9, 1e-7, 1e-6]), rng.choice([None, 0.0, 1e-2])
+    )
     limit = rng.choice([0, 0, 2e6, 5e6, 1e7])
-    return CostModel(layers, rng.choice([1, 2, 4]), net, rng.choice(["gpipe", "1f1b"]), limit), ranks, batch
+    ref = rng.choice([1, 2, 4])
+    more = rng.sample([s for s in (1, 3, 8) if s != ref], rng.choice([0, 0, 1, 2]))  # costs at other sizes
+    sizes = [(b, [rng.uniform(0, 3) * b / ref for _ in range(n)]) for b in more]
+    accumulate = rng.choice([0.0, 0.0, 1e-7])
+    schedule = rng.choice(["gpipe", "1f1b"])
+    return CostModel(layers, ref, net, schedule, limit, sizes=sizes, accumulate_s=accumulate), ranks, batch
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -91,7 +110,8 @@ def test_planner_equals_exhaustive_search_with_many_ranks_and_few_layers(seed):
     rng = random.Random(100 + seed)
     for _ in range(10):
         model, _, _ = random_case(rng)
-        model = CostModel(model.layers[:3], model.batch, model.network, model.schedule, model.memory_limit)
+        sizes = [(b, t[:3]) for b, t in model.sizes]
+        model = dataclasses.replace(model, layers=model.layers[:3], sizes=sizes)
         check(model, rng.randint(7, 24), rng.choice([16, 24, 36, 48, 60, 64]))
 
 
@@ -225,3 +245,49 @@ def test_baselines_are_the_named_layouts():
     assert out["uniform"][0].replicas == (1, 1, 1, 1) and out["time"][0].replicas == (1, 1, 1, 1)
     assert out["data"][0].balance == (6,) and out["data"][0].replicas == (4,)
     assert set(out["replicated"][0].replicas) == {2}
+
+
+def test_layer_times_interpolate_between_sizes_and_extend_the_last_slope():
+    layers = [LayerInfo("0", 0, 0.3, 0.7), LayerInfo("1", 0, 1.0, 1.0)]  # 1.0 and 2.0 s at 4 samples
+    model = CostModel(layers, 4, sizes=[(1, (0.5, 0.5)), (16, (2.5, 5.0))])
+    assert list(model.layer_times(4)) == pytest.approx([1.0, 2.0])
+    assert list(model.layer_times(2.5)) == pytest.approx([0.75, 1.25])  # halfway from 1 to 4
+    assert list(model.layer_times(10)) == pytest.approx([1.75, 3.5])  # halfway from 4 to 16
+    assert list(model.layer_times(32)) == pytest.approx([2.5 + 16 * 1.5 / 12, 5.0 + 16 * 3.0 / 12])
+    assert model.smallest == 1
+    alone = CostModel(layers, 4)  # one size: in proportion, as before sizes existed
+    assert list(alone.layer_times(8)) == pytest.approx([2.0, 4.0])
+    assert list(alone.layer_times(2)) == pytest.approx([0.5, 1.0])
+
+
+def test_microbatches_below_the_smallest_measured_size_are_not_considered():
+    layers = [LayerInfo(str(i), 10, 0.1, 0.2, 100) for i in range(3)]
+    model = CostModel(layers, 4, Network(1e-6, 1e-12))
+    assert microbatch_counts(model, 24) == [1, 2, 3, 4, 6]  # microbatches of 24, 12, 8, 6 and 4
+    assert microbatch_counts(model, 3) == [1]  # the batch below it: one microbatch
+    got, _ = plan(model, 3, 24)
+    assert got.microbatch_size >= 4
+    assert all(found[0].microbatch_size >= 4 for found in baselines(model, 3, 24).values() if found)
+    finer = CostModel(layers, 4, Network(1e-6, 1e-12), sizes=[(1, (0.1, 0.1, 0.1))])  # 0.3 s a call at 1
+    assert microbatch_counts(finer, 24) == [1, 2, 3, 4, 6, 8, 12, 24]
+    assert plan(finer, 3, 24)[0].microbatch_size >= 4  # the per-call cost keeps it off 1-sample cuts
+
+
+def test_a_slow_link_paces_the_pipeline():
+    """Two stages, one replica each: the per-microbatch channel time, not the compute, sets the
+    pace when it is larger (written out from the formula: fill + (m - 1) max(t, c) + A)."""
+    layers = [LayerInfo("0", 0, 0.0, 0.0, 1000), LayerInfo("1", 0, 0.1, 0.2, 10)]
+    alpha, beta = 1e-3, 1e-3  # 1 ms a byte: the 1,000-byte activation takes 1 s a microbatch
+    model = CostModel(layers, 1, Network(alpha, beta))
+    m = 8
+    step = predict(Plan((1, 1), (1, 1), m, m), model)
+    fill = 0.3 + 2 * (alpha + beta * 1000)
+    assert step == pytest.approx(fill + (m - 1) * beta * 1000)
+    one = predict(Plan((2,), (1,), m, m), model)  # one stage: no link, compute alone
+    assert one == pytest.approx(m * 0.3)
+
+
+def test_accumulating_gradients_is_charged_per_microbatch():
+    layers = [LayerInfo("0", 1000, 0.1, 0.2, 10)]
+    model = CostModel(layers, 1, accumulate_s=1e-4)  # 0.1 s to add a microbatch's 1,000 gradients
+    assert predict(Plan((1,), (2,), 8, 8), model) == pytest.approx(0.3 + 3 * (0.3 + 0.1))

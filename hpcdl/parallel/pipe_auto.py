@@ -6,11 +6,15 @@ of :func:`hpcdl.parallel.pipe_planner.plan` — the contiguous partition, each s
 and the microbatch cut of the configured global batch (``pipeline.microbatches`` ×
 ``data.batch_size``) of least predicted step time. Its inputs:
 
-* **layer costs**: ``pipeline.profile`` (a run file's ``profile/`` or a TOML/CSV cost table)
-  or, when that is empty, :data:`~hpcdl.parallel.pipe_profile.PROFILE_STEPS` steps rank 0
-  profiles on a microbatch of ``data.batch_size`` training samples (impossible when the
-  training set holds fewer samples than that: the run is refused, naming
-  ``pipeline.profile``);
+* **layer costs**: ``pipeline.profile`` (a run file's ``profile/`` or a TOML/CSV cost table:
+  one microbatch size, so the planner cuts no microbatch smaller than it) or, when that is
+  empty, :data:`~hpcdl.parallel.pipe_profile.PROFILE_STEPS` steps rank 0 profiles at each
+  microbatch size of :func:`~hpcdl.parallel.pipe_profile.profile_sizes` (``data.batch_size``
+  and a ladder from a 64th of it to 4 times it) on training samples, with the cost of adding
+  a microbatch's gradients into their sum
+  (:func:`~hpcdl.parallel.pipe_profile.accumulate_cost`) — impossible when the training set
+  holds fewer samples than ``data.batch_size``: the run is refused, naming
+  ``pipeline.profile``;
 * **the network**: ``pipeline.network`` (a simulator network file, packaged name or path; the
   packaged ``shm-local``, one node, by default), read as α-β between two of the N ranks;
 * **a memory limit**: ``pipeline.memory_mb`` of activations per rank (0: none).
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import astuple
 from typing import Any
 
 import numpy as np
@@ -36,8 +41,8 @@ import numpy as np
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
 from hpcdl.parallel.pipe_planner import CostModel, Network, baselines, plan
-from hpcdl.parallel.pipe_profile import layer_infos, profile_costs
-from hpcdl.store.costs import load_cost_table
+from hpcdl.parallel.pipe_profile import accumulate_cost, layer_infos, profile_costs, profile_sizes
+from hpcdl.store.costs import LayerCost, load_cost_table
 
 __all__ = ["PLANNED", "planned_lines", "settle_plan"]
 
@@ -85,6 +90,8 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
         )
     batch, m = cfg["data.batch_size"], cfg["pipeline.microbatches"]
     model, data = inputs.model(), inputs.data()
+    sizes: list[tuple[int, tuple[float, ...]]] = []
+    accumulate = 0.0
     if cfg["pipeline.profile"]:
         costs, source = load_cost_table(cfg["pipeline.profile"]), str(cfg["pipeline.profile"])
     else:
@@ -94,9 +101,20 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
                 f"cannot make a microbatch of {batch} to profile; set pipeline.profile to a cost table "
                 "or a run file made with profile.layers = true"
             )
-        x = np.asarray(data.x_train[:batch], dtype=cfg["dtype"])
-        costs, source = profile_costs(inputs.model(), x, np.asarray(data.y_train[:batch])), "profiled"
-    infos = layer_infos(model, data.input_shape, batch, costs)
+        ladder = profile_sizes(batch, min(m * batch, len(data.y_train)))
+        profiled = {}
+        for size in ladder:
+            x = np.asarray(data.x_train[:size], dtype=cfg["dtype"])
+            profiled[size] = profile_costs(inputs.model(), x, np.asarray(data.y_train[:size]))
+        costs, source = profiled[batch], f"profiled at {', '.join(map(str, ladder))} samples"
+        accumulate = accumulate_cost(sum(int(p.size) for p in model.parameters()), cfg["dtype"])
+    measured_at = {c.batch for c in costs.values() if c.batch}  # a table's one size is the reference
+    ref = measured_at.pop() if len(measured_at) == 1 else batch
+    infos = layer_infos(model, data.input_shape, ref, costs)
+    for size, measured in ({} if cfg["pipeline.profile"] else profiled).items():
+        if size != batch:
+            zero = LayerCost(0.0, 0.0)
+            sizes.append((size, tuple(sum(astuple(measured.get(x.name, zero))[:2]) for x in infos)))
     missing = [x.name for x in infos if x.name not in costs]
     if missing:
         raise ConfigError(
@@ -105,8 +123,8 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
         )
     alpha, beta = inputs.network(cfg["pipeline.network"], world)
     itemsize = np.dtype(cfg["dtype"]).itemsize
-    cost = CostModel(infos, batch, Network(alpha, beta), cfg["pipeline.schedule"],
-                     cfg["pipeline.memory_mb"] * 2**20, itemsize)  # fmt: skip
+    cost = CostModel(infos, ref, Network(alpha, beta), cfg["pipeline.schedule"],
+                     cfg["pipeline.memory_mb"] * 2**20, itemsize, sizes, accumulate)  # fmt: skip
     chosen, predicted = plan(cost, world, m * batch)
     others = {
         name: None if found is None else [str(found[0]), found[1]]

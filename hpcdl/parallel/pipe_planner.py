@@ -3,14 +3,16 @@
 Pure (docs/design.md's "plans are data"): per-layer costs, the network's α-β numbers and
 N are handed in; nothing here runs a model or communicates.
 
-**The cost model.** Layers ``l = 0 .. n-1`` with forward ``f_l``, backward ``w_l`` and output
-bytes ``o_l`` measured at the reference microbatch of ``batch`` samples, ``P_l``
-parameters of ``itemsize`` bytes. A plan cuts the layers into p contiguous stages, gives
+**The cost model.** Layers ``l = 0 .. n-1`` with forward + backward seconds ``τ_l(b)`` at a
+microbatch of b samples, output bytes ``o_l`` at the reference microbatch of ``batch`` samples,
+``P_l`` parameters of ``itemsize`` bytes. A plan cuts the layers into p contiguous stages, gives
 stage s ``r_s`` replicas (``Σ r_s = N``, every ``r_s`` divides m) and the global batch B
 into m microbatches of ``b = B / m`` samples (an integer). With ``σ = b / batch``::
 
-    t_s    = σ · Σ_{l ∈ s} (f_l + w_l)              one microbatch through stage s
-    X_s    = (m / r_s − 1) · t_s                     the rest of a replica's m / r_s microbatches
+    t_s    = Σ_{l ∈ s} τ_l(b)                        one microbatch through stage s
+    c_s    = β · σ · (o_in(s) + o_last(s))           the bytes a replica's send (and receive)
+                                                      channel carries per microbatch
+    X_s    = (m / r_s − 1) · max(t_s + κ · P_s, c_s)  the rest of a replica's m / r_s microbatches
     A_s    = 2 (α + β · σ · o_last(s))   (s < p−1)   its activation forward, gradient back
     Y_s    = allreduce(r_s, itemsize · Σ_{l ∈ s} P_l)
     allreduce(r, x) = 2 (r − 1) / r · x · β_ar + 2 (r − 1) · α_ar    (ring; 0 when r = 1)
@@ -20,20 +22,38 @@ into m microbatches of ``b = B / m`` samples (an integer). With ``σ = b / batch
 the first microbatch's way through every stage (fill and drain), the busiest replica's
 remaining microbatches, each boundary crossed once forward and once backward on the
 critical path, and the stages' concurrent gradient allreduces after the last backward.
-Unreplicated equal stages give GPipe's ``(m + p − 1) t``; one stage of N replicas gives
-``(m / N) t``. GPipe and 1F1B take the same time; they differ in memory: a replica of
-stage s holds ``h_s`` microbatches' activations, ``h_s = m / r_s`` (GPipe) or
+``o_in(s)`` is the output of the layer before the stage (0 for the first stage: its input
+is local), ``o_last(s)`` its own last layer's (0 for the last stage). A replica's
+remaining microbatches are paced by the slower of its two resources: the core, which
+computes them and adds each one's gradients (``κ`` seconds a parameter,
+``CostModel.accumulate_s``) to the sum it keeps, and its network channels, each of which
+carries every microbatch's activations one way and gradients the other (sends are
+nonblocking and overlap compute: a full-duplex NIC's two directions are separate
+channels). Unreplicated equal stages give GPipe's ``(m + p − 1) t``; one stage of N
+replicas gives ``(m / N) t``. GPipe and 1F1B take the same time; they differ in memory: a
+replica of stage s holds ``h_s`` microbatches' activations, ``h_s = m / r_s`` (GPipe) or
 ``min(p − s, m / r_s)`` (1F1B), and a plan fits when ``h_s · σ · Σ_{l ∈ s} o_l ≤ limit``
 for every stage (limit 0: no limit).
 
-**The search, and why it is exact.** ``Σ_s t_s = σ Σ_l (f_l + w_l)`` depends on m alone.
+**Layer costs at a microbatch size.** ``τ_l`` is measured at ``batch`` and, optionally, at more
+sizes (``CostModel.sizes``); between two measured sizes it is interpolated linearly, above the
+largest it grows at the last segment's slope (a layer's marginal cost a sample; with one size,
+in proportion), and a per-call cost shows as the intercept — so a larger microbatch costs less
+a sample, as BLAS and the per-call overheads make it. Below the smallest measured size the
+cost a sample is unknown and grows, and a linear extrapolation would always pick the smallest
+microbatch: the planner and its baselines consider microbatches of at least the smallest
+measured size only (:func:`microbatch_counts`; the whole batch in one microbatch when it is
+smaller), and :func:`predict` below it scales the smallest size's cost in proportion.
+
+**The search, and why it is exact.** ``Σ_s t_s = Σ_l τ_l(b)`` depends on m alone.
 The rest, ``max X + max Y + Σ A``, is searched over rectangles ``[X_a, X_b] × [Y_a, Y_b]``
 of thresholds taken from the finite sets of values X and Y any (segment, replicas) pair
 takes (one set each per m); a rectangle stands for the plans whose own ``(max X, max Y)``
 lies in it, and its plans take at least ``Σ t + max(X_a, W / N − Σ t) + Y_a + Σ A``: with
 ``W = (B / batch) Σ_l (f_l + w_l)`` all the work of a step, the replicas' busy times
 ``(m / r_s) t_s`` add up over the N ranks to ``m Σ_s t_s = W``, so the busiest one's is at
-least ``W / N``, and so is ``Σ t + max X``. Rectangles of every m are taken lowest bound
+least ``W / N``, and so is ``Σ t + max X`` (X_s is at least ``(m / r_s − 1) t_s``; W is m Σ t,
+one per m). Rectangles of every m are taken lowest bound
 first, starting from the best of :func:`baselines` as the best step found. A rectangle is
 first cut down: ``X_b`` and ``Y_b`` to where, with the other's bound, the step reaches the
 best found, and ``X_a`` and ``Y_a`` to the least thresholds at which a relaxation admits a
@@ -54,6 +74,7 @@ replica count.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -65,7 +86,7 @@ import numpy as np
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.pipe_plan import LayerInfo, balance_by_cost
 
-__all__ = ["CostModel", "Network", "Plan", "baselines", "memory", "plan", "predict"]
+__all__ = ["CostModel", "Network", "Plan", "baselines", "memory", "microbatch_counts", "plan", "predict"]
 
 _SCHEDULES = ("gpipe", "1f1b")
 
@@ -102,8 +123,10 @@ class Network:
 @dataclass(frozen=True)
 class CostModel:
     """The planner's inputs but N and B: costs per layer at ``batch`` samples, the network,
-    the schedule (``gpipe`` or ``1f1b``), a per-rank activation limit in bytes (0: none) and
-    the bytes of one parameter."""
+    the schedule (``gpipe`` or ``1f1b``), a per-rank activation limit in bytes (0: none), the
+    bytes of one parameter, each layer's forward + backward seconds at more microbatch sizes
+    (``sizes``: ``(samples, (τ_0, …, τ_{n-1}))`` pairs; the module's "layer costs") and the
+    seconds a replica takes to add one parameter's gradient into its sum (``accumulate_s``)."""
 
     layers: tuple[LayerInfo, ...]
     batch: int
@@ -111,15 +134,51 @@ class CostModel:
     schedule: str = "1f1b"
     memory_limit: float = 0
     itemsize: int = 4
+    sizes: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    accumulate_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "sizes", tuple((int(b), tuple(map(float, t))) for b, t in self.sizes))
         if self.schedule not in _SCHEDULES:
             raise ConfigError(
                 f"the planner knows the schedules {', '.join(_SCHEDULES)}, not {self.schedule!r}"
             )
         if not self.layers or self.batch < 1:
             raise ConfigError(f"the planner needs layers and a reference batch >= 1 (got {self.batch})")
+        seen = {self.batch}
+        for b, times in self.sizes:
+            if b < 1 or b in seen or len(times) != len(self.layers) or min(times, default=0.0) < 0:
+                raise ConfigError(
+                    f"the planner's costs at {b} samples must be {len(self.layers)} seconds >= 0, one per "
+                    "layer, at a size >= 1 measured once"
+                )
+            seen.add(b)
+        if self.accumulate_s < 0:
+            raise ConfigError(f"the planner's accumulate_s must be >= 0 (got {self.accumulate_s})")
+        points = sorted([(self.batch, tuple(x.forward_s + x.backward_s for x in self.layers)), *self.sizes])
+        object.__setattr__(self, "_bs", np.array([b for b, _ in points], dtype=float))
+        times = np.array([t for _, t in points], dtype=float).reshape(len(points), -1)
+        object.__setattr__(self, "_ts", times)
+
+    @property
+    def smallest(self) -> int:
+        """The smallest microbatch the costs were measured at."""
+        return int(self._bs[0])  # type: ignore[attr-defined]
+
+    def layer_times(self, samples: float) -> np.ndarray:
+        """Each layer's ``τ_l`` at a microbatch of ``samples`` (the module's "layer costs")."""
+        bs, ts = self._bs, self._ts  # type: ignore[attr-defined]
+        if samples <= bs[0]:  # below the smallest size (or at it): in proportion
+            return ts[0] * (samples / bs[0])
+        if len(bs) == 1:
+            return ts[0] * (samples / bs[0])
+        if samples >= bs[-1]:
+            slope = np.maximum((ts[-1] - ts[-2]) / (bs[-1] - bs[-2]), 0.0)
+            return ts[-1] + slope * (samples - bs[-1])
+        k = int(np.searchsorted(bs, samples))  # bs[k - 1] < samples <= bs[k]
+        w = (samples - bs[k - 1]) / (bs[k] - bs[k - 1])
+        return ts[k - 1] + w * (ts[k] - ts[k - 1])
 
 
 @dataclass(frozen=True)
@@ -179,6 +238,21 @@ def memory(plan: Plan, model: CostModel) -> list[float]:
     ]
 
 
+def microbatch_counts(model: CostModel, global_batch: int) -> list[int]:
+    """The microbatch counts m the planner and its baselines consider (ascending): the divisors of
+    the global batch whose microbatches hold at least the smallest measured size (the module's
+    "layer costs"); one microbatch when the whole batch is smaller than that."""
+    out = [m for m in _divisors(global_batch) if global_batch // m >= model.smallest]
+    return out or [1]
+
+
+def _channel(model: CostModel, scale: float, i: int, j: int) -> float:
+    """``c`` of a stage of layers i .. j-1: its per-microbatch channel time, each way."""
+    layers, n = model.layers, len(model.layers)
+    nbytes = (layers[i - 1].output_bytes if i > 0 else 0) + (layers[j - 1].output_bytes if j < n else 0)
+    return model.network.beta * scale * nbytes
+
+
 def predict(plan: Plan, model: CostModel) -> float:
     """The cost model's step time of ``plan`` (the module docstring's formula), memory ignored.
 
@@ -189,14 +263,16 @@ def predict(plan: Plan, model: CostModel) -> float:
     _check_plan(model, plan)
     layers, net, m = model.layers, model.network, plan.microbatches
     scale = plan.microbatch_size / model.batch
+    tau = model.layer_times(plan.microbatch_size)
     p = len(plan.balance)
-    total = scale * sum(x.forward_s + x.backward_s for x in layers)
+    total = float(tau.sum())
     worst_x = worst_y = sends = 0.0
     for s, a, b in _stages(plan):
         r = plan.replicas[s]
-        t = scale * sum(x.forward_s + x.backward_s for x in layers[a:b])
-        worst_x = max(worst_x, (m // r - 1) * t)
-        worst_y = max(worst_y, net.allreduce(r, model.itemsize * sum(x.params for x in layers[a:b])))
+        params = sum(x.params for x in layers[a:b])
+        t = float(tau[a:b].sum()) + model.accumulate_s * params
+        worst_x = max(worst_x, (m // r - 1) * max(t, _channel(model, scale, a, b)))
+        worst_y = max(worst_y, net.allreduce(r, model.itemsize * params))
         if s < p - 1:
             sends += 2 * net.transfer(scale * layers[b - 1].output_bytes)
     return total + worst_x + sends + worst_y
@@ -216,17 +292,23 @@ class _Tables:
         self.m, self.ranks, self.model = m, ranks, model
         scale = (global_batch // m) / model.batch
         self.rs = rs = np.array([r for r in _divisors(m) if r <= ranks])
-        time = np.concatenate([[0.0], np.cumsum([scale * (x.forward_s + x.backward_s) for x in layers])])
+        time = np.concatenate([[0.0], np.cumsum(model.layer_times(global_batch // m))])
         act = np.concatenate([[0.0], np.cumsum([scale * x.output_bytes for x in layers])])
-        par = np.concatenate([[0.0], np.cumsum([model.itemsize * x.params for x in layers])])
+        count = np.concatenate([[0.0], np.cumsum([float(x.params) for x in layers])])
+        par = model.itemsize * count
         self.total = float(time[-1])
         # send[j]: a stage ending before layer j < n sends layer j-1's output, gets its gradient
         self.send = [
             2 * net.transfer(scale * layers[j - 1].output_bytes) if 0 < j < n else 0.0 for j in range(n + 1)
         ]
         seg_t = time[None, :] - time[:, None]  # [i, j]: layers i .. j-1
+        seg_t = seg_t + model.accumulate_s * (count[None, :] - count[:, None])
+        out = np.array([0.0] + [scale * x.output_bytes for x in layers])  # [j]: layer j-1's output
+        into, away = out.copy(), out.copy()
+        away[n] = 0.0  # the last stage sends nothing on; the first gets its input locally (out[0] = 0)
+        seg_c = net.beta * (into[:, None] + away[None, :])  # [i, j]: c of the stage i .. j-1
         self.act = act[None, :] - act[:, None]
-        self.x = (m // rs - 1)[None, None, :] * seg_t[:, :, None]  # [i, j, q]
+        self.x = (m // rs - 1)[None, None, :] * np.maximum(seg_t, seg_c)[:, :, None]  # [i, j, q]
         alpha, beta = net.ring()  # Network.allreduce's formula, term for term
         seg_p = (par[None, :] - par[:, None])[:, :, None]
         self.y = 2 * (rs - 1) / rs * seg_p * beta + 2 * (rs - 1) * alpha  # [i, j, q]; 0 at r = 1
@@ -409,9 +491,9 @@ class _Space:
         return bool(few[0] <= tab.ranks <= many[0])
 
 
-def _search(tabs: list[_Tables], work: float, best: float) -> tuple[float, Plan | None]:
+def _search(tabs: list[_Tables], best: float) -> tuple[float, Plan | None]:
     """The least step over the m of ``tabs`` and its plan if below ``best`` (else ``best`` and
-    None): rectangles of thresholds, lowest bound first (see the module). ``work`` is W."""
+    None): rectangles of thresholds, lowest bound first (see the module)."""
     found = None
     spaces: list[_Space] = []
     # bound, order, space, rectangle xa, xb, ya, yb (indices into its xs, ys), a bound on Σ A
@@ -429,6 +511,7 @@ def _search(tabs: list[_Tables], work: float, best: float) -> tuple[float, Plan 
         lowest = tab.lowest(tab.model.memory_limit)
         xs, ys = tab.candidates(tab.x, lowest), tab.candidates(tab.y, lowest)
         if len(xs):  # rounding must not lift the work bound over a plan's own step
+            work = tab.m * tab.total  # W: the m microbatches' layer work, over the N ranks
             spaces.append(_Space(tab, lowest, xs, ys, work / tab.ranks * (1 - 1e-12) - tab.total))
             push(len(spaces) - 1, 0, len(xs) - 1, 0, len(ys) - 1, 0.0)
     while heap:
@@ -458,7 +541,8 @@ def plan(model: CostModel, ranks: int, global_batch: int) -> tuple[Plan, float]:
 
     Raises:
         ConfigError: no plan fits the memory limit (one line naming the least activation
-            memory any plan needs), or fewer than one rank or sample.
+            memory any plan needs), no plan exists at all (the replica counts cannot divide
+            any allowed m), or fewer than one rank or sample.
     """
     if ranks < 1 or global_batch < 1:
         raise ConfigError(
@@ -468,13 +552,19 @@ def plan(model: CostModel, ranks: int, global_batch: int) -> tuple[Plan, float]:
     for seed in baselines(model, ranks, global_batch).values():  # an incumbent: a bound to prune by
         if seed is not None and seed[1] < best:
             (found, best) = seed
-    tabs = [_Tables(model, ranks, global_batch, m) for m in sorted(_divisors(global_batch), reverse=True)]
-    work = global_batch / model.batch * sum(x.forward_s + x.backward_s for x in model.layers)
-    best, p = _search([t for t in tabs if t.total < best], work, best)
+    tabs = [_Tables(model, ranks, global_batch, m) for m in reversed(microbatch_counts(model, global_batch))]
+    best, p = _search([t for t in tabs if t.total < best], best)
     if p is not None:
         found = Plan(p.balance, p.replicas, p.microbatches, global_batch)
     if found is None:
         need = _least_memory(model, ranks, global_batch)
+        if need == math.inf:
+            raise ConfigError(
+                f"no plan of {ranks} ranks for a global batch of {global_batch} in microbatches of at least "
+                f"{model.smallest} samples: each stage's replicas must divide the microbatch count and "
+                f"{len(model.layers)} layers make at most {len(model.layers)} stages; use fewer ranks or a "
+                "global batch with more divisors"
+            )
         raise ConfigError(
             f"no plan of {ranks} ranks for a global batch of {global_batch} fits the activation limit of "
             f"{model.memory_limit / 2**20:.4g} MiB per rank; the least any plan needs is "
@@ -487,7 +577,7 @@ def _least_memory(model: CostModel, ranks: int, global_batch: int) -> float:
     """The least, over plans, of the largest per-replica activation memory: per m, a binary
     search on the candidate values with the DP as the feasibility test."""
     best = math.inf
-    for m in _divisors(global_batch):
+    for m in microbatch_counts(model, global_batch):
         tab = _Tables(_with_limit(model, 1.0), ranks, global_batch, m)  # a limit: DP keeps the 1F1B depth
         held = sorted({_in_flight(model.schedule, d, m, int(r)) for d in range(1, tab.n + 1) for r in tab.rs})
         cands = np.unique(np.multiply.outer(held, tab.act[tab.real]))
@@ -502,16 +592,14 @@ def _least_memory(model: CostModel, ranks: int, global_batch: int) -> float:
 
 
 def _with_limit(model: CostModel, limit: float) -> CostModel:
-    return CostModel(
-        model.layers, model.batch, model.network, model.schedule, limit or 1e-300, model.itemsize
-    )
+    return dataclasses.replace(model, memory_limit=limit or 1e-300)
 
 
 def _best_m(
     model: CostModel, balance: Sequence[int], replicas: Sequence[int], global_batch: int
 ) -> tuple[Plan, float] | None:
     best = None
-    for m in _divisors(global_batch):
+    for m in microbatch_counts(model, global_batch):
         if any(m % r for r in replicas):
             continue
         p = Plan(tuple(balance), tuple(replicas), m, global_batch)

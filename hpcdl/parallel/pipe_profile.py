@@ -19,7 +19,15 @@ from hpcdl.nn import LayerProfiler, Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.parallel.pipe_plan import LayerInfo, Partition, partition
 from hpcdl.store.costs import LayerCost, load_cost_table
 
-__all__ = ["PROFILE_STEPS", "layer_infos", "profile_costs", "sample_shapes", "stage_partition"]
+__all__ = [
+    "PROFILE_STEPS",
+    "accumulate_cost",
+    "layer_infos",
+    "profile_costs",
+    "profile_sizes",
+    "sample_shapes",
+    "stage_partition",
+]
 
 #: steps rank 0 profiles for ``balance = "time"`` when ``pipeline.profile`` is empty
 PROFILE_STEPS = 3
@@ -87,6 +95,34 @@ def profile_costs(model: Sequential, x: Any, y: Any, steps: int = PROFILE_STEPS)
             model.backward(loss_fn.backward())
     batch = int(x.shape[0])
     return {row["layer"]: LayerCost(row["forward_s"], row["backward_s"], batch) for row in profiler.table()}
+
+
+def profile_sizes(batch: int, most: int) -> list[int]:
+    """The microbatch sizes the planner profiles at (ascending): ``batch`` and a ladder of factors
+    of 4 from ``batch / 64`` to ``4 batch``, none above ``most`` (the global batch, or the training
+    samples there are) nor below 1. Per-call costs show at the small sizes, BLAS's efficiency
+    at the large ones; the planner cuts no microbatch smaller than the smallest."""
+    ladder = {batch} | {batch // 4**k for k in (1, 2, 3)} | {batch * 4}
+    return sorted(b for b in ladder if 1 <= b <= max(batch, most) and (b <= most or b == batch))
+
+
+def accumulate_cost(params: int, dtype: Any, repeats: int = 5) -> float:
+    """Seconds a parameter of ``dtype`` takes to be added into a gradient sum (the executor's
+    accumulation of a microbatch's gradients, ``a += b`` over the model's ``params``): the median
+    of ``repeats`` timed additions, divided by ``params``."""
+    import time
+
+    import numpy as np
+
+    n = max(int(params), 1)
+    a, b = np.zeros(n, dtype=dtype), np.ones(n, dtype=dtype)
+    a += b  # first touch of the pages, not timed
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a += b
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / n
 
 
 def stage_partition(
