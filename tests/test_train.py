@@ -218,3 +218,14 @@ def test_data_parallel_command_runs(tmp_path: Path) -> None:
     assert "on 2 ranks" in proc.stdout and proc.stdout.count("test accuracy") == 1
     steps = 2 * (1437 // (2 * 32))  # per-rank batch 32: a global batch of 64
     assert proc.stderr.count(f"step {steps}/{steps}") == 1  # plain progress lines, rank 0 only
+
+
+def test_a_pipelines_microbatches_name_themselves_when_the_batch_does_not_fit() -> None:
+    from hpcdl.errors import DataError
+
+    cfg = load_config(
+        "digits-mlp", ["data.batch_size=500", "parallel.strategy=pipeline", "pipeline.microbatches=4"]
+    )
+    with pytest.raises(DataError, match=r"pipeline.microbatches = 4, a rank's batch per step is 4 x") as err:
+        run(cfg)
+    assert "exchange.accumulate" not in str(err.value)

@@ -106,9 +106,10 @@ class Context:
         except DataError as err:
             if micro == 1:
                 raise
+            pipeline = self.cfg["parallel.strategy"] == "pipeline"
+            key = "pipeline.microbatches" if pipeline else "exchange.accumulate"
             raise DataError(
-                f"{err} (with exchange.accumulate = {micro}, a rank's batch per step is "
-                f"{micro} x data.batch_size {batch})"
+                f"{err} (with {key} = {micro}, a rank's batch per step is {micro} x data.batch_size {batch})"
             ) from None
 
     def batch(self, indices: Any) -> tuple[Any, Any]:
