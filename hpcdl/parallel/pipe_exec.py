@@ -34,11 +34,15 @@ LOOKAHEAD = 2
 EVAL_TAG = 2**15 - 1
 
 
-def message_tag(virtual: int, k: int, m: int, grad: bool) -> int:
+def message_tag(virtual: int, k: int, m: int, grad: bool, stages: int) -> int:
     """The tag of microbatch k's activations into virtual stage ``virtual`` (``grad``: of the
-    gradient coming back into it), ``2 (virtual m + k) + grad``: unique within a step of ``m``
-    microbatches and below :data:`EVAL_TAG`."""
-    return 2 * (virtual * m + k) + int(grad)
+    gradient coming back into it) of a pipeline of ``stages`` ranks' stages,
+    ``2 (c m + k) + grad`` with ``c = virtual // stages`` the chunk it belongs to. A tag need
+    only tell apart the messages between one pair of ranks in one direction, and those are one
+    chunk's activations or gradients per microbatch: so the tags of a step of m microbatches
+    and v chunks stay below ``2 v m``, whatever the number of stages (and below
+    :data:`EVAL_TAG` while ``2 v m <= EVAL_TAG``)."""
+    return 2 * ((virtual // stages) * m + k) + int(grad)
 
 
 @dataclass
@@ -195,11 +199,11 @@ class _StepRun:
             chunk, k = stage.chunks[op.chunk], op.microbatch
             if op.kind == "F" and not chunk.first:
                 buf = self.xp.empty(chunk.in_shape, dtype=self.dtype)
-                tag = message_tag(chunk.index, k, self.m, grad=False)
+                tag = message_tag(chunk.index, k, self.m, grad=False, stages=self.p)
                 req = stage.comm.Irecv(buf, source=stage.rank_of((chunk.index - 1) % self.p, k), tag=tag)
             elif op.kind == "B" and not chunk.last:
                 buf = self.xp.empty(chunk.out_shape, dtype=self.dtype)
-                tag = message_tag(chunk.index, k, self.m, grad=True)
+                tag = message_tag(chunk.index, k, self.m, grad=True, stages=self.p)
                 req = stage.comm.Irecv(buf, source=stage.rank_of((chunk.index + 1) % self.p, k), tag=tag)
             else:
                 continue
@@ -250,7 +254,7 @@ class _StepRun:
         result.peak_bytes = max(result.peak_bytes, self.held_bytes)
         if not chunk.last:
             dest = stage.rank_of((chunk.index + 1) % self.p, k)
-            self.send(y, dest, message_tag(chunk.index + 1, k, self.m, grad=False), k)
+            self.send(y, dest, message_tag(chunk.index + 1, k, self.m, grad=False, stages=self.p), k)
 
     def backward(self, chunk: Chunk, k: int) -> None:
         stage = self.stage
@@ -272,7 +276,7 @@ class _StepRun:
             chunk.exchange.accumulate()  # layers overwrite .grad: the sum is kept there
         if not chunk.first:
             dest = stage.rank_of((chunk.index - 1) % self.p, k)
-            self.send(gx, dest, message_tag(chunk.index - 1, k, self.m, grad=True), k)
+            self.send(gx, dest, message_tag(chunk.index - 1, k, self.m, grad=True, stages=self.p), k)
 
     def poll_sends(self) -> None:
         """Let the sends that have completed go (traced with ``log.trace``)."""

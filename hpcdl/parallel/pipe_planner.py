@@ -86,9 +86,22 @@ import numpy as np
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.pipe_plan import LayerInfo, balance_by_cost
 
-__all__ = ["CostModel", "Network", "Plan", "baselines", "memory", "microbatch_counts", "plan", "predict"]
+__all__ = [
+    "CostModel",
+    "Network",
+    "Plan",
+    "baselines",
+    "MAX_MICROBATCHES",
+    "memory",
+    "microbatch_counts",
+    "plan",
+    "predict",
+]
 
 _SCHEDULES = ("gpipe", "1f1b")
+#: the most microbatches a step may have: the executor's message tags (``pipe_exec.message_tag``,
+#: 2 m of them for GPipe and 1F1B) stay below MPI's guaranteed 32,767
+MAX_MICROBATCHES = (2**15 - 1) // 2
 
 
 @dataclass(frozen=True)
@@ -241,8 +254,11 @@ def memory(plan: Plan, model: CostModel) -> list[float]:
 def microbatch_counts(model: CostModel, global_batch: int) -> list[int]:
     """The microbatch counts m the planner and its baselines consider (ascending): the divisors of
     the global batch whose microbatches hold at least the smallest measured size (the module's
-    "layer costs"); one microbatch when the whole batch is smaller than that."""
-    out = [m for m in _divisors(global_batch) if global_batch // m >= model.smallest]
+    "layer costs"), up to :data:`MAX_MICROBATCHES`; one microbatch when the whole batch is
+    smaller than that."""
+    out = [
+        m for m in _divisors(global_batch) if global_batch // m >= model.smallest and m <= MAX_MICROBATCHES
+    ]
     return out or [1]
 
 

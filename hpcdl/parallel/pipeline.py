@@ -219,10 +219,10 @@ class Pipeline(LockstepStrategy):
         reps = stage_replicas(cfg, world)
         p = len(reps)
         sched = _schedule(cfg, reps, m)
-        if 2 * (p * v + 1) * m >= EVAL_TAG:
+        if 2 * v * m > EVAL_TAG:  # pipe_exec.message_tag: tags below 2 v m
             raise ConfigError(
-                f"{p * v} stages x {m} microbatches need more message tags than MPI promises (32767): "
-                "use fewer microbatches"
+                f"{v} chunks a stage x {m} microbatches need more message tags than MPI promises (32767): "
+                f"use at most {EVAL_TAG // (2 * v)} microbatches"
             )
         ranks = tuple(RankPlace(f"stage {s}", f"stage {s}", 0) for s, r in enumerate(reps) for _ in range(r))
         chunks = (
