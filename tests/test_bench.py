@@ -137,3 +137,41 @@ def test_planner_bad_arguments(tmp_path: Path) -> None:
     table.write_text('[[layers]]\nlayer = "0"\nforward_s = 1.0\nbackward_s = 1.0\n')
     with pytest.raises(ConfigError, match="no row for ResNet-50's layer '1'"):
         main(["planner", "--ranks", "2", "--costs", str(table)])
+
+
+def test_ops_rows_and_their_toml_read_as_a_cost_tables_op_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """K-FAC's ops at two sizes; ``--toml`` appended to a table gives the simulator those rows."""
+    from hpcdl.store.costs import load_op_costs  # noqa: PLC0415
+
+    out, toml = tmp_path / "ops.json", tmp_path / "ops.toml"
+    argv = [
+        "ops",
+        "--sizes",
+        "4",
+        "8",
+        "--rows",
+        "3",
+        "--repeat",
+        "1",
+        "--json",
+        str(out),
+        "--toml",
+        str(toml),
+    ]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["dims"]) for r in rows] == [
+        ("eigh", [4]), ("precondition", [4, 4]), ("factor", [3, 4]),
+        ("eigh", [8]), ("precondition", [8, 8]), ("factor", [3, 8]),
+    ]  # fmt: skip
+    assert [r["law_s"] is None for r in rows] == [True] * 3 + [False] * 3
+    assert rows[3]["law_s"] == rows[0]["seconds"] * 8  # eigh: n³ from n = 4 to 8
+    table = tmp_path / "t.toml"
+    table.write_text("[[layers]]\nlayer = '0'\nforward_s = 1.0\nbackward_s = 1.0\n\n" + toml.read_text())
+    costs = load_op_costs(table)
+    assert [(c.op, list(c.dims), c.seconds) for c in costs.rows] == [
+        (r["op"], r["dims"], r["seconds"]) for r in rows
+    ]
+    assert "bench ops: K-FAC's ops" in capsys.readouterr().out

@@ -78,6 +78,7 @@ REDUCE: dict[str, str] = {
     "hpcdl.bench allreduce": "--sizes 4K 64K --repeat 1 --min-time 0.001",
     "hpcdl.bench pack": "--repeat 1 --inner 1",
     "hpcdl.bench planner": "--ranks 8 --repeat 1",
+    "hpcdl.bench ops": "--sizes 8 16 --repeat 1",
     # sizes far apart and a few repeats, so the fit sees times grow on a loaded machine too
     "hpcdl.bench calibrate": "--sizes 8 256K 4M --repeat 3 --min-time 0.002 --contention-repeat 1",
 }

@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from hpcdl.atomic import check_writable, write_text_atomic
-from hpcdl.bench import allreduce, calibrate, pack, pipeline, planner, step, train
+from hpcdl.bench import allreduce, calibrate, ops, pack, pipeline, planner, step, train
 from hpcdl.comm import on_root, world
 from hpcdl.driver.cli import ArgumentParser, parse_args
 
@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, ModuleType] = {
     "allreduce": allreduce,
     "calibrate": calibrate,
     "planner": planner,
+    "ops": ops,
 }
 
 #: the one-line description ``--help`` shows

@@ -173,7 +173,9 @@ class Slowdown:
     as the simulator's ``--straggler`` does (:func:`hpcdl.comm.sleep` is a real sleep).
     In the simulator the driver asks the world instead (:func:`hpcdl.comm.slow_down`),
     which scales the rank's modelled compute, cost tables included. Only outermost layers
-    are timed (a residual block's inner layers are inside its time).
+    are timed (a residual block's inner layers are inside its time), and the ops announced
+    outside layers (K-FAC's eigendecompositions and preconditioning, :func:`hpcdl.nn.hooks.op`)
+    alike; an op inside a layer's call (K-FAC's factors) is inside the layer's time.
     """
 
     def __init__(self, factor: float) -> None:
@@ -190,6 +192,12 @@ class Slowdown:
         self._depth -= 1
         if self._depth == 0:
             sleep((self.factor - 1.0) * (wtime() - self._start))
+
+    def before_op(self, op: str, dims: tuple[int, ...]) -> None:
+        self.before("op", None, None)
+
+    def after_op(self, op: str, dims: tuple[int, ...]) -> None:
+        self.after("op", None, None)
 
 
 def slowdown_factor(cfg: Config, rank: int, world: int) -> float:

@@ -228,8 +228,9 @@ def _finish(trainer: Trainer, run_path: Path | None) -> RunResult:
     rate = samples_per_s(ctx.placement.step_samples * step, train_s)
     runfile = trainer.log.runfile
     profile = _profile(ctx.comm, trainer.profiler)
+    ops = _profile_ops(ctx.comm, trainer.profiler)
     if runfile is not None and profile is not None:
-        runfile.write_profile(profile)
+        runfile.write_profile(profile, ops or ())
     acc, loss = trainer.accuracy
     trainer.log.close(
         "stopped" if trainer.stopped_by else "finished",
@@ -263,6 +264,21 @@ def _profile(comm: Communicator, profiler: LayerProfiler | None) -> list[dict[st
     for table in tables:
         for row in table:
             rows.setdefault(row["layer"], row)
+    return list(rows.values())
+
+
+def _profile_ops(comm: Communicator, profiler: LayerProfiler | None) -> list[dict[str, Any]] | None:
+    """The profiled ops (K-FAC's): rank 0's rows, then the op and dimensions only other ranks ran
+    (the eigendecompositions other ranks own), in rank order (collective when profiling)."""
+    if profiler is None:
+        return None
+    tables = comm.gather(profiler.ops_table(), root=0)
+    if tables is None:
+        return None
+    rows: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    for table in tables:
+        for row in table:
+            rows.setdefault((row["op"], tuple(row["dims"])), row)
     return list(rows.values())
 
 

@@ -17,6 +17,12 @@ formulas here.) Factors are collected through the per-layer hook (:mod:`hpcdl.nn
 into running averages ``F ← decay · F + (1 − decay) · F_batch`` (the first collection sets F;
 ``factor_decay = 0`` keeps the last batch's). Factors accumulate in the model's dtype.
 
+**Ops.** Each factor's computation, eigendecomposition and preconditioning is announced to the
+layer observers as an op (:func:`hpcdl.nn.hooks.op`: ``"factor"`` of ``(rows, d)``, ``"eigh"``
+of ``(n,)``, ``"precondition"`` of ``(d_out, d_in)``), so that a profile records them and the
+simulator's cost tables charge them; folding the factors, KL clipping and the update are
+elementwise and, like SGD's update, not announced.
+
 **The step** (``t mod inv_every = 0`` decomposes: collect → decompose → precondition, so step
 0 is preconditioned): eigendecompositions ``A = Q_A diag(λ_A) Q_Aᵀ``, ``G = Q_G diag(λ_G)
 Q_Gᵀ``, computed in float64 (``numpy.linalg.eigh`` / ``cupy.linalg.eigh``) with negative
@@ -49,6 +55,7 @@ import numpy as np
 
 from hpcdl.backend import get_array_module, to_numpy
 from hpcdl.errors import HpcdlError
+from hpcdl.nn import hooks
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.linear import Linear
@@ -56,7 +63,7 @@ from hpcdl.nn.parameter import Parameter
 from hpcdl.optim.optimizer import Optimizer
 from hpcdl.optim.sgd import SGD
 
-__all__ = ["KFAC", "KfacLayer", "covered_layers"]
+__all__ = ["KFAC", "KfacLayer", "covariance", "covered_layers", "eigen", "preconditioned"]
 
 
 def covered_layers(model: Layer) -> list[Layer]:
@@ -139,7 +146,9 @@ class _Collector:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
                 t0 = time.perf_counter()
-                _add(entry, "batch_G", _g_factor(layer, x))
+                rows = x.shape[0] * (x.shape[2] * x.shape[3] if x.ndim == 4 else 1)  # B or B*T
+                with hooks.op("factor", rows, entry.dims[1]):
+                    _add(entry, "batch_G", _g_factor(layer, x))
                 self.kfac.seconds["factors"] += time.perf_counter() - t0
 
     def after(self, phase: str, layer: Layer, y: Any) -> None:
@@ -147,7 +156,9 @@ class _Collector:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
                 t0 = time.perf_counter()
-                _add(entry, "batch_A", _a_factor(layer))
+                rows = layer._x.shape[0] if isinstance(layer, Linear) else layer._cols.shape[1]  # B or B*T
+                with hooks.op("factor", rows, entry.dims[0]):
+                    _add(entry, "batch_A", _a_factor(layer))
                 entry.micro += 1
                 self.kfac.seconds["factors"] += time.perf_counter() - t0
 
@@ -169,6 +180,11 @@ def _a_factor(layer: Layer) -> Any:
     xp = get_array_module(a)
     if layer.bias is not None:
         a = xp.concatenate([a, xp.ones((a.shape[0], 1), dtype=a.dtype)], axis=1)
+    return covariance(a)
+
+
+def covariance(a: Any) -> Any:
+    """``(1/rows) aᵀ a`` of ``a`` ``(rows, d)``: one factor (the op ``"factor"`` of ``(rows, d)``)."""
     return (a.T @ a) / a.dtype.type(a.shape[0])
 
 
@@ -312,18 +328,19 @@ class KFAC(Optimizer):
         if e.A is None:
             raise RuntimeError(f"K-FAC: layer {e.name} has no factors to decompose yet")
         t0 = time.perf_counter()
-        e.QA, e.dA = eigen(e.A)
-        e.QG, e.dG = eigen(e.G)
+        with hooks.op("eigh", e.A.shape[0]):
+            e.QA, e.dA = eigen(e.A)
+        with hooks.op("eigh", e.G.shape[0]):
+            e.QG, e.dG = eigen(e.G)
         self.seconds["decompose"] += time.perf_counter() - t0
 
     def precondition(self, index: int) -> Any:
         """Layer ``index``'s preconditioned gradient matrix P (kept for :meth:`apply`)."""
         e = self.layers[index]
         t0 = time.perf_counter()
-        g = e.gradient()
-        v = e.QG.T @ g @ e.QA
-        v /= e.dG[:, None] * e.dA[None, :] + v.dtype.type(self.damping)
-        e.grad = e.QG @ v @ e.QA.T
+        d_in, d_out = e.dims
+        with hooks.op("precondition", d_out, d_in):
+            e.grad = preconditioned(e.gradient(), e.QA, e.dA, e.QG, e.dG, self.damping)
         self.seconds["precondition"] += time.perf_counter() - t0
         return e.grad
 
@@ -426,6 +443,14 @@ def eigen(factor: Any) -> tuple[Any, Any]:
     lam, q = xp.linalg.eigh(factor.astype(np.float64))
     xp.maximum(lam, 0.0, out=lam)
     return xp.ascontiguousarray(q.astype(factor.dtype)), lam.astype(factor.dtype)
+
+
+def preconditioned(grad: Any, qa: Any, da: Any, qg: Any, dg: Any, damping: float) -> Any:
+    """``Q_G [(Q_Gᵀ ∇W Q_A) / (λ_G λ_Aᵀ + damping)] Q_Aᵀ`` of ``grad`` ``(d_out, d_in)`` (the op
+    ``"precondition"``: four matrix products)."""
+    v = qg.T @ grad @ qa
+    v /= dg[:, None] * da[None, :] + v.dtype.type(damping)
+    return qg @ v @ qa.T
 
 
 def factor_sizes(model: Layer) -> Sequence[tuple[str, int, int]]:

@@ -16,11 +16,15 @@ Modes (:func:`make_compute`):
   share its memory bandwidth and caches.
 * ``none``: compute takes no virtual time (pure communication studies).
 * ``table:FILE``: per-layer forward/backward costs (``/ speed * straggler[rank] * jitter``),
-  charged as each outermost layer starts; everything outside layers (loss, optimizer
-  step, packing, the reductions inside collectives) costs 0. ``FILE`` is a run file
+  charged as each outermost layer starts, and the ops announced through
+  :func:`hpcdl.nn.hooks.op` (K-FAC's factors, eigendecompositions, preconditioning), charged
+  as each starts from the table's op rows, interpolated in their size
+  (:class:`~hpcdl.store.costs.OpCosts`); everything else (loss, an elementwise optimizer
+  step, packing, the reductions inside collectives) costs 0. An op the table has no row for
+  stops the run (:class:`CostTableError`), as a missing layer does. ``FILE`` is a run file
   (``.h5``) with a ``profile/`` group (``profile.layers = true``), or a TOML or CSV table
-  (:func:`load_cost_table` documents the formats). Contention does not apply: a table's
-  costs are charged as they are.
+  (:func:`load_cost_table` and :func:`~hpcdl.store.costs.load_op_costs` document the
+  formats). Contention does not apply: a table's costs are charged as they are.
 
 Jitter is a lognormal factor with mean 1 and relative standard deviation ``jitter``
 (``sigma^2 = ln(1 + jitter^2)``, ``mu = -sigma^2 / 2``), one draw per segment (measured)
@@ -43,7 +47,7 @@ from hpcdl.rng import generator
 from hpcdl.sim.ticks import TICKS_PER_SECOND
 
 # the table format lives with the run file (the pipeline's planner reads it too); its names stay here
-from hpcdl.store.costs import CostTableError, LayerCost, load_cost_table
+from hpcdl.store.costs import CostTableError, LayerCost, OpCosts, load_cost_table, load_op_costs
 
 if TYPE_CHECKING:
     from hpcdl.nn.hooks import LayerObserver
@@ -56,6 +60,7 @@ __all__ = [
     "LayerCost",
     "MeasuredCompute",
     "NoCompute",
+    "OpCosts",
     "TableCompute",
     "load_cost_table",
     "make_compute",
@@ -267,17 +272,26 @@ class TableCompute(ComputeModel):
     ``b`` is scaled by ``n / b`` for an input of ``n`` samples (evaluation batches,
     pipeline micro-batches); that linear rule ignores fixed per-call overheads.
 
+    Ops (:func:`hpcdl.nn.hooks.op`: K-FAC's work) are charged as they start, whether inside a
+    layer's call or not, from ``ops`` (:class:`~hpcdl.store.costs.OpCosts`: the seconds at the
+    op's dimensions, interpolated between the measured ones), scaled like a layer's cost but
+    never by the batch (an op's dimensions already say its size).
+
     Args:
         path: the table file (shown in errors and in :meth:`describe`).
         rows: the table, by layer name (:func:`load_cost_table`).
+        ops: the table's op rows (:func:`~hpcdl.store.costs.load_op_costs`; default: none).
         **kwargs: as :class:`ComputeModel`.
     """
 
-    def __init__(self, path: str | Path, rows: Mapping[str, LayerCost], **kwargs: Any) -> None:
+    def __init__(
+        self, path: str | Path, rows: Mapping[str, LayerCost], ops: OpCosts | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.path = str(path)
         self.name = f"table:{self.path}"
         self.rows = dict(rows)
+        self.ops = ops if ops is not None else OpCosts()
         # base costs in ticks: exact sums when nothing scales them
         self._ticks = {
             name: (round(c.forward_s * TICKS_PER_SECOND), round(c.backward_s * TICKS_PER_SECOND))
@@ -294,7 +308,26 @@ class TableCompute(ComputeModel):
             "table": self.path,
             "table_sha256": self._sha256,
             "layers": len(self.rows),
+            "ops": len(self.ops),
         }
+
+    def op_cost(self, rank: int, op: str, dims: tuple[int, ...]) -> int:
+        """Ticks for one call of ``op`` at ``dims`` on ``rank``.
+
+        Raises:
+            CostTableError: the table has no row for ``op``.
+        """
+        sec = self.ops.seconds(op, dims)
+        if sec is None:
+            raise CostTableError(
+                f"compute table {self.path} has no row for op {op!r} (here at dims "
+                f"{'x'.join(map(str, dims))}); "
+                "profile this model with the same optimizer (profile.layers = true), or add [[ops]] rows "
+                "(python -m hpcdl.bench ops)"
+            )
+        t = round(sec * TICKS_PER_SECOND)
+        factor = self.scale(rank)
+        return t if factor == 1.0 else round(t * factor)
 
     def cost(self, rank: int, phase: str, layer: Layer, x: Any) -> int:
         """Ticks for one ``phase`` call of ``layer`` on ``rank`` with input (or output gradient) ``x``.
@@ -324,7 +357,7 @@ class TableCompute(ComputeModel):
 
 
 class _TableObserver:
-    """One rank's per-layer observer for :class:`TableCompute` (holds its nesting stack)."""
+    """One rank's per-layer and op observer for :class:`TableCompute` (holds its nesting stack)."""
 
     def __init__(self, model: TableCompute, rank: int, charge: Callable[[int], None]) -> None:
         self.model, self.rank, self.charge = model, rank, charge
@@ -340,6 +373,12 @@ class _TableObserver:
         while self._open:  # pops to the matching entry (a layer that raised leaves no trace)
             if self._open.pop() == key:
                 break
+
+    def before_op(self, op: str, dims: tuple[int, ...]) -> None:
+        self.charge(self.model.op_cost(self.rank, op, dims))
+
+    def after_op(self, op: str, dims: tuple[int, ...]) -> None:
+        pass
 
 
 # -- the factory ------------------------------------------------------------------------------
@@ -385,7 +424,7 @@ def make_compute(
                 "compute 'table' needs a file: --compute table:FILE (a run file with a profile/ group, "
                 "or a TOML/CSV table)"
             )
-        return TableCompute(path, load_cost_table(path), **kwargs)
+        return TableCompute(path, load_cost_table(path), load_op_costs(path), **kwargs)
     raise ConfigError(f"unknown compute model {spec!r}; use one of {', '.join(MODES)}")
 
 

@@ -52,6 +52,9 @@ Layout (format version 2; docs/runfile.md is the full reference)::
     /trace/<field>          1-D, one row per event: rank, kind, start, end, microbatch
     /profile/<column>       1-D, one row per layer (when profile.layers is on): layer, kind,
                             forward_s, backward_s, calls, output_bytes, output_shape
+    /profile/ops/<column>   1-D, one row per op and dimensions the run announced (K-FAC's
+                            factor, eigh, precondition; hpcdl.nn.hooks.op): op, dims
+                            ("64x1025"), seconds (the median), calls
 
 Only rank 0 writes it (the h5py wheel has no MPI driver): the training command gathers
 the other ranks' rows first. Every dataset is chunked and resizable; rows are appended
@@ -524,15 +527,23 @@ class RunFile:
                     table.create_dataset(column, shape=(0,), maxshape=(None,), dtype=values.dtype,
                                          chunks=(_CHUNK,))  # fmt: skip
 
-    def write_profile(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        """Replace ``profile/`` by the per-layer profiler's table (one row per layer)."""
-        self._reserve(256 * len(rows) * 8)
-        self._written("profile", self._write_profile, rows)
+    def write_profile(self, rows: Sequence[Mapping[str, Any]], ops: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Replace ``profile/`` by the per-layer profiler's table (one row per layer) and its ops
+        (``profile/ops/``, one row per op and dimensions; none: no group)."""
+        self._reserve(256 * (len(rows) + len(ops)) * 8)
+        self._written("profile", self._write_profile, rows, ops)
 
-    def _write_profile(self, rows: Sequence[Mapping[str, Any]]) -> None:
+    def _write_profile(self, rows: Sequence[Mapping[str, Any]], ops: Sequence[Mapping[str, Any]]) -> None:
         group = self.h5["profile"]
         for name in list(group):
             del group[name]
+        if ops:
+            sub = group.create_group("ops")
+            sub.create_dataset("op", data=np.array([r["op"] for r in ops], dtype=h5py.string_dtype()))
+            dims = ["x".join(map(str, r["dims"])) for r in ops]
+            sub.create_dataset("dims", data=np.array(dims, dtype=h5py.string_dtype()))
+            sub.create_dataset("seconds", data=np.array([r["seconds"] for r in ops], dtype=np.float64))
+            sub.create_dataset("calls", data=np.array([r["calls"] for r in ops], dtype=np.int64))
         if not rows:
             return
         group.create_dataset("layer", data=np.array([r["layer"] for r in rows], dtype=h5py.string_dtype()))
