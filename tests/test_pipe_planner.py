@@ -65,8 +65,10 @@ def random_case(rng: random.Random) -> tuple[CostModel, int, int]:
     more = rng.sample([s for s in (1, 3, 8) if s != ref], rng.choice([0, 0, 1, 2]))  # costs at other sizes
     sizes = [(b, [rng.uniform(0, 3) * b / ref for _ in range(n)]) for b in more]
     accumulate = rng.choice([0.0, 0.0, 1e-7])
+    gather = rng.choice([0.0, 0.0, 0.05])
     schedule = rng.choice(["gpipe", "1f1b"])
-    return CostModel(layers, ref, net, schedule, limit, sizes=sizes, accumulate_s=accumulate), ranks, batch
+    model = CostModel(layers, ref, net, schedule, limit, sizes=sizes, accumulate_s=accumulate, input_s=gather)
+    return model, ranks, batch
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -291,3 +293,13 @@ def test_accumulating_gradients_is_charged_per_microbatch():
     layers = [LayerInfo("0", 1000, 0.1, 0.2, 10)]
     model = CostModel(layers, 1, accumulate_s=1e-4)  # 0.1 s to add a microbatch's 1,000 gradients
     assert predict(Plan((1,), (2,), 8, 8), model) == pytest.approx(0.3 + 3 * (0.3 + 0.1))
+
+
+def test_the_first_stage_gathers_its_inputs():
+    layers = [LayerInfo("0", 0, 0.1, 0.2, 10), LayerInfo("1", 0, 0.1, 0.2, 10)]
+    model = CostModel(layers, 1, input_s=0.05)  # 0.05 s a sample on whichever stage holds layer 0
+    m, b = 4, 2
+    one = 2 * (0.3 + 0.3) + 0.05 * b  # a microbatch of 2 through both layers, gathered first
+    assert predict(Plan((2,), (1,), m, m * b), model) == pytest.approx(m * one)
+    first, second = 2 * 0.3 + 0.05 * b, 2 * 0.3
+    assert predict(Plan((1, 1), (1, 1), m, m * b), model) == pytest.approx(first + second + (m - 1) * first)

@@ -18,7 +18,7 @@ import numpy as np
 from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, on_root
 from hpcdl.config import Config, stored_values
-from hpcdl.data import Dataset
+from hpcdl.data import Dataset, gather_batch
 from hpcdl.driver.factory import build, load_data
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import Sequential
@@ -55,6 +55,12 @@ class PlanInputs:
     def network(self, spec: str, ranks: int) -> tuple[float, float]:
         """α (s) and β (s/byte) between two of ``ranks`` ranks (:meth:`Network.alpha_beta`)."""
         return load_network(spec).alpha_beta(ranks)
+
+    def batch(self, indices: Any) -> tuple[Any, Any]:
+        """Training samples (in the config's dtype) and labels at ``indices``, gathered as a step's."""
+        data = self.data()
+        x, y = gather_batch(data.x_train, data.y_train, indices, np)
+        return x.astype(self.cfg["dtype"], copy=False), y
 
 
 def stored_config(out: str | os.PathLike[str] | None, resume: str | None) -> dict[str, Any] | None:

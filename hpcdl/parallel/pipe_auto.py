@@ -12,7 +12,8 @@ and the microbatch cut of the configured global batch (``pipeline.microbatches``
   microbatch size of :func:`~hpcdl.parallel.pipe_profile.profile_sizes` (``data.batch_size``
   and a ladder from a 64th of it to 4 times it) on training samples, with the cost of adding
   a microbatch's gradients into their sum
-  (:func:`~hpcdl.parallel.pipe_profile.accumulate_cost`) — impossible when the training set
+  (:func:`~hpcdl.parallel.pipe_profile.accumulate_cost`) and of gathering a microbatch's
+  samples (:func:`~hpcdl.parallel.pipe_profile.input_cost`) — impossible when the training set
   holds fewer samples than ``data.batch_size``: the run is refused, naming
   ``pipeline.profile``;
 * **the network**: ``pipeline.network`` (a simulator network file, packaged name or path; the
@@ -41,7 +42,13 @@ import numpy as np
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
 from hpcdl.parallel.pipe_planner import CostModel, Network, baselines, plan
-from hpcdl.parallel.pipe_profile import accumulate_cost, layer_infos, profile_costs, profile_sizes
+from hpcdl.parallel.pipe_profile import (
+    accumulate_cost,
+    input_cost,
+    layer_infos,
+    profile_costs,
+    profile_sizes,
+)
 from hpcdl.store.costs import LayerCost, load_cost_table
 
 __all__ = ["PLANNED", "planned_lines", "settle_plan"]
@@ -91,7 +98,7 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
     batch, m = cfg["data.batch_size"], cfg["pipeline.microbatches"]
     model, data = inputs.model(), inputs.data()
     sizes: list[tuple[int, tuple[float, ...]]] = []
-    accumulate = 0.0
+    accumulate = gather = 0.0
     if cfg["pipeline.profile"]:
         costs, source = load_cost_table(cfg["pipeline.profile"]), str(cfg["pipeline.profile"])
     else:
@@ -108,6 +115,7 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
             profiled[size] = profile_costs(inputs.model(), x, np.asarray(data.y_train[:size]))
         costs, source = profiled[batch], f"profiled at {', '.join(map(str, ladder))} samples"
         accumulate = accumulate_cost(sum(int(p.size) for p in model.parameters()), cfg["dtype"])
+        gather = input_cost(inputs.batch, len(data.y_train), batch)
     measured_at = {c.batch for c in costs.values() if c.batch}  # a table's one size is the reference
     ref = measured_at.pop() if len(measured_at) == 1 else batch
     infos = layer_infos(model, data.input_shape, ref, costs)
@@ -124,7 +132,7 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
     alpha, beta = inputs.network(cfg["pipeline.network"], world)
     itemsize = np.dtype(cfg["dtype"]).itemsize
     cost = CostModel(infos, ref, Network(alpha, beta), cfg["pipeline.schedule"],
-                     cfg["pipeline.memory_mb"] * 2**20, itemsize, sizes, accumulate)  # fmt: skip
+                     cfg["pipeline.memory_mb"] * 2**20, itemsize, sizes, accumulate, gather)  # fmt: skip
     chosen, predicted = plan(cost, world, m * batch)
     others = {
         name: None if found is None else [str(found[0]), found[1]]

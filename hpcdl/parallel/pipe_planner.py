@@ -9,7 +9,7 @@ microbatch of b samples, output bytes ``o_l`` at the reference microbatch of ``b
 stage s ``r_s`` replicas (``Σ r_s = N``, every ``r_s`` divides m) and the global batch B
 into m microbatches of ``b = B / m`` samples (an integer). With ``σ = b / batch``::
 
-    t_s    = Σ_{l ∈ s} τ_l(b)                        one microbatch through stage s
+    t_s    = Σ_{l ∈ s} τ_l(b)  (+ ι b for s = 0)     one microbatch through stage s
     c_s    = β · σ · (o_in(s) + o_last(s))           the bytes a replica's send (and receive)
                                                       channel carries per microbatch
     X_s    = (m / r_s − 1) · max(t_s + κ · P_s, c_s)  the rest of a replica's m / r_s microbatches
@@ -25,7 +25,8 @@ critical path, and the stages' concurrent gradient allreduces after the last bac
 ``o_in(s)`` is the output of the layer before the stage (0 for the first stage: its input
 is local), ``o_last(s)`` its own last layer's (0 for the last stage). A replica's
 remaining microbatches are paced by the slower of its two resources: the core, which
-computes them and adds each one's gradients (``κ`` seconds a parameter,
+gathers each microbatch's input samples (the first stage: ``ι`` seconds a sample,
+``CostModel.input_s``), computes them and adds each one's gradients (``κ`` seconds a parameter,
 ``CostModel.accumulate_s``) to the sum it keeps, and its network channels, each of which
 carries every microbatch's activations one way and gradients the other (sends are
 nonblocking and overlap compute: a full-duplex NIC's two directions are separate
@@ -139,7 +140,8 @@ class CostModel:
     the schedule (``gpipe`` or ``1f1b``), a per-rank activation limit in bytes (0: none), the
     bytes of one parameter, each layer's forward + backward seconds at more microbatch sizes
     (``sizes``: ``(samples, (τ_0, …, τ_{n-1}))`` pairs; the module's "layer costs") and the
-    seconds a replica takes to add one parameter's gradient into its sum (``accumulate_s``)."""
+    seconds a replica takes to add one parameter's gradient into its sum (``accumulate_s``) and
+    the first stage's to gather one input sample (``input_s``)."""
 
     layers: tuple[LayerInfo, ...]
     batch: int
@@ -149,6 +151,7 @@ class CostModel:
     itemsize: int = 4
     sizes: tuple[tuple[int, tuple[float, ...]], ...] = ()
     accumulate_s: float = 0.0
+    input_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -167,8 +170,11 @@ class CostModel:
                     "layer, at a size >= 1 measured once"
                 )
             seen.add(b)
-        if self.accumulate_s < 0:
-            raise ConfigError(f"the planner's accumulate_s must be >= 0 (got {self.accumulate_s})")
+        if self.accumulate_s < 0 or self.input_s < 0:
+            raise ConfigError(
+                f"the planner's accumulate_s and input_s must be >= 0 (got {self.accumulate_s}, "
+                f"{self.input_s})"
+            )
         points = sorted([(self.batch, tuple(x.forward_s + x.backward_s for x in self.layers)), *self.sizes])
         object.__setattr__(self, "_bs", np.array([b for b, _ in points], dtype=float))
         times = np.array([t for _, t in points], dtype=float).reshape(len(points), -1)
@@ -192,6 +198,13 @@ class CostModel:
         k = int(np.searchsorted(bs, samples))  # bs[k - 1] < samples <= bs[k]
         w = (samples - bs[k - 1]) / (bs[k] - bs[k - 1])
         return ts[k - 1] + w * (ts[k] - ts[k - 1])
+
+    def stage_times(self, samples: float) -> np.ndarray:
+        """:meth:`layer_times` with the first stage's input gather (``input_s`` a sample) on layer 0:
+        what a stage's ``t_s`` sums."""
+        out = self.layer_times(samples).copy()
+        out[0] += self.input_s * samples
+        return out
 
 
 @dataclass(frozen=True)
@@ -279,7 +292,7 @@ def predict(plan: Plan, model: CostModel) -> float:
     _check_plan(model, plan)
     layers, net, m = model.layers, model.network, plan.microbatches
     scale = plan.microbatch_size / model.batch
-    tau = model.layer_times(plan.microbatch_size)
+    tau = model.stage_times(plan.microbatch_size)
     p = len(plan.balance)
     total = float(tau.sum())
     worst_x = worst_y = sends = 0.0
@@ -308,7 +321,7 @@ class _Tables:
         self.m, self.ranks, self.model = m, ranks, model
         scale = (global_batch // m) / model.batch
         self.rs = rs = np.array([r for r in _divisors(m) if r <= ranks])
-        time = np.concatenate([[0.0], np.cumsum(model.layer_times(global_batch // m))])
+        time = np.concatenate([[0.0], np.cumsum(model.stage_times(global_batch // m))])
         act = np.concatenate([[0.0], np.cumsum([scale * x.output_bytes for x in layers])])
         count = np.concatenate([[0.0], np.cumsum([float(x.params) for x in layers])])
         par = model.itemsize * count

@@ -22,6 +22,7 @@ from hpcdl.store.costs import LayerCost, load_cost_table
 __all__ = [
     "PROFILE_STEPS",
     "accumulate_cost",
+    "input_cost",
     "layer_infos",
     "profile_costs",
     "profile_sizes",
@@ -123,6 +124,26 @@ def accumulate_cost(params: int, dtype: Any, repeats: int = 5) -> float:
         a += b
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / n
+
+
+def input_cost(batch: Callable[[Any], Any], samples: int, size: int, repeats: int = 9) -> float:
+    """Seconds a sample takes to be gathered into a microbatch of ``size`` (the first stage's
+    input: ``batch(indices)`` of ``size`` random indices among ``samples`` training samples, as
+    the run context gathers a step's): the median of ``repeats`` gathers after one, divided by
+    ``size``."""
+    import time
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    times = []
+    for i in range(repeats + 1):
+        idx = rng.integers(0, samples, size)
+        t0 = time.perf_counter()
+        batch(idx)
+        if i:  # the first touches the samples' pages
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times)) / size
 
 
 def stage_partition(

@@ -369,6 +369,11 @@ class PlanInputs(Protocol):
         under the simulator's network file ``spec`` (a packaged name or a path)."""
         ...
 
+    def batch(self, indices: Any) -> tuple[Any, Any]:
+        """Training samples and labels at ``indices`` as a step gathers them (in the config's
+        dtype): what a stage's input gather costs."""
+        ...
+
 
 class Strategy:
     """A way of spreading training over ranks: the driver's updater. Subclass one of its two kinds:

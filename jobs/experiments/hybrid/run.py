@@ -8,15 +8,15 @@ inputs: 53-59 % of a microbatch's forward and backward here), cut for N ranks by
 data parallelism, uniform replication), each run in the simulator with measured compute, so
 that the planner's predicted step time meets a measurement it did not read.
 
-* ``profile``: per top-level layer, forward and backward at the planner's microbatch
-  (``GRANULE`` samples; ``profile.layers = true``, one process); VGG16 and ResNet-50 (width
-  0.25, 3x32x32, microbatch 32) profiled the same way, to see whether they have a heavy layer.
-* ``units``: why the batch is handed to the planner in granules of GRANULE samples: the cost
-  per sample against the microbatch size, and ``baselines()`` with one sample as the unit.
+* ``profile``: per top-level layer, forward and backward at each microbatch size of
+  ``PROFILE_SIZES`` (``profile.layers = true``, one process); VGG16 and ResNet-50 (width
+  0.25, 3x32x32, microbatch 32) profiled the same way at 32, to see whether they have a
+  heavy layer.
 * ``plan``: for each N of ``RANKS``, the planner's plan and the baselines with their predicted
-  step times, at ``GRANULES`` x ``GRANULE`` samples per step; the cost model's network is the
-  simulator's (``NETWORK``: α and 1/B of its link, the same for the stages' ring allreduce),
-  its layer costs the profile's divided by ``SPEED``, as the simulator divides measured compute.
+  step times, at ``BATCH`` samples per step; the cost model's network is the simulator's
+  (``NETWORK``: α and 1/B of its link, the same for the stages' ring allreduce), its layer
+  costs the profiles' (interpolated between the sizes), its gradient accumulation's and its
+  input gather's (measured) divided by ``SPEED``, as the simulator divides measured compute.
 * ``sim``: every distinct plan of ``plan`` under ``python -m hpcdl.simulate -n N --network
   NETWORK --compute measured --speed SPEED`` (the pipeline strategy; data parallelism is one
   stage on N replicas; ``exchange.algorithm = "ring"``, the planner's allreduce), ``REPEATS``
@@ -26,8 +26,6 @@ that the planner's predicted step time meets a measurement it did not read.
   (``log.trace = true``); the cost model with ``shm-local``, this machine's α-β, and no speed-up.
 * ``trace``: the time-balanced cut (the Flatten kept with its Linear) and the planner's plan
   simulated at N = 8, traced.
-* ``explain``: costs the cost model leaves out (stage 0's input gather, the per-microbatch
-  gradient accumulation), measured, added to it, and every plan predicted again.
 
     python jobs/experiments/hybrid/run.py --work /tmp/hybrid                   # everything
     python jobs/experiments/hybrid/run.py --work /tmp/hybrid --parts plan sim  # (plan reads the profile)
@@ -65,7 +63,7 @@ from hpcdl.parallel.pipe_planner import CostModel, Network, Plan  # noqa: E402
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
-PARTS = ("profile", "units", "plan", "sim", "real", "trace", "explain")
+PARTS = ("profile", "plan", "sim", "real", "trace")
 #: the model: 64 top-level layers (Flatten, then Linear/ReLU pairs), layer "1" the heavy Linear
 DEPTH = 32  # Linear layers: 2 x DEPTH top-level layers
 MODEL = ["model.name=mlp", "model.width=128", "data.shape=[1,112,112]", "data.sampler=random",
@@ -83,21 +81,22 @@ ZOO = {
 }
 NETWORK = "eth10g"
 SPEED = 10.0  # a rank computes 10x as fast as this core: communication is not negligible
-GRANULE = 64  # samples: microbatches are whole multiples of it (the planner's unit of batch)
-GRANULES = 96  # the global batch in granules: 6,144 samples
+BATCH = 6144  # samples per step (the global batch)
+PROFILE_SIZES = (16, 64, 256, 1024)  # microbatch sizes profiled: the planner cuts none below 16
+REFERENCE = 64  # the profile the layer table and the figures show
 RANKS = (4, 8, 16, 64)
 STEPS = 4  # simulated steps: the first is a warm-up
 REPEATS = 3  # simulated runs of each plan
-REAL = {"ranks": 3, "granules": 24, "steps": 6, "network": "shm-local"}
+REAL = {"ranks": 3, "batch": 1536, "steps": 6, "network": "shm-local"}
 TRACE_RANKS = 8
 WAIT_QUIET = 30.0  # seconds a timed run waits for other processes to leave the cores
 PROFILE_STEPS = 10
 #: --reproduce's sizes, setting the constants above: full is the README's (9 minutes on a quiet machine);
 #: small (73 s) N = 4 and 8 at a quarter of the batch, one run of each plan, no waiting for quiet
 SIZES: dict[str, dict[str, Any]] = {
-    "full": {"depth": DEPTH, "ranks": RANKS, "granules": GRANULES, "steps": STEPS, "repeats": REPEATS,
+    "full": {"depth": DEPTH, "ranks": RANKS, "batch": BATCH, "steps": STEPS, "repeats": REPEATS,
              "wait_quiet": WAIT_QUIET},
-    "small": {"depth": DEPTH, "ranks": (4, 8), "granules": 24, "steps": 3, "repeats": 1, "wait_quiet": 0.0,
+    "small": {"depth": DEPTH, "ranks": (4, 8), "batch": 1536, "steps": 3, "repeats": 1, "wait_quiet": 0.0,
               "real": {**REAL, "steps": 4}, "profile_steps": 6},
 }  # fmt: skip
 OUT = HERE  # results.json and the figures: beside this script, or --work under --reproduce
@@ -183,47 +182,66 @@ def planner_network(name: str, ranks: int) -> Network:
     return Network(alpha, beta, alpha, beta)
 
 
-def cost_model(profile: Path, speed: float, network: str, ranks: int) -> CostModel:
-    """The planner's cost model: the model's layers with the profile's costs at GRANULE samples
-    (one granule is the planner's sample, so a plan's microbatch counts granules) / ``speed``."""
+def cost_model(work: Path, speed: float, network: str, ranks: int) -> CostModel:
+    """The planner's cost model: the model's layers with the profiles' costs at every size of
+    PROFILE_SIZES (``REFERENCE`` the reference), and the measured costs of adding a microbatch's
+    gradients into their sum and of gathering its input samples, all divided by ``speed``."""
     from hpcdl.config import load_config
     from hpcdl.driver.factory import build, load_data
-    from hpcdl.parallel.pipe_profile import layer_infos
+    from hpcdl.driver.settle import PlanInputs
+    from hpcdl.parallel.pipe_profile import accumulate_cost, input_cost, layer_infos
     from hpcdl.store.costs import load_cost_table
 
-    cfg = load_config("mlp32-synthetic", [*MODEL, f"model.depth={DEPTH}", f"data.batch_size={GRANULE}"])
+    cfg = load_config("mlp32-synthetic", [*MODEL, f"model.depth={DEPTH}", f"data.batch_size={REFERENCE}"])
     data = load_data(cfg)
     model = build(cfg, data, 0, np.dtype(cfg["dtype"]), np, None)
-    infos = layer_infos(model, data.input_shape, GRANULE, load_cost_table(profile))
+    infos = layer_infos(
+        model, data.input_shape, REFERENCE, load_cost_table(work / f"profile-mlp-{REFERENCE}.h5")
+    )
     slow = [
         dataclasses.replace(x, forward_s=x.forward_s / speed, backward_s=x.backward_s / speed) for x in infos
     ]
-    return CostModel(slow, 1, planner_network(network, ranks), schedule="1f1b")
+    sizes = []
+    for b in PROFILE_SIZES:
+        if b != REFERENCE:
+            table = load_cost_table(work / f"profile-mlp-{b}.h5")
+            sizes.append(
+                (b, tuple((table[x.name].forward_s + table[x.name].backward_s) / speed for x in infos))
+            )
+    accumulate = accumulate_cost(sum(x.params for x in infos), np.float32) / speed
+    inputs = PlanInputs(cfg, data)
+    gather = input_cost(inputs.batch, len(data.y_train), REFERENCE, repeats=25) / speed
+    return CostModel(slow, REFERENCE, planner_network(network, ranks), schedule="1f1b", sizes=sizes,
+                     accumulate_s=accumulate, input_s=gather)  # fmt: skip
 
 
 def plan_row(kind: str, plan: Any, predicted: float, ranks: int, model: Any) -> dict[str, Any]:
     """A plan and its prediction, in samples; ``compute_s``: each rank's layer time by the cost
     model (m / r_s microbatches of its stage), to set beside the simulated ``busy_s``."""
     bounds = np.cumsum([0, *plan.balance])
-    scale = plan.microbatch_size / model.batch
-    stage = [
-        scale * sum(x.forward_s + x.backward_s for x in model.layers[a:b]) for a, b in zip(bounds, bounds[1:])
-    ]
+    tau = model.layer_times(plan.microbatch_size)
+    stage = [float(tau[a:b].sum()) for a, b in zip(bounds, bounds[1:])]
     compute = [plan.microbatches // r * t for t, r in zip(stage, plan.replicas) for _ in range(r)]
     return {"kind": kind, "ranks": ranks, "balance": list(plan.balance), "replicas": list(plan.replicas),
-            "microbatches": plan.microbatches, "microbatch": plan.microbatch_size * GRANULE,
-            "global_batch": plan.global_batch * GRANULE, "predicted_s": predicted,
+            "microbatches": plan.microbatches, "microbatch": plan.microbatch_size,
+            "global_batch": plan.global_batch, "predicted_s": predicted,
             "compute_s": [round(c, 6) for c in compute]}  # fmt: skip
 
 
-def best_m(model: Any, balance: list[int], replicas: list[int], granules: int) -> tuple[Any, float]:
-    """The microbatch cut of least predicted step for this partition and replication."""
-    plans = [Plan(tuple(balance), tuple(replicas), m, granules) for m in range(1, granules + 1)]
+def best_m(model: Any, balance: list[int], replicas: list[int], batch: int) -> tuple[Any, float]:
+    """The microbatch cut of least predicted step for this partition and replication (among the
+    planner's microbatch counts)."""
+    plans = [
+        Plan(tuple(balance), tuple(replicas), m, batch) for m in pipe_planner.microbatch_counts(model, batch)
+    ]
     return min(
-        ((p, pipe_planner.predict(p, model)) for p in plans if granules % p.microbatches == 0
-         and all(p.microbatches % r == 0 for r in replicas)),
+        (
+            (p, pipe_planner.predict(p, model))
+            for p in plans
+            if all(p.microbatches % r == 0 for r in replicas)
+        ),
         key=lambda x: x[1],
-    )  # fmt: skip
+    )
 
 
 def time_kept(model: Any, ranks: int) -> list[int]:
@@ -252,8 +270,9 @@ def same_plan(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def part_profile(work: Path) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    for name, settings in {"mlp": [f"data.batch_size={GRANULE}"], **ZOO}.items():
-        steps = PROFILE_STEPS if name == "mlp" else 6
+    runs = {f"mlp-{b}": [f"data.batch_size={b}"] for b in PROFILE_SIZES}
+    for name, settings in {**runs, **ZOO}.items():
+        steps = PROFILE_STEPS if name.startswith("mlp") else 6
         run = train(work, f"profile-{name}", [*settings, f"train.steps={steps}", "profile.layers=true",
                                               "parallel.strategy=sync"])  # fmt: skip
         with h5py.File(run["path"], "r") as f:
@@ -270,27 +289,29 @@ def part_profile(work: Path) -> dict[str, Any]:
             "stage_bound": {str(p): float(cost.max() / (cost.sum() / p)) for p in (2, 4, 8)},
         }  # fmt: skip
         print(name, {k: v for k, v in rows[name].items() if k != "layer_ms"}, flush=True)
+    rows["per_sample_ms"] = {str(b): rows[f"mlp-{b}"]["total_ms"] / b for b in PROFILE_SIZES}
     return rows
 
 
 def part_plan(work: Path) -> dict[str, Any]:
-    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
-    out: dict[str, Any] = {"rows": []}
+    model = cost_model(work, SPEED, NETWORK, max(RANKS))
+    out: dict[str, Any] = {"rows": [], "accumulate_s_per_param": model.accumulate_s * SPEED,
+                           "input_s_per_sample": model.input_s * SPEED}  # fmt: skip
     for n in RANKS:
         t0 = time.monotonic()
-        found = {k: v for k, v in pipe_planner.baselines(model, n, GRANULES).items() if v is not None}
-        found["plan"] = pipe_planner.plan(model, n, GRANULES)
+        found = {k: v for k, v in pipe_planner.baselines(model, n, BATCH).items() if v is not None}
+        found["plan"] = pipe_planner.plan(model, n, BATCH)
         wall = time.monotonic() - t0
         if n < len(model.layers):
-            found["time-kept"] = best_m(model, time_kept(model, n), [1] * n, GRANULES)
+            found["time-kept"] = best_m(model, time_kept(model, n), [1] * n, BATCH)
         for kind in KINDS:
             if kind in found:
                 out["rows"].append({**plan_row(kind, *found[kind], n, model), "planner_s": round(wall, 1)})
                 print({k: v for k, v in out["rows"][-1].items() if k != "compute_s"}, flush=True)
-    model = cost_model(work / "profile-mlp.h5", 1.0, REAL["network"], REAL["ranks"])
-    n, granules = REAL["ranks"], REAL["granules"]
-    found = {k: pipe_planner.baselines(model, n, granules)[k] for k in ("uniform", "time")}
-    cuts = [best_m(model, [c, len(model.layers) - c], [2, 1], granules) for c in range(1, len(model.layers))]
+    model = cost_model(work, 1.0, REAL["network"], REAL["ranks"])
+    n, batch = REAL["ranks"], REAL["batch"]
+    found = {k: pipe_planner.baselines(model, n, batch)[k] for k in ("uniform", "time")}
+    cuts = [best_m(model, [c, len(model.layers) - c], [2, 1], batch) for c in range(1, len(model.layers))]
     found["pair"] = min(cuts, key=lambda x: x[1])  # replicas [2, 1]: the cut and m the cost model prefers
     out["real"] = [plan_row(kind, *found[kind], n, model) for kind in ("pair", "uniform", "time")]
     return out
@@ -330,78 +351,6 @@ def part_sim(work: Path, plans: dict[str, Any]) -> list[dict[str, Any]]:
             **({"same_as": twin["kind"]} if twin is not r else {}),
         })  # fmt: skip
     return rows
-
-
-def part_units(work: Path) -> dict[str, Any]:
-    """Why the planner gets the batch in granules: the measured cost per sample against the
-    microbatch size (one process, the Python API's profiler), and the baselines' microbatch cut
-    when the planner's unit is one sample (the profile's costs at GRANULE samples, scaled)."""
-    from hpcdl.config import load_config
-    from hpcdl.driver.factory import build, load_data
-    from hpcdl.parallel.pipe_profile import profile_costs
-
-    cfg = load_config("mlp32-synthetic", [*MODEL, f"model.depth={DEPTH}"])
-    data = load_data(cfg)
-    per_sample = {}
-    for b in (1, 4, 16, 64, 256):
-        x = np.asarray(data.x_train[:b], dtype=np.float32)
-        costs = profile_costs(build(cfg, data, 0, np.float32, np, None), x, np.asarray(data.y_train[:b]), 5)
-        per_sample[b] = sum(c.forward_s + c.backward_s for c in costs.values()) / b
-    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
-    samples = dataclasses.replace(model, batch=GRANULE)  # the same costs, the unit one sample
-    cuts = {}
-    for kind, found in pipe_planner.baselines(samples, TRACE_RANKS, GRANULES * GRANULE).items():
-        if found is not None:
-            cuts[kind] = {"microbatches": found[0].microbatches, "microbatch": found[0].microbatch_size,
-                          "predicted_s": found[1]}  # fmt: skip
-    print(per_sample, cuts, flush=True)
-    return {"per_sample_s": per_sample, "ranks": TRACE_RANKS, "sample_unit": cuts}
-
-
-def part_explain(work: Path, plans: dict[str, Any]) -> dict[str, Any]:
-    """Two per-microbatch costs the cost model leaves out, measured here (one process, medians),
-    added to its layers, and every plan predicted again: stage 0 gathering a microbatch's
-    inputs (``ctx.batch``: a copy of 64 x 12,544 floats) and each stage adding a microbatch's
-    gradients to the sum it keeps (``accumulate``: one pass over its parameters), charged to
-    layer 0's forward and to each layer's backward, divided by SPEED as the simulator does."""
-    from hpcdl.config import load_config
-    from hpcdl.data import gather_batch
-    from hpcdl.driver.factory import build, load_data
-
-    cfg = load_config("mlp32-synthetic", [*MODEL, f"model.depth={DEPTH}"])
-    data = load_data(cfg)
-    params = build(cfg, data, 0, np.float32, np, None).parameters()
-    grads = [np.ones_like(p.data) for p in params]
-    sums = [np.zeros_like(p.data) for p in params]
-    rng = np.random.default_rng(0)
-    gather, add = [], []
-    for i in range(26):  # the first 5 warm up (first touches of the samples and the sums)
-        idx = rng.integers(0, len(data.y_train), GRANULE)
-        t0 = time.perf_counter()
-        x, _ = gather_batch(data.x_train, data.y_train, idx, np)
-        x.astype(np.float32, copy=False)
-        t1 = time.perf_counter()
-        for a, g in zip(sums, grads):
-            a += g
-        t2 = time.perf_counter()
-        if i >= 5:
-            gather.append(t1 - t0)
-            add.append(t2 - t1)
-    per_param = statistics.median(add) / sum(int(p.size) for p in params)
-    model = cost_model(work / "profile-mlp.h5", SPEED, NETWORK, max(RANKS))
-    extra = [x.params * per_param / SPEED for x in model.layers]
-    layers = [dataclasses.replace(x, backward_s=x.backward_s + e) for x, e in zip(model.layers, extra)]
-    layers[0] = dataclasses.replace(
-        layers[0], forward_s=layers[0].forward_s + statistics.median(gather) / SPEED
-    )
-    more = dataclasses.replace(model, layers=tuple(layers))
-    rows = []
-    for r in plans["rows"]:
-        p = Plan(tuple(r["balance"]), tuple(r["replicas"]), r["microbatches"], r["global_batch"] // GRANULE)
-        rows.append({"ranks": r["ranks"], "kind": r["kind"], "predicted_s": pipe_planner.predict(p, more)})
-    out = {"gather_s": statistics.median(gather), "accumulate_s_per_param": per_param, "rows": rows}
-    print({k: v for k, v in out.items() if k != "rows"}, flush=True)
-    return out
 
 
 def part_real(work: Path, plans: dict[str, Any]) -> list[dict[str, Any]]:
@@ -465,10 +414,18 @@ def figures(results: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    prof = results.get("profile", {})
+    prof = {k: v for k, v in results.get("profile", {}).items() if k in (f"mlp-{REFERENCE}", *ZOO)}
     if prof:
-        fig, axes = plt.subplots(1, len(prof), figsize=(4.5 * len(prof), 3.5))
-        for ax, (name, p) in zip(np.atleast_1d(axes), prof.items()):
+        per_sample = results["profile"].get("per_sample_ms", {})
+        fig, axes = plt.subplots(1, len(prof) + 1, figsize=(4.5 * (len(prof) + 1), 3.5))
+        sizes = [int(b) for b in per_sample]
+        axes[-1].plot(sizes, [per_sample[str(b)] for b in sizes], "o-")
+        axes[-1].set_xscale("log", base=2)
+        axes[-1].set_xlabel("microbatch (samples)")
+        axes[-1].set_ylabel("ms a sample (forward + backward)")
+        axes[-1].set_title("the MLP: cost a sample by microbatch size", fontsize=9)
+        axes[-1].grid(alpha=0.3)
+        for ax, (name, p) in zip(axes, prof.items()):
             share = 100 * np.array(p["layer_ms"]) / p["total_ms"]
             ax.bar(
                 range(len(share)), share, color=["tab:red" if s == share.max() else "tab:blue" for s in share]
@@ -590,7 +547,8 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
     its runs and the profile; otherwise it is not comparable (the value is still shown)."""
     rows = []
     sim = results.get("sim", [])
-    base = results.get("profile", {}).get("mlp", {}).get("other_cores", 0.0)
+    prof = results.get("profile", {})
+    base = max((v["other_cores"] for k, v in prof.items() if k.startswith("mlp-")), default=0.0)
     timed = f"; timed: other processes < {QUIET_CORES} cores (profile and runs), else not comparable"
     for n in sorted({r["ranks"] for r in sim}):
         mine = [r for r in sim if r["ranks"] == n]
@@ -642,12 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tables", action="store_true", help="print the README's tables from results.json")
     parser.add_argument("--reproduce", choices=list(SIZES),
                         help="every part at this size; results, figures, summary.json in --work")  # fmt: skip
-    parser.add_argument(
-        "--planner", type=Path, help="a pipe_planner.py to use instead of hpcdl's (under review)"
-    )
     args = parser.parse_args(argv)
     if args.reproduce:
-        # the size's keys name the constants above that the parts read (RANKS, GRANULES, ...)
+        # the size's keys name the constants above that the parts read (RANKS, BATCH, ...)
         globals().update({key.upper(): value for key, value in SIZES[args.reproduce].items()}, OUT=args.work)
         args.parts = list(PARTS)
         args.work.mkdir(parents=True, exist_ok=True)
@@ -663,10 +618,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             part = globals()[f"part_{name}"]
             results[name] = (
-                part(args.work) if name in ("profile", "units", "plan") else part(args.work, results["plan"])
+                part(args.work) if name in ("profile", "plan") else part(args.work, results["plan"])
             )
             results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
-            results["sizes"] = {"ranks": list(RANKS), "granule": GRANULE, "granules": GRANULES,
+            results["sizes"] = {"ranks": list(RANKS), "batch": BATCH, "profile_sizes": list(PROFILE_SIZES),
                                 "steps": STEPS, "repeats": REPEATS, "depth": DEPTH, "network": NETWORK,
                                 "speed": SPEED, "real": REAL}  # fmt: skip
             results_path.write_text(json.dumps(results, indent=1) + "\n")
