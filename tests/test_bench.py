@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.bench import main
+from hpcdl.bench.train import KFAC_PARTS
 from hpcdl.errors import ConfigError
 
 KEYS = {"impl", "model", "batch", "samples_per_s", "step_s"}
@@ -175,3 +176,20 @@ def test_ops_rows_and_their_toml_read_as_a_cost_tables_op_rows(
         (r["op"], r["dims"], r["seconds"]) for r in rows
     ]
     assert "bench ops: K-FAC's ops" in capsys.readouterr().out
+
+
+def test_train_with_kfac_splits_its_share_beside_sgd_in_one_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "train.json"
+    args = ["train", "--config", "digits-mlp", "--set", "optimizer.name=kfac", "--set", "kfac.inv_every=2",
+            "--repeat", "2", "--steps", "2", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    kfac, sgd = json.loads(out.read_text())
+    assert (kfac["impl"], sgd["impl"]) == ("hpcdl-kfac", "hpcdl") and "kfac_s" not in sgd
+    parts = [kfac[f"{p}_s"] for p in KFAC_PARTS]
+    assert sum(parts) == pytest.approx(kfac["kfac_s"], rel=1e-9, abs=1e-12)
+    assert kfac["kfac_s"] <= kfac["step_mean_s"] + 1e-9
+    assert kfac["kfac_steps"] == 4 and kfac["inversions"] == 2  # t = 3 .. 6 measured: 4 and 6 decompose
+    assert kfac["bytes_factors_per_step"] == kfac["bytes_eigen_per_step"] == kfac["bytes_grads_per_step"] == 0
+    assert "K-FAC's share per step" in capsys.readouterr().out

@@ -1,4 +1,15 @@
-"""``bench train``: data-parallel training throughput under mpiexec, beside PyTorch DDP."""
+"""``bench train``: data-parallel training throughput under mpiexec, beside PyTorch DDP.
+
+With ``--set optimizer.name=kfac`` every K-FAC row (``hpcdl-kfac``) has an SGD twin (``hpcdl``:
+the same config with ``optimizer.name = "sgd"``, the same momentum and weight decay) stepping
+in the same interleaved repetitions, and the K-FAC row splits K-FAC's share of a step (its
+:class:`~hpcdl.parallel.kfac.DistributedKfac`'s times, on the world's clock) per rank: factor
+collection (in forward and backward), the factors' exchange, folding, eigendecomposition (on
+the steps ``t mod kfac.inv_every = 0`` among those measured, so amortised over them), the
+eigenbases' broadcast, preconditioning, the preconditioned gradients' broadcast, the update,
+and the rest of the optimizer's slot (``other``: loops, buffers); the parts add up to the
+share (:data:`KFAC_PARTS`), means over the measured steps, with the bytes K-FAC sent.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +28,13 @@ from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential
 from hpcdl.parallel import Strategy, strategy_class
 
-__all__ = ["add_parser", "run", "bench_train"]
+__all__ = ["add_parser", "run", "bench_train", "KFAC_PARTS"]
+
+#: K-FAC's share of a step, in parts that add up to it: factor collection in forward and
+#: backward, then the optimizer's slot (``kfac.seconds["step"]``) cut into the rest
+KFAC_PARTS = ("factors", "exchange", "fold", "decompose", "broadcast_eigen", "precondition",
+              "broadcast_grads", "update", "other")  # fmt: skip
+_COUNTERS = ("bytes_factors", "bytes_eigen", "bytes_grads", "steps", "inversions")
 
 
 def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Strategy, Callable[[], dict[str, float]], Any]:
@@ -74,9 +91,44 @@ def _measure(comm: Communicator, step: Callable[[], dict], steps: int) -> dict[s
     comm.Barrier()
     t0 = wtime()
     parts: list[dict[str, float]] = [step() for _ in range(steps)]
-    elapsed = comm.allreduce(wtime() - t0, op=ops.MAX) / steps
+    own = wtime() - t0
+    elapsed = comm.allreduce(own, op=ops.MAX) / steps
     mean = {k: float(np.mean([p[k] for p in parts])) for k in ("compute_s", "comm_s", "exposed_comm_s")}
-    return {"step_s": elapsed, **mean}
+    return {"step_s": elapsed, "own_s": own, **mean}
+
+
+def _kfac_update(strategy: Strategy) -> Any:
+    """The strategy's distributed K-FAC (:class:`~hpcdl.parallel.kfac.DistributedKfac`), or None."""
+    update = getattr(strategy, "update", None)
+    return update if hasattr(update, "inversions") else None
+
+
+def _kfac_snapshot(update: Any) -> dict[str, float]:
+    return {**update.kfac.seconds, **{c: getattr(update, c) for c in _COUNTERS}}
+
+
+def _kfac_split(comm: Communicator, update: Any, spent: dict[str, float], own_s: float) -> dict[str, Any]:
+    """K-FAC's share per measured step on every rank (:data:`KFAC_PARTS`), from the differences
+    ``spent`` of its counters over the measured steps, and this rank's own time in them."""
+    steps = max(int(spent["steps"]), 1)
+    slot = spent["step"]
+    mine = {p: spent[p] / steps for p in KFAC_PARTS[:-1]}
+    mine["other"] = (slot - sum(spent[p] for p in KFAC_PARTS[1:-1])) / steps
+    mine = {f"{p}_s": v for p, v in mine.items()}
+    mine["kfac_s"] = (spent["factors"] + slot) / steps
+    mine["step_mean_s"] = own_s / steps  # this rank's mean step over the same steps (the share lies inside)
+    by_rank = comm.allgather(mine)
+    sent = {c: comm.allreduce(int(spent[c]), op=ops.SUM) / steps for c in _COUNTERS[:3]}
+    return {
+        **by_rank[0],
+        "split_rank": 0,
+        "kfac_by_rank": by_rank,
+        "kfac_steps": int(spent["steps"]),
+        "inversions": int(spent["inversions"]),
+        "inv_every": update.kfac.inv_every,
+        "grad_workers": update.k,
+        **{f"{c}_per_step": v for c, v in sent.items()},  # summed over the ranks
+    }
 
 
 def bench_train(
@@ -127,18 +179,27 @@ def _bench_train(
     variants: dict[str, Any] = {}
     worlds: dict[str, Communicator | None] = {}  # the world each implementation runs in
     model = batch = None
+    kfac = cfg["optimizer.name"] == "kfac"
     for comp in dict.fromkeys(compressions or [cfg["exchange.compression"]]):
-        variant = load_config(config, [*sets, f'exchange.compression="{comp}"'])
-        name = "hpcdl" if comp == "none" else f"hpcdl-{comp}"
-        strategies[name], impls[name], b = _hpcdl_stepper(variant, comm)
-        variants[name], worlds[name] = variant, comm
-        if watchdog == "both":  # the same steps in MPI's own world, without the watchdog
-            unwatched = f"{name}-nowatch"
-            with use_world(None) as raw:
-                strategies[unwatched], impls[unwatched], _ = _hpcdl_stepper(variant, raw)
-            variants[unwatched], worlds[unwatched] = variant, None
-        if model is None:
-            model, batch = strategies[name].model, b
+        base = "hpcdl" if comp == "none" else f"hpcdl-{comp}"
+        wire = f'exchange.compression="{comp}"'
+        # K-FAC beside its SGD twin (the same momentum and weight decay), interleaved
+        twins = (
+            {f"{base}-kfac": [*sets, wire], base: [*sets, wire, 'optimizer.name="sgd"']}
+            if kfac
+            else {base: [*sets, wire]}
+        )
+        for name, twin_sets in twins.items():
+            variant = load_config(config, twin_sets)
+            strategies[name], impls[name], b = _hpcdl_stepper(variant, comm)
+            variants[name], worlds[name] = variant, comm
+            if watchdog == "both":  # the same steps in MPI's own world, without the watchdog
+                unwatched = f"{name}-nowatch"
+                with use_world(None) as raw:
+                    strategies[unwatched], impls[unwatched], _ = _hpcdl_stepper(variant, raw)
+                variants[unwatched], worlds[unwatched] = variant, None
+            if model is None:
+                model, batch = strategies[name].model, b
     if vs == "torch-ddp":
         try:
             import torch  # noqa: F401
@@ -150,10 +211,20 @@ def _bench_train(
         with use_world(worlds[name]) as here:
             _measure(here, step, 3)  # warm-up
     results: dict[str, list[dict[str, float]]] = {k: [] for k in impls}
+    updates = {k: u for k, s in strategies.items() if (u := _kfac_update(s)) is not None}
+    spent: dict[str, dict[str, float]] = {k: {} for k in updates}  # K-FAC's counters over the measured steps
     for _ in range(repeat):
         for name, step in impls.items():
+            before = _kfac_snapshot(updates[name]) if name in updates else None
             with use_world(worlds[name]) as here:
                 results[name].append(_measure(here, step, steps))
+            if before is not None:
+                for key, value in _kfac_snapshot(updates[name]).items():
+                    spent[name][key] = spent[name].get(key, 0.0) + value - before[key]
+    splits = {}
+    for name, update in updates.items():
+        with use_world(worlds[name]) as here:
+            splits[name] = _kfac_split(here, update, spent[name], sum(r["own_s"] for r in results[name]))
     for name, strategy in strategies.items():  # free what they hold, in the world each ran in
         with use_world(worlds[name]):
             strategy.close()
@@ -180,8 +251,13 @@ def _bench_train(
                 "exchange": cfg["exchange.name"] if name != "torch-ddp" else "ddp",
                 "stall_s": cfg["debug.stall_s"] if worlds[name] is not None and watchdog != "off" else 0.0,
                 "repeat": repeat,
+                **splits.get(name, {}),
             }
         )
+    for r in rows:  # K-FAC's step against its SGD twin's
+        twin = next((t for t in rows if t["impl"] == r["impl"].replace("-kfac", "", 1)), None)
+        if "kfac_s" in r and twin is not None and twin is not r:
+            r["sgd_step_s"], r["vs_sgd"] = twin["step_s"], r["step_s"] / twin["step_s"]
     return rows
 
 
@@ -201,6 +277,25 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         }
         print(f"{r['impl']:<16}{r['samples_per_s']:>11.0f}{1e3 * r['step_s']:>9.2f}{ms['compute_s']:>12}"
               f"{ms['comm_s']:>9}{ms['exposed_comm_s']:>9}{ratio:>8}")  # fmt: skip
+    for r in rows:
+        if "kfac_s" in r:
+            print_split(r)
+
+
+def print_split(r: dict[str, Any]) -> None:
+    """K-FAC's share of a step, rank by rank, and what it sent."""
+    print(
+        f"{r['impl']}: K-FAC's share per step (ms, means over {r['kfac_steps']} steps, {r['inversions']} of "
+        f"them decomposing: inv_every {r['inv_every']}; grad_workers {r['grad_workers']})"
+    )
+    heads = ("factors", "exchange", "fold", "eigh", "bc eigen", "precond", "bc grads", "update", "other")
+    print("rank" + "".join(f"{h:>10}" for h in heads) + f"{'K-FAC':>9}{'step':>9}")
+    for rank, split in enumerate(r["kfac_by_rank"]):
+        cells = "".join(f"{1e3 * split[p + '_s']:>10.2f}" for p in KFAC_PARTS)
+        print(f"{rank:<4}{cells}{1e3 * split['kfac_s']:>9.2f}{1e3 * split['step_mean_s']:>9.2f}")
+    sgd = f"; SGD's step {1e3 * r['sgd_step_s']:.2f} ms ({r['vs_sgd']:.2f}x)" if "vs_sgd" in r else ""
+    kib = ", ".join(f"{c.removeprefix('bytes_')} {r[c + '_per_step'] / 1024:.1f}" for c in _COUNTERS[:3])
+    print(f"K-FAC's step {1e3 * r['step_s']:.2f} ms (median){sgd}; KiB sent per step, all ranks: {kib}")
 
 
 def add_parser(sub: Any) -> None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,22 +145,22 @@ class _Collector:
         if phase == "backward" and self.kfac.collecting:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
-                t0 = time.perf_counter()
+                t0 = self.kfac.clock()
                 rows = x.shape[0] * (x.shape[2] * x.shape[3] if x.ndim == 4 else 1)  # B or B*T
                 with hooks.op("factor", rows, entry.dims[1]):
                     _add(entry, "batch_G", _g_factor(layer, x))
-                self.kfac.seconds["factors"] += time.perf_counter() - t0
+                self.kfac.seconds["factors"] += self.kfac.clock() - t0
 
     def after(self, phase: str, layer: Layer, y: Any) -> None:
         if phase == "forward" and self.kfac.collecting:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
-                t0 = time.perf_counter()
+                t0 = self.kfac.clock()
                 rows = layer._x.shape[0] if isinstance(layer, Linear) else layer._cols.shape[1]  # B or B*T
                 with hooks.op("factor", rows, entry.dims[0]):
                     _add(entry, "batch_A", _a_factor(layer))
                 entry.micro += 1
-                self.kfac.seconds["factors"] += time.perf_counter() - t0
+                self.kfac.seconds["factors"] += self.kfac.clock() - t0
 
 
 def _add(entry: KfacLayer, attr: str, value: Any) -> None:
@@ -261,8 +261,11 @@ class KFAC(Optimizer):
             raise ValueError("K-FAC needs a Linear or Conv2d layer; the model has none")
         self.by_layer = {id(e.layer): e for e in self.layers}
         self.observer = _Collector(self)
-        #: seconds spent so far (a monotonic counter; for benchmarks): collecting factors (in
-        #: forward and backward), folding them, decomposing, preconditioning, updating
+        #: the clock of :attr:`seconds`: a monotonic counter here; a distributed step hands in
+        #: ``hpcdl.comm.wtime`` (virtual in the simulator), so that all of K-FAC's times share one clock
+        self.clock: Callable[[], float] = time.perf_counter
+        #: seconds spent so far (for benchmarks): collecting factors (in forward and backward),
+        #: folding them, decomposing, preconditioning, updating
         self.seconds = dict.fromkeys(("factors", "fold", "decompose", "precondition", "update"), 0.0)
 
     # -- when ----------------------------------------------------------------------------
@@ -300,7 +303,7 @@ class KFAC(Optimizer):
             HpcdlError: a factor is not finite (the same on every rank of a distributed step:
                 the factors were averaged); the run stops as a non-finite loss stops it.
         """
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self.batch_factors()  # means over micro-steps, if not taken yet
         decay = self.factor_decay
         for e in self.layers:
@@ -314,7 +317,7 @@ class KFAC(Optimizer):
                     running += running.dtype.type(1 - decay) * batch
             e.batch_A = e.batch_G = None
             e.micro = 0
-        self.seconds["fold"] += time.perf_counter() - t0
+        self.seconds["fold"] += self.clock() - t0
         bad = next((e.name for e in self.layers if not _finite(e.A) or not _finite(e.G)), None)
         if bad is not None:
             raise HpcdlError(
@@ -327,27 +330,27 @@ class KFAC(Optimizer):
         e = self.layers[index]
         if e.A is None:
             raise RuntimeError(f"K-FAC: layer {e.name} has no factors to decompose yet")
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with hooks.op("eigh", e.A.shape[0]):
             e.QA, e.dA = eigen(e.A)
         with hooks.op("eigh", e.G.shape[0]):
             e.QG, e.dG = eigen(e.G)
-        self.seconds["decompose"] += time.perf_counter() - t0
+        self.seconds["decompose"] += self.clock() - t0
 
     def precondition(self, index: int) -> Any:
         """Layer ``index``'s preconditioned gradient matrix P (kept for :meth:`apply`)."""
         e = self.layers[index]
-        t0 = time.perf_counter()
+        t0 = self.clock()
         d_in, d_out = e.dims
         with hooks.op("precondition", d_out, d_in):
             e.grad = preconditioned(e.gradient(), e.QA, e.dA, e.QG, e.dG, self.damping)
-        self.seconds["precondition"] += time.perf_counter() - t0
+        self.seconds["precondition"] += self.clock() - t0
         return e.grad
 
     def apply(self) -> None:
         """KL clipping over the preconditioned gradients, then SGD's update with them in place of
         the covered layers' gradients (their ``.grad`` left as it was); ``t`` advances."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         lr = self.lr
         nu = 1.0
         if self.kl_clip > 0:
@@ -372,7 +375,7 @@ class KFAC(Optimizer):
             for param, grad in kept:
                 param.grad = grad
         self.t = self.sgd.t
-        self.seconds["update"] += time.perf_counter() - t0
+        self.seconds["update"] += self.clock() - t0
 
     def step(self) -> None:
         """One process's whole step: fold the factors, decompose when due, precondition every

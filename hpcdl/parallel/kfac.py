@@ -147,9 +147,16 @@ class DistributedKfac:
         dims = [e.dims for e in kfac.layers]
         self.costs = [float(a) ** 3 + float(g) ** 3 for a, g in dims]
         self.owner = assign(self.costs, self.n)
+        #: bytes this rank sent: the factors' allreduce, eigenbases (as a root), preconditioned gradients
         self.bytes_factors = self.bytes_eigen = self.bytes_grads = 0
-        kfac.seconds.setdefault("exchange", 0.0)  # the factors' allreduce (wtime: virtual in the simulator)
-        kfac.seconds.setdefault("broadcast", 0.0)  # eigenbases and preconditioned gradients
+        #: steps taken, and those that decomposed (``t mod inv_every = 0``)
+        self.steps = self.inversions = 0
+        # every time of K-FAC's on one clock, the world's (virtual in the simulator): beside the
+        # optimizer's own parts, the factors' allreduce, the two broadcasts and the whole slot
+        # (``step``: the optimizer's part of a step, less factor collection in forward and backward)
+        kfac.clock = wtime
+        for key in ("exchange", "broadcast_eigen", "broadcast_grads", "step"):
+            kfac.seconds.setdefault(key, 0.0)
         self._coll = self._col = self._row = self._p2p = None
         if self.n > 1:
             self._p2p = comm.Dup()  # the eigenbases sent to rank 0 before a checkpoint
@@ -166,10 +173,17 @@ class DistributedKfac:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> None:
+        """Average the factors → fold → decompose (own layers) → share eigenbases → precondition
+        (worked-on layers) → share gradients → update; each part timed into ``kfac.seconds``."""
         kfac = self.kfac
+        start = wtime()
+        self.steps += 1
         if self.n == 1:
+            self.inversions += int(kfac.inverting or kfac.layers[0].QA is None)  # as kfac.step() decides
             kfac.step()
+            kfac.seconds["step"] += wtime() - start
             return
+        self.inversions += int(kfac.inverting)
         t0 = wtime()
         self._average(kfac.batch_factors())
         kfac.seconds["exchange"] += wtime() - t0
@@ -182,7 +196,7 @@ class DistributedKfac:
             for i in range(len(kfac.layers)):
                 if self.works_on(i) and self.k > 1:
                     self._share_eigen(i)
-            kfac.seconds["broadcast"] += wtime() - t0
+            kfac.seconds["broadcast_eigen"] += wtime() - t0
         for i, e in enumerate(kfac.layers):
             if self.works_on(i):
                 kfac.precondition(i)
@@ -192,10 +206,11 @@ class DistributedKfac:
             if self.per > 1:
                 t0 = wtime()
                 self._row.Bcast(e.grad, root=self.owner[i] % self.per)
-                kfac.seconds["broadcast"] += wtime() - t0
+                kfac.seconds["broadcast_grads"] += wtime() - t0
                 if self.works_on(i):
                     self.bytes_grads += e.grad.nbytes * (self.per - 1)
         kfac.apply()
+        kfac.seconds["step"] += wtime() - start
 
     def _average(self, factors: list[Any]) -> None:
         """Average this step's batch factors over the ranks (nothing when none were collected)."""
