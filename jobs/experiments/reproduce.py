@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -51,6 +52,23 @@ def row(
     verdict = "not comparable" if holds is None else "holds" if holds else "does not hold"
     return {"figure": figure, "quantity": quantity, "measured": measured, "target": target,
             "verdict": verdict, "rule": rule}  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    """The environment of an experiment's runs: one BLAS and OpenMP thread per process."""
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def sets(items: list[str]) -> list[str]:
+    """``key=value`` items as ``--set`` arguments, a value that is not a number, a boolean or a
+    list quoted as a TOML string."""
+    out = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if value and not re.fullmatch(r"[-+0-9.e]+|true|false|\[.*\]", value):
+            value = json.dumps(value)  # a TOML string
+        out += ["--set", f"{key}={value}"]
+    return out
 
 
 def write_summary(work: Path, experiment: str, size: str, rows: list[dict[str, Any]], **extra: Any) -> Path:

@@ -41,7 +41,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -54,8 +53,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from reproduce import QUIET_CORES, other_cores, row, write_summary  # noqa: E402
+from reproduce import QUIET_CORES, env, other_cores, row, sets, write_summary  # noqa: E402
 
+#: the parts bench train splits K-FAC's share of a step into (its JSON's ``<part>_s`` keys)
+SPLIT_PARTS = ("factors", "exchange", "fold", "decompose", "broadcast_eigen", "precondition",
+               "broadcast_grads", "update", "other")  # fmt: skip
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 PARTS = ("look", "grid", "wall", "split", "profile", "sim")
@@ -105,20 +107,6 @@ SIZES: dict[str, dict[str, Any]] = {
               "networks": ["eth10g"], "grid": False},
 }  # fmt: skip
 OUT = HERE  # where results.json and the figures go (--reproduce: --work)
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-
-
-def sets(items: list[str]) -> list[str]:
-    out = []
-    for item in items:
-        key, _, value = item.partition("=")
-        if value and not re.fullmatch(r"[-+0-9.e]+|true|false|\[.*\]", value):
-            value = json.dumps(value)  # a TOML string
-        out += ["--set", f"{key}={value}"]
-    return out
 
 
 def tag(settings: list[str]) -> str:
@@ -647,20 +635,7 @@ def tables(results: dict[str, Any]) -> str:
                     f"| {r['ranks']} | {r['network']} | {r['inv_every']} | {r['grad_workers']} | failed |"
                 )
                 continue
-            parts = " | ".join(
-                _ms(k[p + "_s"])
-                for p in (
-                    "factors",
-                    "exchange",
-                    "fold",
-                    "decompose",
-                    "broadcast_eigen",
-                    "precondition",
-                    "broadcast_grads",
-                    "update",
-                    "other",
-                )
-            )
+            parts = " | ".join(_ms(k[p + "_s"]) for p in SPLIT_PARTS)
             kib = " / ".join(
                 f"{k[c] / 1024:,.0f}"
                 for c in ("bytes_factors_per_step", "bytes_eigen_per_step", "bytes_grads_per_step")
@@ -756,20 +731,7 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
                 "a ring's sends; integer division per bucket",
             )
         )
-        parts = sum(
-            k[p + "_s"]
-            for p in (
-                "factors",
-                "exchange",
-                "fold",
-                "decompose",
-                "broadcast_eigen",
-                "precondition",
-                "broadcast_grads",
-                "update",
-                "other",
-            )
-        )
+        parts = sum(k[p + "_s"] for p in SPLIT_PARTS)
         out.append(
             row(
                 f"K-FAC's step, N = {r['ranks']} {r['network']}, inv_every {r['inv_every']}",

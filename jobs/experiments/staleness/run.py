@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import statistics
 import subprocess
@@ -51,6 +50,9 @@ import h5py
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from reproduce import env, sets  # noqa: E402
+
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
 PARTS = ("profile", "scan", "jitter", "straggler", "real", "accuracy", "scale")
@@ -75,20 +77,6 @@ SIZES: dict[str, dict[str, Any]] = {
     "full": {"workers": list(WORKERS), "pushes": 4000, "repeats": 5, "seeds": 3, "epochs": 30},
     "small": {"workers": [1, 4, 16], "pushes": 1000, "repeats": 3, "seeds": 1, "epochs": 30},
 }
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-
-
-def sets(items: list[str]) -> list[str]:
-    out = []
-    for item in items:
-        key, _, value = item.partition("=")
-        if value and not re.fullmatch(r"[-+0-9.e]+|true|false|\[.*\]", value):
-            value = json.dumps(value)  # a TOML string
-        out += ["--set", f"{key}={value}"]
-    return out
 
 
 def train(
