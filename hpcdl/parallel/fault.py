@@ -6,10 +6,11 @@ A *schedule* is a boolean table ``offline[step, rank]`` (steps 0-based, as a str
 * **drawn** (``fault.p > 0``): one stream from ``(seed, "fault")``; at each step, for each
   rank in order, two numbers are drawn whatever the rank's state — ``u`` uniform in [0, 1)
   and a duration ``d`` uniform in ``1..fault.max_duration``. A rank online at ``t`` and at
-  ``t - 1`` (an outage is followed by a step online at least) with ``u < p`` goes offline for steps ``t .. t + d - 1``, unless ``fault.max_concurrent`` ranks are offline
-  already at ``t`` (the draw is skipped). Because every step consumes the same draws, the
-  first ``T`` rows are the same whatever the run's length: the schedule is the same on every
-  rank, without communication, and across a resume (even one that changes ``train.steps``).
+  ``t - 1`` (an outage is followed by a step online at least) with ``u < p`` goes offline for
+  steps ``t .. t + d - 1``, unless ``fault.max_concurrent`` ranks are offline already at
+  ``t`` (the draw is skipped). Because every step consumes the same draws, the first ``T``
+  rows are the same whatever the run's length: the schedule is the same on every rank,
+  without communication, and across a resume (even one that changes ``train.steps``).
 * **a file** (``fault.schedule``): CSV lines ``rank,start,end`` (an optional header line), the
   rank offline at steps ``start .. end`` inclusive.
 

@@ -1,0 +1,31 @@
+"""The ``local`` strategy with its rounds recorded, for the tests (not shipped): loaded as
+``local_recording:RecordingLocal``. Each rank appends, for every round it attends, the step,
+the round's members and contributors, and its weights before and after (packed, copies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpcdl.parallel.local import LocalAveraging
+
+#: rank -> its rounds: (step, members, contributors, weights before, weights after); the
+#: simulator's virtual ranks share one process, so a test sees every rank's (under MPI: its own)
+ROUNDS: dict[int, list[tuple[int, tuple[int, ...], tuple[int, ...], np.ndarray, np.ndarray]]] = {}
+
+
+def packed(arrays: list[Any]) -> np.ndarray:
+    return np.concatenate([np.asarray(a).ravel() for a in arrays])
+
+
+class RecordingLocal(LocalAveraging):
+    """:class:`LocalAveraging` recording its rounds in :data:`ROUNDS`."""
+
+    def average(self, step: int) -> None:
+        members, contributors = self.contributors(step)
+        before = packed(self.arrays)
+        super().average(step)
+        if self.rank in members:
+            after = packed(self.arrays)
+            ROUNDS.setdefault(self.rank, []).append((step, members, contributors, before, after))
