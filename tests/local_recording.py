@@ -29,3 +29,19 @@ class RecordingLocal(LocalAveraging):
         if self.rank in members:
             after = packed(self.arrays)
             ROUNDS.setdefault(self.rank, []).append((step, members, contributors, before, after))
+
+
+def check_rounds(rounds: dict[int, list], tau: int, steps: int) -> dict[int, dict[int, tuple]]:
+    """Every round's members hold the mean of exactly its contributors' weights before it, computed here."""
+    by_step: dict[int, dict[int, tuple]] = {}
+    for rank, mine in rounds.items():
+        for step, members, contributors, before, after in mine:
+            by_step.setdefault(step, {})[rank] = (members, contributors, before, after)
+    assert sorted(by_step) == list(range(tau - 1, steps, tau))
+    for step, ranks in by_step.items():
+        members, contributors, _, _ = next(iter(ranks.values()))
+        assert tuple(sorted(ranks)) == members, (step, sorted(ranks), members)
+        want = np.mean([ranks[r][2] for r in contributors], axis=0)
+        for r in members:
+            np.testing.assert_allclose(ranks[r][3], want, rtol=1e-13, atol=1e-13, err_msg=f"rank {r}, {step}")
+    return by_step

@@ -59,22 +59,6 @@ def _schedule(tmp_path: Path, text: str) -> str:
 SCHEDULE = "rank,start,end\n2,1,4\n0,5,5\n"
 
 
-def check_rounds(rounds: dict[int, list], tau: int, steps: int) -> dict[int, dict[int, tuple]]:
-    """Every round's members hold the mean of exactly its contributors' weights before it, computed here."""
-    by_step: dict[int, dict[int, tuple]] = {}
-    for rank, mine in rounds.items():
-        for step, members, contributors, before, after in mine:
-            by_step.setdefault(step, {})[rank] = (members, contributors, before, after)
-    assert sorted(by_step) == list(range(tau - 1, steps, tau))
-    for step, ranks in by_step.items():
-        members, contributors, _, _ = next(iter(ranks.values()))
-        assert tuple(sorted(ranks)) == members, (step, sorted(ranks), members)
-        want = np.mean([ranks[r][2] for r in contributors], axis=0)
-        for r in members:
-            np.testing.assert_allclose(ranks[r][3], want, rtol=1e-13, atol=1e-13, err_msg=f"rank {r}, {step}")
-    return by_step
-
-
 @pytest.mark.parametrize("rejoin", ["average", "adopt"])
 def test_a_round_gives_its_members_the_mean_of_exactly_the_online_ranks_weights(
     rejoin: str, tmp_path: Path
@@ -83,7 +67,7 @@ def test_a_round_gives_its_members_the_mean_of_exactly_the_online_ranks_weights(
     sets = ["parallel.strategy=local_recording:RecordingLocal", "local.average_every=2",
             f"local.rejoin={rejoin}", _schedule(tmp_path, SCHEDULE)]  # fmt: skip
     sim(3, cfg(*sets), out=tmp_path / "r.h5")
-    by_step = check_rounds(local_recording.ROUNDS, 2, 8)
+    by_step = local_recording.check_rounds(local_recording.ROUNDS, 2, 8)
     members = {s: next(iter(v.values()))[0] for s, v in by_step.items()}
     assert members == {1: (0, 1), 3: (0, 1), 5: (1, 2), 7: (0, 1, 2)}
     contributors = {s: next(iter(v.values()))[1] for s, v in by_step.items()}
