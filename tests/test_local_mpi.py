@@ -61,7 +61,7 @@ def test_a_round_gives_its_members_the_mean_of_exactly_the_online_ranks_weights_
     strategy = "parallel.strategy=local_recording:RecordingLocal"
     sets = [strategy, "local.average_every=2", f"local.rejoin={rejoin}", schedule]
     result = run(cfg(*sets), comm, out=base / "r.h5")
-    offline = result.strategy.faults.offline
+    offline = result.strategy.outages.offline
     tables = comm.gather(offline, root=0)
     rounds = comm.gather(local_recording.ROUNDS.get(comm.Get_rank(), []), root=0)
     if comm.Get_rank() != 0:

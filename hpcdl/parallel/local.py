@@ -54,11 +54,13 @@ from hpcdl.comm.collectives import Collectives
 from hpcdl.comm.pack import Packer
 from hpcdl.components import Declares, Key
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.optim.kfac import KfacLayer, covered_layers
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
 from hpcdl.parallel.conformance import Case, Conformance
 from hpcdl.parallel.fault import FaultModel, fault_model
 from hpcdl.parallel.fault import check as check_faults
 from hpcdl.parallel.kfac import LocalUpdate
+from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.state import Serializer
 from hpcdl.parallel.strategy import (
     Agreement,
@@ -145,6 +147,29 @@ class LocalAveraging(LockstepStrategy):
                  f"(local.rejoin = {cfg['local.rejoin']!r})",)  # fmt: skip
         return Placement(cls.name, ranks, cfg["data.batch_size"], notes=notes)
 
+    @classmethod
+    def memory(
+        cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int
+    ) -> list[RankMemory]:
+        """Every rank: the model, its gradients and optimizer state (K-FAC's factors and eigenbases
+        too), the rounds' buckets (a packed copy of the weights), the evaluation's copy of its own
+        weights, and one batch's activations or an evaluation's (of its share of the test set)."""
+        nbytes, largest = probe.parameters()
+        act = probe.activations()
+        share = -(-test_size // placement.width)
+        parts = {**model_parts(cfg, nbytes, largest), "rounds": nbytes if placement.world > 1 else 0,
+                 "evaluation copy": nbytes if placement.world > 1 else 0}  # fmt: skip
+        if cfg["optimizer.name"] == "kfac":
+            dims = [KfacLayer(layer, layer.name).dims for layer in covered_layers(probe.model)]
+            parts["kfac"] = probe.dtype.itemsize * sum(3 * (a * a + g * g) + a + g for a, g in dims)
+        one = RankMemory(
+            "worker",
+            parts,
+            tuple([(f, s, "a batch") for f, s in act.step] + evaluation(act, min(eval_batch, share))),
+            cfg["data.batch_size"],
+        )
+        return [one] * placement.world
+
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         cfg = ctx.cfg
@@ -162,7 +187,7 @@ class LocalAveraging(LockstepStrategy):
         self.update = LocalUpdate(self.optimizer)  # K-FAC too: every factor and eigenbasis the rank's own
         self.average_factors = bool(cfg["kfac.average_factors"]) and hasattr(self.optimizer, "layers")
         #: the schedule of outages (None: every rank always online)
-        self.faults: FaultModel | None = fault_model(cfg, self.world, ctx.total_steps)
+        self.outages: FaultModel | None = fault_model(cfg, self.world, ctx.total_steps)
         self.loss_fn = SoftmaxCrossEntropy()
         # what a round averages: the parameters, then BatchNorm's floating statistics
         params = [p.data for p in self.model.parameters()]
@@ -187,7 +212,7 @@ class LocalAveraging(LockstepStrategy):
     # -- a step ------------------------------------------------------------------------------
     def online(self, step: int) -> tuple[int, ...]:
         """The ranks online at step ``step`` (0-based)."""
-        return self.faults.online(step) if self.faults is not None else tuple(range(self.world))
+        return self.outages.online(step) if self.outages is not None else tuple(range(self.world))
 
     def meets_after(self, step: int) -> bool:
         """The ranks meet (metrics, stop vote) after each round's step."""
