@@ -9,6 +9,7 @@ default momentum and weight decay, are the conformance suite's: ``tests/strategi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import local_recording
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 from simulated import sim
 
 from hpcdl.config import load_config
+from hpcdl.parallel import local
 from hpcdl.parallel.fault import fault_model
 from hpcdl.store.checkpoint import list_checkpoints, load_checkpoint
 
@@ -61,12 +63,25 @@ SCHEDULE = "rank,start,end\n2,1,4\n0,5,5\n"
 
 @pytest.mark.parametrize("rejoin", ["average", "adopt"])
 def test_a_round_gives_its_members_the_mean_of_exactly_the_online_ranks_weights(
-    rejoin: str, tmp_path: Path
+    rejoin: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    made: list[tuple[int, tuple[int, ...]]] = []
+    original = local.subcomm
+
+    def subcomm(comm: Any, ranks: Any) -> Any:
+        made.append((comm.Get_rank(), tuple(ranks)))
+        return original(comm, ranks)
+
+    monkeypatch.setattr(local, "subcomm", subcomm)
     local_recording.ROUNDS.clear()
     sets = ["parallel.strategy=local_recording:RecordingLocal", "local.average_every=2",
             f"local.rejoin={rejoin}", _schedule(tmp_path, SCHEDULE)]  # fmt: skip
-    sim(3, cfg(*sets), out=tmp_path / "r.h5")
+    results = sim(3, cfg(*sets), out=tmp_path / "r.h5")
+    # one communicator per online set, made by its members at its first round (the set (0, 1)
+    # meets twice), never by the others; all freed at the end
+    assert sorted(made) == [(0, (0, 1)), (0, (0, 1, 2)), (1, (0, 1)), (1, (0, 1, 2)), (1, (1, 2)),
+                            (2, (0, 1, 2)), (2, (1, 2))]  # fmt: skip
+    assert all(not r.strategy.groups for r in results)
     by_step = local_recording.check_rounds(local_recording.ROUNDS, 2, 8)
     members = {s: next(iter(v.values()))[0] for s, v in by_step.items()}
     assert members == {1: (0, 1), 3: (0, 1), 5: (1, 2), 7: (0, 1, 2)}
