@@ -118,7 +118,14 @@ class LocalAveraging(LockstepStrategy):
     """
 
     name = "local"
-    keys = ("local.",)
+    #: its section, and the exchange's keys its rounds read (bucket size, allreduce algorithm)
+    keys = (
+        "local.",
+        "exchange.bucket_mb",
+        "exchange.algorithm",
+        "exchange.auto_table",
+        "exchange.auto_threshold_kb",
+    )
     faults = True
     declares = DECLARES
     cannot_honour = {
@@ -193,7 +200,7 @@ class LocalAveraging(LockstepStrategy):
         params = [p.data for p in self.model.parameters()]
         dtype = params[0].dtype
         self.arrays = params + [b for _, b in self.model.named_buffers() if b.dtype == dtype]
-        self.bucket_bytes = max(1, round(cfg["exchange.bucket_mb"] * 2**20))
+        self.bucket_bytes = round(cfg["exchange.bucket_mb"] * 2**20) or None  # 0: one bucket
         self.buckets = Buckets(self.arrays, self.bucket_bytes)
         self._factor_buckets: Buckets | None = None
         self.algorithm: str = cfg["exchange.algorithm"]  # sync's choice of allreduce, for the rounds
