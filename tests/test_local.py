@@ -19,6 +19,7 @@ from simulated import sim
 from hpcdl.config import load_config
 from hpcdl.parallel import local
 from hpcdl.parallel.fault import fault_model
+from hpcdl.simulate import main as simulate
 from hpcdl.store.checkpoint import list_checkpoints, load_checkpoint
 
 BASE = ["dtype=float64", "model.width=32", "train.steps=8", "schedule.name=constant", "schedule.scale=none",
@@ -132,3 +133,25 @@ def test_the_schedule_and_the_rounds_are_the_same_across_a_resume(tmp_path: Path
     assert np.array_equal(fault_model(c, 3, 4).offline, fault_model(c, 3, 8).offline[:4])
     members = {m for v in whole.values() for _, m, _ in v}
     assert len(members) > 1, "the draw made no outage at a round: the test would check nothing"
+
+
+def test_a_resume_under_a_schedule_file_changed_before_the_checkpoint_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    schedule = _schedule(tmp_path, SCHEDULE)
+    sets = [*BASE, "parallel.strategy=local", "local.average_every=2", schedule, "checkpoint.every=4"]
+    out = tmp_path / "r.h5"
+    sim(3, load_config("digits-mlp", [*sets, "train.stop_at=4"]), out=out)
+    (tmp_path / "faults.csv").write_text("rank,start,end\n1,1,4\n")  # rank 1, not 2, at steps 1-4
+    before = {p.name: p.read_bytes() for p in sorted(tmp_path.iterdir()) if p.name.startswith("r.")}
+    given = [a for s in sets for a in ("--set", s)]
+    capsys.readouterr()
+    code = simulate(["-n", "3", "-m", "hpcdl.train", "--config", "digits-mlp", *given, "--out", str(out),
+                     "--resume", "auto", "--progress", "none"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "another fault schedule up to its step 4" in err, err
+    assert {p.name: p.read_bytes() for p in sorted(tmp_path.iterdir()) if p.name.startswith("r.")} == before
+    # only the steps before the checkpoint count: a file changed after them continues the run
+    (tmp_path / "faults.csv").write_text("rank,start,end\n2,1,4\n1,6,7\n")
+    done = sim(3, load_config("digits-mlp", sets), out=out, resume="auto")
+    assert done[0].steps == 8

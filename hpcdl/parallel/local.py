@@ -41,7 +41,8 @@ small MLP still trains to sync's accuracy at equal samples while skipping 3 of 4
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -53,6 +54,7 @@ from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives
 from hpcdl.comm.pack import Packer
 from hpcdl.components import Declares, Key
+from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
 from hpcdl.optim.kfac import KfacLayer, covered_layers
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
@@ -208,6 +210,7 @@ class LocalAveraging(LockstepStrategy):
         #: online set -> (its communicator, hpcdl's collectives over it), made at its first round
         self.groups: dict[tuple[int, ...], tuple[Communicator, Collectives]] = {}
         self.rounds = 0  # rounds this rank attended
+        self.done = 0  # steps done
         self.bytes_sent = 0
         self._agree = np.zeros(10)
         if self.world > 1:  # rank 0's weights, whatever the others built (as sync)
@@ -227,6 +230,7 @@ class LocalAveraging(LockstepStrategy):
 
     def step(self, step: int) -> StepStats:
         """Batch → forward/backward → this rank's own update; after every τ-th step, the round."""
+        self.done = step + 1
         indices = self.batches.next()
         self.optimizer.lr = self.lr(step)
         x, y = self.ctx.batch(indices)
@@ -317,14 +321,44 @@ class LocalAveraging(LockstepStrategy):
     def serialize(self, s: Serializer) -> None:
         """This rank's replica and optimizer state (a piece of its own), its BatchNorm statistics,
         sampler position, random streams and counters."""
-        s.piece(f"replica {self.rank}", model=self.model, optimizer=self.optimizer)
+        s.piece(f"replica {self.rank}", model=self.model, optimizer=self.optimizer,
+                meta={"outages": self._outages_digest(self.done)}, check=self._check_outages)  # fmt: skip
         s.own_buffers(self.model)
         s.random(self.ctx)
         s.stateful("sampler", self.sampler)
-        counters = s.value("local", {"rounds": self.rounds, "bytes_sent": self.bytes_sent})
+        counters = s.value(
+            "local", {"rounds": self.rounds, "bytes_sent": self.bytes_sent, "steps": self.done}
+        )
         self.rounds, self.bytes_sent = int(counters["rounds"]), int(counters["bytes_sent"])
+        self.done = int(counters["steps"])
         if s.loading:
             self.batches.restart()
+
+    def _outages_digest(self, steps: int) -> dict[str, Any]:
+        """The schedule's first ``steps`` rows, digested: what a checkpoint's outages must agree with
+        (the fit keys name a schedule file, not its contents)."""
+        table = np.zeros((steps, self.world), dtype=bool)
+        if self.outages is not None:
+            known = self.outages.offline[:steps]
+            table[: len(known)] = known
+        digest = hashlib.sha256(np.packbits(table).tobytes() + f"{steps},{self.world}".encode()).hexdigest()
+        return {"steps": steps, "digest": digest[:16]}
+
+    def _check_outages(self, pieces: Mapping[str, Mapping[str, Any]]) -> None:
+        """Refuse a checkpoint written under another fault schedule up to its step (a schedule file
+        whose contents changed).
+
+        Raises:
+            ConfigError: naming the file.
+        """
+        for piece in pieces.values():
+            theirs = piece.get("meta", {}).get("outages")
+            if theirs is not None and theirs != self._outages_digest(int(theirs["steps"])):
+                raise ConfigError(
+                    f"it was written under another fault schedule up to its step {theirs['steps']} "
+                    f"(fault.schedule = {self.ctx.cfg['fault.schedule']!r} changed?): resume with the "
+                    "schedule it ran with, or start a new run"
+                )
 
     def close(self) -> None:
         """Free the online sets' communicators (collective over each set's members, in the order
