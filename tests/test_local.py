@@ -155,3 +155,14 @@ def test_a_resume_under_a_schedule_file_changed_before_the_checkpoint_is_refused
     (tmp_path / "faults.csv").write_text("rank,start,end\n2,1,4\n1,6,7\n")
     done = sim(3, load_config("digits-mlp", sets), out=out, resume="auto")
     assert done[0].steps == 8
+
+
+def test_a_round_averages_batchnorms_running_statistics_too(tmp_path: Path) -> None:
+    local_recording.ROUNDS.clear()
+    cnn = ["model.name=cnn", "model.channels=4", "optimizer.name=adam", "optimizer.lr=0.003"]
+    sets = ["parallel.strategy=local_recording:RecordingLocal", "local.average_every=2", *cnn]
+    results = sim(3, cfg(*sets, _schedule(tmp_path, SCHEDULE)), out=tmp_path / "r.h5")
+    strategy = results[0].strategy
+    buffers = [b for _, b in strategy.model.named_buffers() if b.dtype == np.float64]
+    assert buffers and len(strategy.arrays) == len(strategy.model.parameters()) + len(buffers)
+    local_recording.check_rounds(local_recording.ROUNDS, 2, 8)  # over parameters and statistics

@@ -138,6 +138,28 @@ class LocalAveraging(LockstepStrategy):
             "local": Case({"local.average_every": 1}, reference=sync_on_as_many_ranks, tolerance=1e-10),
             "faults": Case({"local.average_every": 2, "fault.p": 0.3, "fault.max_duration": 3}),
             "adopt": Case({"local.average_every": 3, "local.rejoin": "adopt", "fault.p": 0.3}),
+            # K-FAC's own factors in each replica's piece, averaged in the rounds
+            "kfac": Case(
+                {
+                    "optimizer.name": "kfac",
+                    "optimizer.lr": 0.02,
+                    "kfac.inv_every": 2,
+                    "kfac.average_factors": True,
+                    "local.average_every": 2,
+                    "fault.p": 0.3,
+                }
+            ),
+            # BatchNorm statistics averaged in the rounds, each rank's dropout stream, Adam's moments
+            "batchnorm": Case(
+                {
+                    "model.name": "cnn",
+                    "model.channels": 4,
+                    "model.dropout": 0.3,
+                    "optimizer.name": "adam",
+                    "optimizer.lr": 0.003,
+                    "fault.p": 0.3,
+                }
+            ),
         },
         parameters=mean_of_replicas,
     )
