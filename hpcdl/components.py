@@ -47,9 +47,14 @@ STRATEGIES: dict[str, str] = {
     "sync": "hpcdl.parallel.sync:SyncDataParallel",
     "ps": "hpcdl.parallel.ps:ParameterServer",
     "pipeline": "hpcdl.parallel.pipeline:Pipeline",
+    "local": "hpcdl.parallel.local:LocalAveraging",
 }
 #: components every run has whatever its strategy: ``module:attribute`` of their :class:`Declares`
-SHARED: tuple[str, ...] = ("hpcdl.optim:DECLARES", "hpcdl.parallel.exchange:DECLARES")
+SHARED: tuple[str, ...] = (
+    "hpcdl.optim:DECLARES",
+    "hpcdl.parallel.exchange:DECLARES",
+    "hpcdl.parallel.fault:DECLARES",
+)
 #: the entry-point group an installed package registers its strategies under (name = ``module:Class``)
 ENTRY_POINTS = "hpcdl.strategies"
 

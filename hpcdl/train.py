@@ -31,6 +31,7 @@ from hpcdl.driver.settle import PlanInputs, settle
 from hpcdl.errors import ConfigError
 from hpcdl.optim import scaled_lr
 from hpcdl.parallel import strategy_class
+from hpcdl.parallel.fault import fault_model
 from hpcdl.parallel.strategy import ignored_keys
 from hpcdl.rng import generator
 from hpcdl.store.checkpoint import checkpoint_run_file
@@ -161,6 +162,9 @@ def print_plan(cfg: Config, world_size: int) -> None:
 
     model = _PlanModel(cfg, data)
     lines = strategy_class(cfg["parallel.strategy"]).describe(cfg, placement, model)
+    faults = fault_model(cfg, world_size, total)
+    if faults is not None:
+        lines = [*lines, *([""] if lines else []), *faults.summary()]
     memory = plan_lines(estimate(cfg, placement, data, model()), read_limits())
     print(placement.table())
     if lines:

@@ -61,6 +61,10 @@ DECLARES = Declares(
             "one rank per layer, its preconditioned gradient broadcast)",
             minimum=0,
         ),
+        "kfac.average_factors": Key(
+            bool, False, "kfac under parallel.strategy = 'local': average the running factors in each "
+            "round too (false: each rank's own, heterogeneous and outdated)",
+        ),
         "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0, below=1.0),
         "optimizer.beta2": Key(float, 0.999, "adam: second-moment decay", minimum=0.0, below=1.0),
         "optimizer.eps": Key(float, 1e-8, "adam: denominator epsilon", above=0.0),

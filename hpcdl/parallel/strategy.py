@@ -96,9 +96,16 @@ def check_keys(cfg: Any) -> None:
             (:attr:`Strategy.cannot_honour`).
     """
     name = cfg["parallel.strategy"]
-    for key, why in strategy_class(name).cannot_honour.items():
+    cls = strategy_class(name)
+    for key, why in cls.cannot_honour.items():
         if cfg.is_set(key):
             raise ConfigError(f"{key} = {cfg[key]!r} with parallel.strategy = {name!r}: {why}")
+    if not cls.faults:
+        for key in [k for k in cfg.changed() if k.startswith("fault.")]:
+            raise ConfigError(
+                f"{key} = {cfg[key]!r} with parallel.strategy = {name!r}: it does not model faults "
+                "(hpcdl.parallel.fault); use parallel.strategy = 'local'"
+            )
 
 
 def ignored_keys(cfg: Any) -> list[str]:
@@ -412,6 +419,9 @@ class Strategy:
     #: keys of other strategies whose meaning this one cannot give, set to anything but the
     #: default -> why not and what to set instead: refused (:func:`check_keys`)
     cannot_honour: ClassVar[dict[str, str]] = {}
+    #: True when the strategy honours the instability model's ``fault.*`` keys
+    #: (:mod:`hpcdl.parallel.fault`); the others refuse them (:func:`check_keys`)
+    faults: ClassVar[bool] = False
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
