@@ -35,9 +35,10 @@ demo: $(VENV)/.installed
 
 test: test-serial test-mpi
 
-# the serial tests on every core (pytest-xdist; each test still one process, no MPI)
+# the serial tests on every core (pytest-xdist; each test still one process, no MPI; a file's
+# tests in one worker: the real-Slurm tests share one cluster per file)
 test-serial: $(VENV)/.installed-test
-	$(PY) -m pytest -q -n auto -m "not mpi and not slow" tests
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not mpi and not slow" tests
 
 test-mpi: $(VENV)/.installed-test
 	MPIEXEC=$(MPIEXEC) PYTHON=$(PY) bash tests/run_mpi.sh 2 -m "mpi and not slow" tests
