@@ -223,3 +223,15 @@ def test_grad_workers_move_the_preconditioning_and_not_the_eigendecompositions(t
     assert of(one, "eigh") == of(every, "eigh") == [[(7,), (9,)], [(10,), (4,), (4,), (3,)]]
     assert of(one, "precondition") == [[(9, 7)], [(4, 10), (3, 4)]]  # MEM-OPT: the owner alone
     assert of(every, "precondition") == [[(9, 7), (4, 10), (3, 4)]] * 2  # COMM-OPT: every rank
+
+
+@pytest.mark.parametrize(("mb", "buckets"), [(0.0, 1), (25.0, 1), (1e-6, None)])
+def test_the_factors_bucket_size_follows_the_exchanges_rule(mb: float, buckets: int | None) -> None:
+    """``exchange.bucket_mb = 0`` is one bucket for the factors too (it was one per byte)."""
+    got = sim(2, load_config("digits-mlp", [*COMMON, f"exchange.bucket_mb={mb}", "train.steps=1"]))
+    factors = got[0].strategy.update._buckets
+    count = len(factors)
+    if buckets is None:  # a bucket a factor: each factor is larger than a byte
+        assert count == len(got[0].strategy.update.kfac.layers) * 2
+    else:
+        assert count == buckets

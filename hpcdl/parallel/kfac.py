@@ -130,7 +130,7 @@ class DistributedKfac:
         kfac: the rank's :class:`~hpcdl.optim.kfac.KFAC` (the same model on every rank).
         comm: the data-parallel ranks.
         workers: ``kfac.grad_workers`` (0: every rank).
-        bucket_mb: the factors' bucket size for the allreduce.
+        bucket_mb: the factors' bucket size for the allreduce (0: one bucket, as the exchange's).
         algorithm: hpcdl's allreduce algorithm for the factors.
 
     Raises:
@@ -163,7 +163,7 @@ class DistributedKfac:
             self._coll = Collectives(comm, algorithm=algorithm)
             dtype = kfac.params[0].data.dtype
             shapes = [s for a, g in dims for s in ((a, a), (g, g))]
-            self._buckets = Buckets(shapes, max(1, round(bucket_mb * 2**20)), dtype)
+            self._buckets = Buckets(shapes, round(bucket_mb * 2**20) or None, dtype)  # 0: one bucket
             self._col = comm.Split(self.rank % self.per, self.rank)  # a layer's workers
             self._row = comm.Split(self.rank // self.per, self.rank)  # a worker's block
 
