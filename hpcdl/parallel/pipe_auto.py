@@ -99,6 +99,7 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
     model, data = inputs.model(), inputs.data()
     sizes: list[tuple[int, tuple[float, ...]]] = []
     accumulate = gather = 0.0
+    profiled: dict[int, dict[str, LayerCost]] = {}  # size -> costs, when rank 0 profiles
     if cfg["pipeline.profile"]:
         costs, source = load_cost_table(cfg["pipeline.profile"]), str(cfg["pipeline.profile"])
     else:
@@ -109,7 +110,6 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
                 "or a run file made with profile.layers = true"
             )
         ladder = profile_sizes(batch, min(m * batch, len(data.y_train)))
-        profiled = {}
         for size in ladder:
             x = np.asarray(data.x_train[:size], dtype=cfg["dtype"])
             profiled[size] = profile_costs(inputs.model(), x, np.asarray(data.y_train[:size]))
@@ -119,7 +119,7 @@ def settle_plan(cfg: Any, world: int, inputs: Any) -> dict[str, Any]:
     measured_at = {c.batch for c in costs.values() if c.batch}  # a table's one size is the reference
     ref = measured_at.pop() if len(measured_at) == 1 else batch
     infos = layer_infos(model, data.input_shape, ref, costs)
-    for size, measured in ({} if cfg["pipeline.profile"] else profiled).items():
+    for size, measured in profiled.items():
         if size != batch:
             zero = LayerCost(0.0, 0.0)
             sizes.append((size, tuple(sum(astuple(measured.get(x.name, zero))[:2]) for x in infos)))

@@ -188,9 +188,7 @@ class CostModel:
     def layer_times(self, samples: float) -> np.ndarray:
         """Each layer's ``τ_l`` at a microbatch of ``samples`` (the module's "layer costs")."""
         bs, ts = self._bs, self._ts  # type: ignore[attr-defined]
-        if samples <= bs[0]:  # below the smallest size (or at it): in proportion
-            return ts[0] * (samples / bs[0])
-        if len(bs) == 1:
+        if samples <= bs[0] or len(bs) == 1:  # at or below the smallest size, or one size: in proportion
             return ts[0] * (samples / bs[0])
         if samples >= bs[-1]:
             slope = np.maximum((ts[-1] - ts[-2]) / (bs[-1] - bs[-2]), 0.0)
