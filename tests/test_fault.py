@@ -99,7 +99,7 @@ def test_bad_fault_input_is_refused_in_one_line_with_nothing_written(
     assert said in line, line
 
 
-@pytest.mark.parametrize("strategy", ["ps", "pipeline", "sync"])
+@pytest.mark.parametrize("strategy", ["ps", "pipeline"])
 def test_fault_keys_with_a_strategy_that_does_not_model_faults_are_refused(
     strategy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

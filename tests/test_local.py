@@ -166,3 +166,33 @@ def test_a_round_averages_batchnorms_running_statistics_too(tmp_path: Path) -> N
     buffers = [b for _, b in strategy.model.named_buffers() if b.dtype == np.float64]
     assert buffers and len(strategy.arrays) == len(strategy.model.parameters()) + len(buffers)
     local_recording.check_rounds(local_recording.ROUNDS, 2, 8)  # over parameters and statistics
+
+
+@pytest.mark.parametrize("rejoin", ["average", "adopt"])
+def test_the_run_file_has_the_online_mask_group_sizes_and_each_members_divergence(
+    rejoin: str, tmp_path: Path
+) -> None:
+    import h5py  # noqa: PLC0415
+
+    local_recording.ROUNDS.clear()
+    sets = ["parallel.strategy=local_recording:RecordingLocal", "local.average_every=2",
+            f"local.rejoin={rejoin}", _schedule(tmp_path, SCHEDULE)]  # fmt: skip
+    sim(3, cfg(*sets), out=tmp_path / "r.h5")
+    with h5py.File(tmp_path / "r.h5") as f:
+        online, divergence = f["ranks/online"][...], f["ranks/divergence"][...]
+        group_size = f["metrics/group_size"][...]
+    outages = fault_model(cfg(*sets), 3, 8)
+    assert outages is not None
+    np.testing.assert_array_equal(online, ~outages.offline)
+    np.testing.assert_array_equal(group_size, [np.nan, 2, np.nan, 2, np.nan, 2, np.nan, 3])
+    # each member's distance from the mean of the contributors' weights before the round, relative
+    want = np.full((8, 3), np.nan)
+    for rank, mine in local_recording.ROUNDS.items():
+        for step, _, contributors, before, _ in mine:
+            mean = np.mean([b for r, m in local_recording.ROUNDS.items() for s, _, _, b, _ in m
+                            if s == step and r in contributors], axis=0)  # fmt: skip
+            want[step, rank] = np.linalg.norm(before - mean) / np.linalg.norm(mean)
+    assert np.isnan(want).sum() == 24 - 9  # 2 + 2 + 2 + 3 members
+    np.testing.assert_allclose(divergence, want, rtol=1e-10)
+    if rejoin == "average":  # (adopt: a lone contributor is its own mean)
+        assert (divergence[np.isfinite(divergence)] > 0).all()

@@ -62,7 +62,9 @@ DECLARES = Declares(
             minimum=0,
         ),
         "kfac.average_factors": Key(
-            bool, False, "kfac under parallel.strategy = 'local': average the running factors in each "
+            bool,
+            False,
+            "kfac under parallel.strategy = 'local': average the running factors in each "
             "round too (false: each rank's own, heterogeneous and outdated)",
         ),
         "optimizer.beta1": Key(float, 0.9, "adam: first-moment decay", minimum=0.0, below=1.0),

@@ -14,9 +14,23 @@ A *schedule* is a boolean table ``offline[step, rank]`` (steps 0-based, as a str
 * **a file** (``fault.schedule``): CSV lines ``rank,start,end`` (an optional header line), the
   rank offline at steps ``start .. end`` inclusive.
 
-Nothing here communicates or keeps state: a strategy asks :func:`fault_model` once, at build.
-Which strategies honour the model is theirs to say (:attr:`hpcdl.parallel.Strategy.faults`);
-the others refuse ``fault.*`` (:func:`hpcdl.parallel.strategy.check_keys`).
+The model itself neither communicates nor keeps state: a strategy asks :func:`fault_model`
+once, at build. Which strategies honour it is theirs to say
+(:attr:`hpcdl.parallel.Strategy.faults`); the others refuse ``fault.*``
+(:func:`hpcdl.parallel.strategy.check_keys`). ``local`` leaves offline ranks out of its
+averaging rounds; ``sync`` — the baseline that cannot leave anyone out — makes them
+:class:`HoldBack` their contribution, so the others wait.
+
+**Sync under faults: the wait model.** A rank offline at step ``t`` holds back its gradients
+for one step's time ``h`` before its exchange finishes (:func:`hpcdl.comm.sleep`, a real sleep
+under MPI and the virtual clock moved in the simulator); the other ranks wait in the
+collective. The step counter goes on as if nothing happened: an outage costs time, not
+samples. So a run of ``T`` steps takes ``Σ_t s_t + h · |{t : some rank offline at t}|``
+(:func:`sync_wait_s`): ranks offline at the same step hold back at the same time, and an
+outage of ``d`` steps costs ``d · h``. ``h`` is ``fault.step_s``, or (0) measured on the fly:
+the wall time of the rank's last step at which no rank was offline, from the step's start
+to the end of its update — before the first such step, the time of the step so far
+(forward and backward: the exchange is not in it yet).
 """
 
 from __future__ import annotations
@@ -28,11 +42,23 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.components import Declares, Key
+from hpcdl.comm import sleep, wtime
+from hpcdl.components import Declares, Key, Plot
 from hpcdl.errors import ConfigError
 from hpcdl.rng import generator
 
-__all__ = ["DECLARES", "FAULT_KEYS", "FaultModel", "check", "draw", "fault_model", "read_schedule"]
+__all__ = [
+    "DECLARES",
+    "FAULT_KEYS",
+    "FaultModel",
+    "HoldBack",
+    "check",
+    "draw",
+    "fault_model",
+    "faults_figure",
+    "read_schedule",
+    "sync_wait_s",
+]
 
 #: the fault model's config section (a shared component: every run has it, off by default)
 DECLARES = Declares(
@@ -56,8 +82,17 @@ DECLARES = Declares(
         "fault.schedule": Key(
             str, "", "a CSV file of outages 'rank,start,end' (steps, inclusive) instead of drawing them"
         ),
+        "fault.step_s": Key(
+            float,
+            0.0,
+            "sync under faults: seconds an offline rank holds back its gradients per step offline "
+            "(0: its last fault-free step's wall time, measured on the fly)",
+            minimum=0.0,
+        ),
     },  # fmt: skip
+    # fault.step_s moves time, not the trajectory: a resume may change it
     fit_keys=("fault.p", "fault.max_duration", "fault.max_concurrent", "fault.schedule"),
+    plots=(Plot("faults", lambda runs: faults_figure(runs)),),  # noqa: PLW0108 (defined below)
 )
 #: the keys of the section
 FAULT_KEYS: tuple[str, ...] = tuple(DECLARES.keys)
@@ -224,3 +259,117 @@ def fault_model(cfg: Any, world: int, steps: int) -> FaultModel | None:
         return FaultModel(offline)
     p, longest = cfg["fault.p"], cfg["fault.max_duration"]
     return FaultModel(draw(cfg["seed"], world, steps, p, longest, cap(cfg, world)))
+
+
+def sync_wait_s(offline: np.ndarray, hold_s: float) -> float:
+    """The wait model's extra time (module docstring): ``hold_s`` for each step at which some rank
+    is offline (``offline[step, rank]``)."""
+    return hold_s * int(np.asarray(offline).any(axis=1).sum()) if np.size(offline) else 0.0
+
+
+class HoldBack:
+    """Sync under faults: this rank's outages as time (the module docstring's wait model).
+
+    The strategy calls :meth:`begin` when a step starts, :meth:`hold` just before its
+    exchange finishes (it sleeps when the rank is offline at that step) and :meth:`end` after
+    the update (it measures a fault-free step).
+
+    Args:
+        model: the run's schedule.
+        rank: this rank.
+        step_s: the hold per offline step; 0: measured on the fly.
+    """
+
+    def __init__(self, model: FaultModel, rank: int, step_s: float = 0.0) -> None:
+        self.model, self.rank, self.step_s = model, rank, step_s
+        self.measured: float | None = None  # the last fault-free step's wall time
+        self._start = 0.0
+        self.held = 0.0  # seconds held back at the current step
+
+    def online(self, step: int) -> bool:
+        """Whether this rank is online at ``step``."""
+        return self.model.is_online(step, self.rank)
+
+    def begin(self, step: int) -> None:
+        """A step starts."""
+        self._start = wtime()
+        self.held = 0.0
+
+    def hold(self, step: int) -> float:
+        """Before the exchange finishes: offline at ``step``, sleep one step's time; the seconds held."""
+        if self.online(step):
+            return 0.0
+        h = self.step_s or (self.measured if self.measured is not None else wtime() - self._start)
+        sleep(h)
+        self.held = h
+        return h
+
+    def end(self, step: int) -> None:
+        """After the update: a step at which every rank was online is the measured step time."""
+        if len(self.model.online(step)) == self.model.world:
+            self.measured = wtime() - self._start
+
+
+#: most runs whose schedule the figure draws (the accuracy panel has them all)
+_RASTERS = 8
+
+
+def faults_figure(runs: list[tuple[Any, str]]) -> Any:
+    """The report's ``faults.png``: each run's offline schedule as a raster (rank × samples
+    processed, dark: offline; ``ranks/online``) above the runs' test accuracy against samples
+    processed — runs compare at equal samples — and, for runs with rounds (``local``), the
+    members' median divergence from the round's mean. None when no run has ``ranks/online``.
+
+    Args:
+        runs: ``(run, label)`` pairs (:class:`hpcdl.report.Run`: ``ranks``, ``metrics``, ``samples``).
+    """
+    with_mask = [(r, n) for r, n in runs if "online" in r.ranks and len(r.ranks["online"])]
+    if not with_mask:
+        return None
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (the report's, at draw time only)
+
+    shown = [(r, n) for r, n in with_mask if (r.ranks["online"] == 0).any()][:_RASTERS]
+    diverging = [(r, n) for r, n in with_mask if np.isfinite(r.ranks.get("divergence", [[np.nan]])).any()]
+    heights = [min(2.0, 0.4 + 0.08 * r.ranks["online"].shape[1]) for r, _ in shown] + [3.0] * (
+        1 + bool(diverging)
+    )
+    fig, axes = plt.subplots(len(heights), 1, figsize=(9, sum(heights) + 0.6), sharex=True,
+                             height_ratios=heights, squeeze=False)  # fmt: skip
+    axes = axes[:, 0]
+
+    def x_of(run: Any) -> np.ndarray:
+        got = run.samples if run.samples is not None else run.metrics["step"] + 1
+        return np.asarray(got, dtype=np.float64)
+
+    for ax, (run, name) in zip(axes, shown):
+        offline = run.ranks["online"] == 0  # steps, ranks
+        x = x_of(run)
+        first = x[0] - (x[1] - x[0] if len(x) > 1 else x[0])
+        ax.imshow(offline.T, aspect="auto", cmap="Greys", interpolation="nearest", vmin=0, vmax=1,
+                  extent=(first, x[len(offline) - 1], offline.shape[1] - 0.5, -0.5))  # fmt: skip
+        ax.set_ylabel("rank", fontsize="small")
+        ax.set_title(f"{name}: offline {offline.mean():.1%} of rank-steps (dark: offline)", fontsize="small")
+    acc = axes[len(shown)]
+    for run, name in runs:
+        m = run.metrics
+        ok = np.isfinite(m.get("test_accuracy", np.array([])))
+        if ok.any():
+            frac = float((run.ranks["online"] == 0).mean()) if "online" in run.ranks else 0.0
+            acc.plot(x_of(run)[ok], 100 * m["test_accuracy"][ok], "o-", ms=3,
+                     label=f"{name} (offline {frac:.1%})")  # fmt: skip
+    acc.set_ylabel("test accuracy (%)")
+    acc.grid(alpha=0.3)
+    acc.legend(fontsize="small")
+    if diverging:
+        ax = axes[-1]
+        for run, name in diverging:
+            d = run.ranks["divergence"]
+            rounds = np.isfinite(d).any(axis=1)
+            median = np.array([np.median(row[np.isfinite(row)]) for row in d[rounds]])
+            ax.plot(x_of(run)[: len(d)][rounds], median, lw=1, label=name)
+        ax.set_yscale("log")
+        ax.set_ylabel("divergence ‖w_r − w̄‖/‖w̄‖\n(members' median, before a round)", fontsize="small")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small")
+    axes[-1].set_xlabel("training samples processed")
+    return fig

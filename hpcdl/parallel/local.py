@@ -24,6 +24,13 @@ round it attends after missing the previous one (it was offline at step ``s - τ
   and the sum is divided by the members that stayed (one allreduce: the group sends it the
   average as it averages); when every member is returning, all contribute.
 
+**What the run file gets** beyond sync's: ``ranks/online`` (1 when the rank is online at the
+step, 0 offline), ``ranks/divergence`` (at a round, each member's ``‖w_r − w̄‖ / ‖w̄‖`` before
+averaging, ``w`` its weights and BatchNorm statistics and ``w̄`` the group's mean; NaN at
+other steps and for the ranks not in the round) and ``metrics/group_size`` (the round's
+members; NaN at the steps without a round). The fault model's figure
+(:func:`hpcdl.parallel.fault.faults_figure`) draws them.
+
 The ranks' driver meetings (the metrics' allreduce, the stop vote, checkpoints, evaluation)
 are the experiment's bookkeeping, not modelled traffic: every rank takes part, offline or
 not. The loss and accuracy rows are means over the ranks that trained (all of them).
@@ -95,6 +102,8 @@ DECLARES = Declares(
         ),
     },  # fmt: skip
     fit_keys=("local.average_every", "local.rejoin"),
+    metrics={"group_size": np.float64},
+    series={"online": "online (1) or offline (0)", "divergence": "divergence from the round's mean"},
 )
 
 
@@ -130,6 +139,7 @@ class LocalAveraging(LockstepStrategy):
     )
     faults = True
     declares = DECLARES
+    rank_series = ("online", "divergence")
     cannot_honour = {
         "exchange.accumulate": "a local step is one batch per rank (raise data.batch_size instead)",
     }
@@ -234,6 +244,7 @@ class LocalAveraging(LockstepStrategy):
         self.rounds = 0  # rounds this rank attended
         self.done = 0  # steps done
         self.bytes_sent = 0
+        self.divergence = float("nan")  # this rank's at the last round it attended
         self._agree = np.zeros(10)
         if self.world > 1:  # rank 0's weights, whatever the others built (as sync)
             packer = Packer(params)
@@ -261,12 +272,19 @@ class LocalAveraging(LockstepStrategy):
             loss, correct = forward_backward(self.model, self.loss_fn, x, y)
         self.update.step()
         comm_s = 0.0
-        if (step + 1) % self.tau == 0 and self.world > 1:
+        self.divergence = float("nan")
+        if self.round_after(step):
             t0 = wtime()
             self.average(step)
             comm_s = wtime() - t0
+        series = {"online": float(self.rank in self.online(step)), "divergence": self.divergence}
         return StepStats(loss=loss, correct=correct, samples=len(indices), lr=self.optimizer.lr,
-                         comm_s=comm_s, exposed_s=comm_s, bytes_sent=self.bytes_sent)  # fmt: skip
+                         comm_s=comm_s, exposed_s=comm_s, bytes_sent=self.bytes_sent,
+                         series=series)  # fmt: skip
+
+    def round_after(self, step: int) -> bool:
+        """Whether a round follows step ``step`` (every τ-th, with more than one rank)."""
+        return (step + 1) % self.tau == 0 and self.world > 1
 
     def contributors(self, step: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The round after step ``step``: its members (the online ranks) and those whose weights are
@@ -284,10 +302,12 @@ class LocalAveraging(LockstepStrategy):
             return
         self.rounds += 1
         if len(members) == 1:
+            self.divergence = 0.0
             return  # alone: its average is its own weights
         sub, coll = self._group(members)
         mine = self.rank in contributors
-        self._allreduce(self.buckets, self.arrays, coll, mine, len(contributors), len(members))
+        self.divergence = self._allreduce(self.buckets, self.arrays, coll, mine, len(contributors),
+                                          len(members), diverge=True)  # fmt: skip
         if self.average_factors:
             factors = [f for e in self.optimizer.layers for f in (e.A, e.G)]
             if all(f is not None for f in factors):  # the same on every rank: all step alike
@@ -296,19 +316,32 @@ class LocalAveraging(LockstepStrategy):
                 self._allreduce(self._factor_buckets, factors, coll, mine, len(contributors), len(members))
 
     def _allreduce(self, buckets: Buckets, arrays: list[Any], coll: Collectives, mine: bool,
-                   contributors: int, members: int) -> None:  # fmt: skip
-        """Sum ``arrays`` over the group bucket by bucket (zeros from a non-contributor), then scale."""
-        reqs = []
+                   contributors: int, members: int, diverge: bool = False) -> float:  # fmt: skip
+        """Sum ``arrays`` over the group bucket by bucket (zeros from a non-contributor), then scale.
+
+        Returns:
+            With ``diverge``, ``‖own − mean‖ / ‖mean‖`` of the arrays before the round; else NaN.
+        """
+        reqs, own = [], []
         for b in range(len(buckets)):
             buf = buckets.pack_bucket(b, arrays)
+            if diverge:
+                own.append(buf.copy())
             if not mine:
                 buf[...] = 0
             reqs.append(coll.Iallreduce(buf, buf))
             self.bytes_sent += 2 * buf.nbytes * (members - 1) // members  # a ring's bytes sent
         for r in reqs:
             r.Wait()
+        apart = norm = 0.0
         for b in range(len(buckets)):
-            buckets.unpack_bucket(b, buckets.buffer(b), arrays, 1.0 / contributors)
+            total = buckets.buffer(b)
+            if diverge:
+                mean = total / contributors
+                apart += float(((own[b] - mean) ** 2).sum())
+                norm += float((mean**2).sum())
+            buckets.unpack_bucket(b, total, arrays, 1.0 / contributors)
+        return (apart / norm) ** 0.5 if diverge and norm > 0 else float("nan")
 
     def _group(self, members: tuple[int, ...]) -> tuple[Communicator, Collectives]:
         """The communicator of ``members`` and its collectives, made at their first round (members only)."""
@@ -321,8 +354,12 @@ class LocalAveraging(LockstepStrategy):
 
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
-        """The steps' mean loss and batch accuracy over the ranks, and the stop votes: one allreduce."""
-        return mean_over_contributors(self.comm, stats, stop, self._agree)
+        """The steps' mean loss and batch accuracy over the ranks, and the stop votes: one allreduce;
+        each step's round size from the schedule (every rank knows it)."""
+        agreed = mean_over_contributors(self.comm, stats, stop, self._agree)
+        for step, row in zip(range(self.done - len(stats), self.done), agreed.rows):
+            row["group_size"] = float(len(self.online(step))) if self.round_after(step) else float("nan")
+        return agreed
 
     def evaluate(self) -> tuple[float, float]:
         """The mean of all ranks' weights and BatchNorm statistics on the whole test set (sharded

@@ -104,7 +104,7 @@ def check_keys(cfg: Any) -> None:
         for key in [k for k in cfg.changed() if k.startswith("fault.")]:
             raise ConfigError(
                 f"{key} = {cfg[key]!r} with parallel.strategy = {name!r}: it does not model faults "
-                "(hpcdl.parallel.fault); use parallel.strategy = 'local'"
+                "(hpcdl.parallel.fault); use parallel.strategy = 'local' (or 'sync', which waits)"
             )
 
 
@@ -403,8 +403,9 @@ class Strategy:
     #: True for a :class:`FreeRunningStrategy` (set by the two kinds, read by benchmarks and the report)
     runs_free: ClassVar[bool] = False
     #: the strategy's own per-rank series (``ranks/``), from ``StepStats.series`` (a row per
-    #: step) or, running free, ``PhaseStats.series`` (a row per meeting)
-    rank_series: ClassVar[tuple[str, ...]] = ()
+    #: step) or, running free, ``PhaseStats.series`` (a row per meeting); a strategy may set
+    #: its instance's in ``__init__`` when a run has more (sync under faults: ``online``)
+    rank_series: tuple[str, ...] = ()
     #: config keys this strategy reads and the driver's common ones are not: a key, or a
     #: section as ``"pipeline."``; set under another strategy they would do nothing, so the
     #: driver says so once (:func:`ignored_keys`)

@@ -5,6 +5,12 @@ backward its gradients are packed into buckets and summed with the other ranks' 
 ``[exchange]`` keys: bucketed or one flat allreduce, compression, accumulation), and every
 rank applies the same update. The ranks meet every step: the step's mean loss and the stop
 vote travel in one small allreduce.
+
+Under the instability model's ``fault.*`` keys (:mod:`hpcdl.parallel.fault`) sync is the
+baseline that cannot leave a rank out: a rank offline at a step holds back its gradients for
+a step's time before its exchange finishes, and the others wait in the collective
+(:class:`~hpcdl.parallel.fault.HoldBack`); the trajectory is the fault-free run's, the time
+is not. ``ranks/online`` and ``ranks/held_s`` record the schedule and the holds.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from hpcdl.optim.kfac import KfacLayer, covered_layers
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
 from hpcdl.parallel.conformance import Case, Conformance
+from hpcdl.parallel.fault import HoldBack, fault_model
+from hpcdl.parallel.fault import check as check_faults
 from hpcdl.parallel.kfac import assign, grad_workers, make_update
 from hpcdl.parallel.memory import RankMemory, evaluation, model_parts
 from hpcdl.parallel.state import Serializer
@@ -56,6 +64,7 @@ class SyncDataParallel(LockstepStrategy):
 
     name = "sync"
     keys = ("exchange.",)
+    faults = True  # an offline rank holds back its gradients; the others wait (module docstring)
     conformance = Conformance(
         {
             "sync": Case(reference=one_process_on_the_global_batch, tolerance=1e-10),
@@ -69,12 +78,23 @@ class SyncDataParallel(LockstepStrategy):
                     "optimizer.lr": 0.003,
                 }  # fmt: skip
             ),
+            # outages cost time, not samples: the trajectory is the fault-free run's
+            "faults": Case(
+                {"fault.p": 0.3, "fault.max_duration": 3, "fault.step_s": 0.001},
+                reference=one_process_on_the_global_batch,
+                tolerance=1e-10,
+            ),
         }
     )
 
     @classmethod
     def plan(cls, cfg: Any, world: int) -> Placement:
-        """Every rank a worker holding the whole model; rank r reads member r's batches."""
+        """Every rank a worker holding the whole model; rank r reads member r's batches.
+
+        Raises:
+            ConfigError: the ``[fault]`` keys do not fit ``world`` ranks.
+        """
+        check_faults(cfg, world)
         ranks = tuple(RankPlace("worker", "model", r) for r in range(world))
         return Placement(cls.name, ranks, cfg["data.batch_size"], cfg["exchange.accumulate"])
 
@@ -155,10 +175,17 @@ class SyncDataParallel(LockstepStrategy):
         self.batches = Batches(self.sampler)
         self._agree = np.zeros(10)  # mean_over_contributors: 2 (4 k + 1) for a meeting of k = 1 step
         self._note = notes()  # what this rank does, for the stall watchdog's reports
+        outages = fault_model(ctx.cfg, self.comm.Get_size(), ctx.total_steps)
+        #: under faults, this rank's holds (None: no faults); its series go to ranks/
+        self.holdback = HoldBack(outages, ctx.rank, ctx.cfg["fault.step_s"]) if outages else None
+        if self.holdback is not None:
+            self.rank_series = ("online", "held_s")
 
     # -- a step ------------------------------------------------------------------------------
     def step(self, step: int) -> StepStats:
         """Batch -> forward/backward per micro-step (buckets summed during backward) -> exchange -> update."""
+        if self.holdback is not None:
+            self.holdback.begin(step)
         indices = self.batches.next()
         self.optimizer.lr = self.lr(step)
         comm_before, exposed_before = self.exchange.comm_time, self.exchange.exposed_time
@@ -176,10 +203,16 @@ class SyncDataParallel(LockstepStrategy):
                 self.exchange.accumulate()
             loss += micro_loss / self.micro_steps
             correct += micro_correct
+        series: dict[str, float] = {}
+        if self.holdback is not None:
+            self._note["phase"] = "offline (fault.*): holding back the gradients"
+            series = {"online": float(self.holdback.online(step)), "held_s": self.holdback.hold(step)}
         self._note["phase"] = "gradient exchange"
         self.exchange.exchange()  # with buckets in flight since backward: only what is left
         self._note["phase"] = "optimizer step"
         self.update.step()
+        if self.holdback is not None:
+            self.holdback.end(step)
         return StepStats(
             loss=loss,
             correct=correct,
@@ -188,6 +221,7 @@ class SyncDataParallel(LockstepStrategy):
             comm_s=self.exchange.comm_time - comm_before,
             exposed_s=self.exchange.exposed_time - exposed_before,
             bytes_sent=self.exchange.bytes_sent,
+            series=series,
         )
 
     # -- meetings ----------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""``sync`` under the instability model (hpcdl/parallel/fault.py's wait model) on virtual ranks.
+
+A rank offline at a step holds back its gradients for one step's time and the others wait:
+the simulated time is the fault-free run's plus the hold at each step at which some rank is
+offline (concurrent outages overlap, an outage of d steps costs d holds), while the
+trajectory is the fault-free run's bit for bit. ``--compute none``: the steps' times are the
+network model's alone, the same in both runs, so the comparison is the wait model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from simulated import sim
+
+from hpcdl.config import load_config
+from hpcdl.parallel.fault import fault_model, sync_wait_s
+from hpcdl.store.checkpoint import list_checkpoints, load_checkpoint
+
+BASE = ["dtype=float64", "model.width=32", "train.steps=24", "checkpoint.every=0", "train.eval_every=24"]
+HOLD = 0.01  # s: 20-odd times a step's exchange on eth10g, so that the model's terms are visible
+
+
+def cfg(*sets: str) -> object:
+    return load_config("digits-mlp", [*BASE, *sets])
+
+
+def _params(out: Path) -> np.ndarray:
+    pieces = load_checkpoint(list_checkpoints(out)[0]).pieces["model"]["params"]
+    return np.concatenate([np.asarray(pieces[k]).ravel() for k in sorted(pieces)])
+
+
+def _end(out: Path) -> float:
+    with h5py.File(out) as f:
+        return float(f["metrics/time"][-1])
+
+
+def _schedule(tmp_path: Path, text: str) -> str:
+    f = tmp_path / "outages.csv"
+    f.write_text(text)
+    return f'fault.schedule="{f}"'
+
+
+# ranks 1 and 2 offline together at steps 3-6 (one wait per step, not two), rank 0 alone at 10-10,
+# rank 2 again at 15-19: 4 + 1 + 5 = 10 steps with a rank offline
+SCHEDULE = "rank,start,end\n1,3,6\n2,3,6\n0,10,10\n2,15,19\n"
+
+
+@pytest.mark.parametrize("source", ["schedule", "drawn"])
+def test_sync_under_faults_takes_the_wait_models_time_and_the_fault_free_trajectory(
+    source: str, tmp_path: Path
+) -> None:
+    faults = (
+        [_schedule(tmp_path, SCHEDULE)]
+        if source == "schedule"
+        else ["fault.p=0.1", "fault.max_duration=4", "fault.max_concurrent=2"]
+    )
+    sim(3, cfg(), out=tmp_path / "free.h5")
+    sim(3, cfg(*faults, f"fault.step_s={HOLD}"), out=tmp_path / "faults.h5")
+    outages = fault_model(cfg(*faults), 3, 24)
+    assert outages is not None
+    offline_steps = int(outages.offline.any(axis=1).sum())
+    assert offline_steps >= 5 and (source == "drawn" or offline_steps == 10)
+    predicted = _end(tmp_path / "free.h5") + sync_wait_s(outages.offline, HOLD)
+    assert _end(tmp_path / "faults.h5") == pytest.approx(predicted, rel=0.02)
+    # an outage costs time, not samples: the same updates, bit for bit
+    np.testing.assert_array_equal(_params(tmp_path / "faults.h5"), _params(tmp_path / "free.h5"))
+    with h5py.File(tmp_path / "faults.h5") as f:
+        np.testing.assert_array_equal(f["ranks/online"][...], ~outages.offline)
+        np.testing.assert_array_equal(f["ranks/held_s"][...], np.where(outages.offline, HOLD, 0.0))
+        np.testing.assert_array_equal(f["metrics/samples"][...], np.arange(1, 25) * 3 * 32)
+
+
+def test_the_hold_measured_on_the_fly_is_the_last_fault_free_steps_time(tmp_path: Path) -> None:
+    sim(3, cfg(_schedule(tmp_path, SCHEDULE)), out=tmp_path / "r.h5", compute="measured")
+    with h5py.File(tmp_path / "r.h5") as f:
+        held = f["ranks/held_s"][...]
+        wall = f["ranks/compute_time"][...] + f["ranks/comm_time"][...]  # a rank's step, its hold included
+    for step, rank in [(3, 1), (3, 2), (10, 0), (15, 2)]:
+        clean = max(s for s in range(step) if held[s].max() == 0)  # the last step nobody was offline
+        # the hold is that step's time on this rank (from its start to its update's end: the
+        # row's compute + comm, less the meeting's share of comm, which comes after)
+        assert 0.5 * wall[clean, rank] <= held[step, rank] <= wall[clean, rank] + 1e-9, (step, rank)
+    assert (held[~np.isin(np.arange(24), [3, 4, 5, 6, 10, 15, 16, 17, 18, 19])] == 0).all()
+
+
+def test_the_report_draws_each_faulted_runs_schedule_above_the_accuracy_by_samples(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from hpcdl.parallel.fault import faults_figure  # noqa: PLC0415
+    from hpcdl.report import load  # noqa: PLC0415
+    from hpcdl.report import main as report  # noqa: PLC0415
+
+    sets = ["train.eval_every=4"]
+    sim(3, cfg(*sets), out=tmp_path / "free.h5")
+    sim(3, cfg(*sets, _schedule(tmp_path, SCHEDULE), f"fault.step_s={HOLD}"), out=tmp_path / "faults.h5")
+    runs = [(load(tmp_path / "faults.h5"), "faults"), (load(tmp_path / "free.h5"), "free")]
+    fig = faults_figure(runs)
+    try:
+        raster, accuracy = fig.axes[0], fig.axes[1]
+        (image,) = raster.get_images()
+        outages = fault_model(cfg(_schedule(tmp_path, SCHEDULE)), 3, 24)
+        np.testing.assert_array_equal(image.get_array(), outages.offline.T)
+        assert image.get_extent()[1] == 24 * 3 * 32  # the raster on the samples axis
+        lines = accuracy.get_lines()
+        assert outages.offline.sum() == 14  # rank-steps of 72
+        assert [ln.get_label() for ln in lines] == ["faults (offline 19.4%)", "free (offline 0.0%)"]
+        np.testing.assert_array_equal(lines[0].get_xdata(), np.arange(4, 25, 4) * 96)
+    finally:
+        plt.close(fig)
+    assert faults_figure(runs[1:]) is None  # no schedule, no figure
+    assert report([str(tmp_path / "faults.h5"), str(tmp_path / "free.h5"), "--out", f"{tmp_path}/"]) == 0
+    assert (tmp_path / "faults+free-faults.png").stat().st_size > 0
