@@ -74,17 +74,17 @@ def test_sync_under_faults_takes_the_wait_models_time_and_the_fault_free_traject
         np.testing.assert_array_equal(f["metrics/samples"][...], np.arange(1, 25) * 3 * 32)
 
 
-def test_the_hold_measured_on_the_fly_is_the_last_fault_free_steps_time(tmp_path: Path) -> None:
+def test_the_hold_measured_on_the_fly_is_the_previous_step_outside_communication(tmp_path: Path) -> None:
     sim(3, cfg(_schedule(tmp_path, SCHEDULE)), out=tmp_path / "r.h5", compute="measured")
     with h5py.File(tmp_path / "r.h5") as f:
         held = f["ranks/held_s"][...]
-        wall = f["ranks/compute_time"][...] + f["ranks/comm_time"][...]  # a rank's step, its hold included
-    for step, rank in [(3, 1), (3, 2), (10, 0), (15, 2)]:
-        clean = max(s for s in range(step) if held[s].max() == 0)  # the last step nobody was offline
-        # the hold is that step's time on this rank (from its start to its update's end: the
-        # row's compute + comm, less the meeting's share of comm, which comes after)
-        assert 0.5 * wall[clean, rank] <= held[step, rank] <= wall[clean, rank] + 1e-9, (step, rank)
-    assert (held[~np.isin(np.arange(24), [3, 4, 5, 6, 10, 15, 16, 17, 18, 19])] == 0).all()
+        # a rank's step less its communication, its hold included (the driver's compute_time)
+        own = f["ranks/compute_time"][...] - held
+    offline = [(3, 1), (3, 2), (4, 1), (10, 0), (15, 2), (19, 2)]
+    for step, rank in offline:  # the driver's wall is a little wider than the step's own (its bookkeeping)
+        assert 0.8 * own[step - 1, rank] <= held[step, rank] <= own[step - 1, rank], (step, rank)
+    outages = fault_model(cfg(_schedule(tmp_path, SCHEDULE)), 3, 24)
+    np.testing.assert_array_equal(held > 0, outages.offline)  # held at every offline step, and only there
 
 
 def test_the_report_draws_each_faulted_runs_schedule_above_the_accuracy_by_samples(tmp_path: Path) -> None:

@@ -212,7 +212,7 @@ class SyncDataParallel(LockstepStrategy):
         self._note["phase"] = "optimizer step"
         self.update.step()
         if self.holdback is not None:
-            self.holdback.end(step)
+            self.holdback.end(step, self.exchange.comm_time - comm_before)
         return StepStats(
             loss=loss,
             correct=correct,
