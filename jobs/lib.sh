@@ -188,6 +188,42 @@ hpcdl_srun_failure() {
     echo "${tasks/#task /rank } on $node ($how)"
 }
 
+# hpcdl_clean_shm SINCE: remove the MPICH shared-memory segments that a step killed since
+# SINCE (seconds since the epoch) left in /dev/shm. MPICH creates /dev/shm/mpich_shm_<hash>_<n>
+# in MPI_Init and removes it in MPI_Finalize; a rank that is killed (or a step that srun
+# kills) leaves it behind. The name is derived from the PMI world (under srun: the job
+# and step ids), so besides filling the node's memory, a stale segment makes a later step
+# with the same name fail in MPI_Init ("Message truncated"). MPICH's name cannot be
+# computed here, so a segment is taken to be this job's when all of:
+# - owned by this user (the only ones it may remove anyway);
+# - modified after SINCE, the time this job's step started: a segment of an earlier job
+#   is left alone (it is gone with that job's processes, but not ours to judge);
+# - used by no process: not mapped (/proc/*/maps) and not open (/proc/*/fd) by any
+#   process this user can see, i.e. every one of its own. A concurrent job of the same
+#   user that started later than ours has its live ranks mapping its segment, so it is
+#   kept; what is left is stale whoever made it, and MPICH never reattaches to a segment
+#   that no rank holds, other than by the name collision that breaks MPI_Init.
+# Call it after the step has ended (srun returns once every task has exited).
+hpcdl_clean_shm() {
+    local since=$1 seg used removed=()
+    local -a segs=()
+    mapfile -t segs < <(find /dev/shm -maxdepth 1 -type f -name 'mpich_shm_*' -user "$(id -u)" \
+        -newermt "@$since" 2>/dev/null)
+    (( ${#segs[@]} )) || return 0
+    used=$({
+        grep -ho '/dev/shm/mpich_shm_[^ ]*' /proc/[0-9]*/maps
+        find /proc/[0-9]*/fd -lname '/dev/shm/mpich_shm_*' -printf '%l\n'
+    } 2>/dev/null | sort -u) || true  # some of /proc is not ours to read
+    for seg in "${segs[@]}"; do
+        if ! grep -qxF -- "$seg" <<< "$used" && rm -f -- "$seg"; then
+            removed+=("${seg#/dev/shm/}")
+        fi
+    done
+    if (( ${#removed[@]} )); then
+        echo "$(date '+%F %T') removed the shared-memory segments the step left in /dev/shm: ${removed[*]}" >&2
+    fi
+}
+
 # hpcdl_run_status RUN.h5: the run file's root attribute `status` (running, stopped,
 # finished), or "unknown" if the file or the attribute is missing.
 hpcdl_run_status() {

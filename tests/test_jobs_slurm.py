@@ -371,8 +371,14 @@ def _rank_pid(job_id: int, procid: int) -> int | None:
     return None
 
 
+def _shm_segments(pid: int) -> set[str]:
+    """The MPICH shared-memory segments a process has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {m.split(" (deleted)")[0] for m in re.findall(r"/dev/shm/mpich_shm_\S+", maps)}
+
+
 def test_a_killed_rank_ends_the_job_within_seconds(slurm: Cluster) -> None:
-    """SIGKILL a rank mid-run (as the OOM killer does): the job ends within 10 s, naming it."""
+    """SIGKILL a rank mid-run (as the OOM killer does): the job ends within 10 s, names it, drops its shm."""
     job = slurm.sbatch("-n", "2", "--time=5", "--job-name=killed", "jobs/slurm/train.sbatch",
                        "--config", "digits-mlp", "--set", "train.steps=1000000",
                        "--set", "checkpoint.every=0", "--set", "train.log_every=50",
@@ -380,6 +386,10 @@ def test_a_killed_rank_ends_the_job_within_seconds(slurm: Cluster) -> None:
     slurm.wait_for_text(job, "\nstep ", timeout=180)  # training, past MPI_Init and the handlers
     pid = _rank_pid(job, 1)
     assert pid is not None, f"no python process of job {job} with SLURM_PROCID=1"
+    rank0 = _rank_pid(job, 0)
+    assert rank0 is not None
+    segments = _shm_segments(rank0) | _shm_segments(pid)
+    assert segments, "the ranks map no /dev/shm/mpich_shm_* segment: nothing to test the cleanup with"
     # rank 1 stops first, so that rank 0 is left waiting for it in a communication, as in the
     # issue's hang: nothing in MPICH notices the death then. Killed while rank 0 reads its memory
     # (large messages go by process_vm_readv), rank 0 would get an MPI error and hpcdl would abort
@@ -399,3 +409,5 @@ def test_a_killed_rank_ends_the_job_within_seconds(slurm: Cluster) -> None:
     # srun names the killed task, then the others it killed in turn; the script's line names the first
     assert re.search(r"^\S+ \S+ step exit 137, run status \w+, first failed: rank 1 on \S+ \(Killed\)$", log,
                      re.MULTILINE), log[-3000:]  # fmt: skip
+    left = sorted(s for s in segments if Path(s).exists())
+    assert not left, f"job {job} left its shared-memory segments behind: {left}\n{log[-3000:]}"

@@ -229,6 +229,25 @@ check "hpcdl_pbs_attr joins continuation lines" test \
 check "hpcdl_srun_failure: the first task srun reports failed, after the offset" test \
     "$(printf 'srun: error: n1: task 0: Exited with exit code 1\nx\nsrun: error: n2: tasks 2-3: Killed\nsrun: error: n1: task 0: Killed\n' > "$tmp/srun.out"
        hpcdl_srun_failure 49 "$tmp/srun.out")" = "ranks 2-3 on n2 (Killed)"
+# hpcdl_clean_shm SINCE removes this user's mpich_shm_* segments newer than SINCE that no process
+# has open or mapped: here one stale, one held open, one older than SINCE (distinct names, removed after)
+shm=/dev/shm/mpich_shm_hpcdltest$$
+if [[ -d /dev/shm && -w /dev/shm ]]; then
+    touch -d '-1 hour' "${shm}_old"
+    since=$(( $(date +%s) - 60 ))
+    touch "${shm}_stale" "${shm}_held"
+    sleep 60 3< "${shm}_held" &
+    holder=$!
+    hpcdl_clean_shm "$since" 2> "$tmp/clean-shm.out"
+    check "hpcdl_clean_shm removes a stale segment of this job" test ! -e "${shm}_stale"
+    check "hpcdl_clean_shm keeps a segment a process holds" test -e "${shm}_held"
+    check "hpcdl_clean_shm keeps a segment older than the step" test -e "${shm}_old"
+    check "hpcdl_clean_shm says what it removed" grep -q "mpich_shm_hpcdltest$$_stale\$" "$tmp/clean-shm.out"
+    kill "$holder"
+    wait "$holder" 2>/dev/null || true
+    rm -f "${shm}_old" "${shm}_stale" "${shm}_held"
+fi
+
 echo "== slurm: USR1 to the batch shell -> ranks checkpoint -> scontrol requeue"
 reset_logs
 log=$tmp/slurm-usr1.out
