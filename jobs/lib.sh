@@ -57,14 +57,25 @@ hpcdl_check_args() {
 #   the script's early trap) is held and forwarded the same way.
 # - --warn-after: send this shell SIGUSR1 after SECONDS (the walltime timer for
 #   schedulers without a warning signal); the timer is stopped when CMD ends.
-# Sets HPCDL_RC (CMD's exit status) and HPCDL_SIGNAL (the first signal received: USR1,
-# TERM, or empty).
-# shellcheck disable=SC2034  # HPCDL_RC, HPCDL_SIGNAL: read by the caller
+# - --kill-after-failure (srun only): once srun reports a failed task, kill what is left of
+#   the step with SIGKILL if it has not ended SECONDS later (hpcdl_watch_srun).
+# Sets HPCDL_RC (CMD's exit status), HPCDL_SIGNAL (the first signal received: USR1,
+# TERM, or empty), HPCDL_OUTPUT and HPCDL_OUTPUT_SIZE: the file this shell's stderr goes
+# to (the job's output file, which CMD inherits: srun reports failed tasks there) and its
+# size before CMD started, for hpcdl_srun_failure; both empty if it is not a regular file.
+# shellcheck disable=SC2034  # HPCDL_RC, HPCDL_SIGNAL, HPCDL_OUTPUT*: read by the caller
 hpcdl_launch() {
-    local warn_after="" timer=""
-    if [[ "${1:-}" == --warn-after ]]; then
-        warn_after=$2
+    local warn_after="" timer="" kill_after="" watcher=""
+    while [[ "${1:-}" == --warn-after || "${1:-}" == --kill-after-failure ]]; do
+        if [[ "$1" == --warn-after ]]; then warn_after=$2; else kill_after=$2; fi
         shift 2
+    done
+    HPCDL_OUTPUT=$(readlink -f "/proc/$$/fd/2" 2>/dev/null) || HPCDL_OUTPUT=""
+    HPCDL_OUTPUT_SIZE=""
+    if [[ -f "$HPCDL_OUTPUT" && -r "$HPCDL_OUTPUT" ]]; then
+        HPCDL_OUTPUT_SIZE=$(wc -c < "$HPCDL_OUTPUT")
+    else
+        HPCDL_OUTPUT=""
     fi
     HPCDL_SIGNAL="${HPCDL_SIGNAL:-}"
     HPCDL_PID=""
@@ -90,6 +101,10 @@ hpcdl_launch() {
         ) &
         timer=$!
     fi
+    if [[ -n "$kill_after" ]]; then
+        hpcdl_watch_srun "$HPCDL_PID" "$kill_after" "$HPCDL_OUTPUT_SIZE" "$HPCDL_OUTPUT" &
+        watcher=$!
+    fi
     while kill -0 "$HPCDL_PID" 2>/dev/null; do
         if [[ -n "$HPCDL_HELD" ]]; then
             if [[ -e "$HPCDL_READY_FILE" ]]; then
@@ -109,6 +124,10 @@ hpcdl_launch() {
         kill "$timer" 2>/dev/null || true
         wait "$timer" 2>/dev/null || true
     fi
+    if [[ -n "$watcher" ]]; then
+        kill "$watcher" 2>/dev/null || true
+        wait "$watcher" 2>/dev/null || true
+    fi
     trap - USR1 TERM
 }
 
@@ -124,6 +143,85 @@ _hpcdl_forward() {
     fi
     echo "$(date '+%F %T') batch shell got SIG$1: forwarding it to the launcher (pid $HPCDL_PID)" >&2
     kill -"$1" "$HPCDL_PID" 2>/dev/null || true
+}
+
+# hpcdl_watch_srun PID SECONDS SIZE PATH (run in the background by hpcdl_launch): when srun
+# (PID) reports a failed task in PATH after its first SIZE bytes, and has not ended SECONDS
+# later, SIGKILL the step's tasks left on this node. srun's --kill-on-bad-exit ends the step
+# as scancel does: SIGTERM, then SIGKILL after the cluster's KillWait (30 s by default).
+# hpcdl's ranks take SIGTERM as a request to checkpoint at the next step boundary, which a
+# rank waiting for a dead peer never reaches, so without this the job would last KillWait.
+# slurmstepd handles no other signal request (scancel) while it waits out KillWait, so the
+# tasks are killed by pid (scontrol listpids: this node's only; on the job's other nodes
+# they end at KillWait). SECONDS leave a rank that noticed the failure itself the time to
+# record it and abort.
+hpcdl_watch_srun() {
+    local pid=$1 grace=$2 size=$3 path=$4 tasks
+    set +e +o pipefail  # tail ends by SIGPIPE or with srun: only grep's answer counts
+    [[ -n "$path" ]] || return 0
+    tail -c "+$(( size + 1 ))" -s 0.2 --pid="$pid" -f "$path" 2>/dev/null \
+        | grep -m 1 -qE '^srun: error: [^ ]+: tasks? [0-9,-]+: ' || return 0
+    sleep "$grace"
+    kill -0 "$pid" 2>/dev/null || return 0
+    # PID JOBID STEPID LOCALID GLOBALID: the tasks of srun's steps (numbered), not the batch shell's
+    tasks=$(scontrol listpids "$SLURM_JOB_ID" 2>/dev/null | awk '$3 ~ /^[0-9]+$/ { print $1 }')
+    [[ -n "$tasks" ]] || return 0
+    echo "$(date '+%F %T') the step has not ended ${grace} s after a task failed: killing its tasks left on this node (SIGKILL)" >&2
+    # shellcheck disable=SC2086  # one pid per word
+    kill -KILL $tasks 2>/dev/null
+}
+
+# hpcdl_srun_failure SIZE PATH: the first task that srun reported failed in the output
+# written after SIZE bytes of PATH (one step's), as "rank 1 on NODE (Killed)"; nothing
+# if none. srun prints `srun: error: NODE: task(s) LIST: HOW` as the task exits reach it,
+# so the task that failed first comes first; with --kill-on-bad-exit srun then kills the
+# others, which it reports after it as Killed too: only the first line names the culprit.
+# (Under srun, task N is MPI rank N.)
+hpcdl_srun_failure() {
+    local line
+    [[ -n "$2" && -r "$2" ]] || return 0
+    line=$(tail -c "+$(( $1 + 1 ))" "$2" | grep -m 1 -E '^srun: error: [^ ]+: tasks? [0-9,-]+: ') || return 0
+    line=${line#srun: error: }
+    local node=${line%%: *} rest=${line#*: }
+    local tasks=${rest%%: *} how=${rest#*: }
+    tasks=${tasks/#tasks /ranks }
+    echo "${tasks/#task /rank } on $node ($how)"
+}
+
+# hpcdl_clean_shm SINCE: remove the MPICH shared-memory segments that a step killed since
+# SINCE (seconds since the epoch) left in /dev/shm. MPICH creates /dev/shm/mpich_shm_<hash>_<n>
+# in MPI_Init and removes it in MPI_Finalize; a rank that is killed (or a step that srun
+# kills) leaves it behind. The name is derived from the PMI world (under srun: the job
+# and step ids), so besides filling the node's memory, a stale segment makes a later step
+# with the same name fail in MPI_Init ("Message truncated"). MPICH's name cannot be
+# computed here, so a segment is taken to be this job's when all of:
+# - owned by this user (the only ones it may remove anyway);
+# - modified after SINCE, the time this job's step started: a segment of an earlier job
+#   is left alone (it is gone with that job's processes, but not ours to judge);
+# - used by no process: not mapped (/proc/*/maps) and not open (/proc/*/fd) by any
+#   process this user can see, i.e. every one of its own. A concurrent job of the same
+#   user that started later than ours has its live ranks mapping its segment, so it is
+#   kept; what is left is stale whoever made it, and MPICH never reattaches to a segment
+#   that no rank holds, other than by the name collision that breaks MPI_Init.
+# Call it after the step has ended (srun returns once every task has exited).
+hpcdl_clean_shm() {
+    local since=$1 seg used removed=()
+    local -a segs=()
+    mapfile -t segs < <(find /dev/shm -maxdepth 1 -type f -name 'mpich_shm_*' -user "$(id -u)" \
+        -newermt "@$since" 2>/dev/null)
+    (( ${#segs[@]} )) || return 0
+    used=$({
+        grep -ho '/dev/shm/mpich_shm_[^ ]*' /proc/[0-9]*/maps
+        find /proc/[0-9]*/fd -lname '/dev/shm/mpich_shm_*' -printf '%l\n'
+    } 2>/dev/null | sort -u) || true  # some of /proc is not ours to read
+    for seg in "${segs[@]}"; do
+        if ! grep -qxF -- "$seg" <<< "$used" && rm -f -- "$seg"; then
+            removed+=("${seg#/dev/shm/}")
+        fi
+    done
+    if (( ${#removed[@]} )); then
+        echo "$(date '+%F %T') removed the shared-memory segments the step left in /dev/shm: ${removed[*]}" >&2
+    fi
 }
 
 # hpcdl_run_status RUN.h5: the run file's root attribute `status` (running, stopped,

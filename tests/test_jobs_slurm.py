@@ -269,7 +269,7 @@ def test_ranks_started_without_pmi_are_refused(slurm: Cluster) -> None:
     fields = slurm.wait(job, timeout=120)
     log = slurm.log(fields)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", log
-    assert "+ srun --mpi=none --ntasks=2 python -m hpcdl.train" in log
+    assert "+ srun --mpi=none --kill-on-bad-exit=1 --ntasks=2 python -m hpcdl.train" in log
     refusals = {line for line in log.splitlines() if line.startswith("hpcdl.train: error:")}
     assert len(refusals) == 1, log  # one line, the same from each task
     (line,) = refusals
@@ -336,7 +336,8 @@ def test_walltime_warning_requeue_resume_is_bitwise_equal_to_one_run(slurm: Clus
     # (the script's own lines), and every later one resumed (the run file's record)
     assert log.count("step exit 0, run status stopped, after SIGUSR1") == restarts, log[-4000:]
     assert log.count(f"+ scontrol requeue {job}") == restarts
-    assert log.count("+ srun --mpi=pmi2 --ntasks=2 python -m hpcdl.train") == restarts + 1
+    launch = "+ srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=2 python -m hpcdl.train"
+    assert log.count(launch) == restarts + 1
     assert log.count("run status finished") == 1
     runs = slurm.submit / "runs"
     with h5py.File(runs / "chain.h5", "r") as f:
@@ -352,3 +353,61 @@ def test_walltime_warning_requeue_resume_is_bitwise_equal_to_one_run(slurm: Clus
     assert Path(fields["StdOut"]) == runs / f"chain-{job}.out"
     assert sorted(p.name for p in slurm.submit.iterdir()) == ["jobs", "runs"]
     print(f"chain: {restarts} requeue(s); reference: {out.strip().splitlines()[-1] if out.strip() else ''}")
+
+
+def _rank_pid(job_id: int, procid: int) -> int | None:
+    """The pid of the job's task ``procid`` (the rank's python: srun execs the command itself)."""
+    want = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURM_PROCID={procid}".encode()}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = set((proc / "environ").read_bytes().split(b"\0"))
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if want <= environ and b"hpcdl.train" in cmdline and b"srun" not in cmdline.split(b"\0")[0]:
+            return int(proc.name)
+    return None
+
+
+def _shm_segments(pid: int) -> set[str]:
+    """The MPICH shared-memory segments a process has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {m.split(" (deleted)")[0] for m in re.findall(r"/dev/shm/mpich_shm_\S+", maps)}
+
+
+def test_a_killed_rank_ends_the_job_within_seconds(slurm: Cluster) -> None:
+    """SIGKILL a rank mid-run (as the OOM killer does): the job ends within 10 s, names it, drops its shm."""
+    job = slurm.sbatch("-n", "2", "--time=5", "--job-name=killed", "jobs/slurm/train.sbatch",
+                       "--config", "digits-mlp", "--set", "train.steps=1000000",
+                       "--set", "checkpoint.every=0", "--set", "train.log_every=50",
+                       env={"HPCDL_REQUEUE": "0"})  # fmt: skip
+    slurm.wait_for_text(job, "\nstep ", timeout=180)  # training, past MPI_Init and the handlers
+    pid = _rank_pid(job, 1)
+    assert pid is not None, f"no python process of job {job} with SLURM_PROCID=1"
+    rank0 = _rank_pid(job, 0)
+    assert rank0 is not None
+    segments = _shm_segments(rank0) | _shm_segments(pid)
+    assert segments, "the ranks map no /dev/shm/mpich_shm_* segment: nothing to test the cleanup with"
+    # rank 1 stops first, so that rank 0 is left waiting for it in a communication, as in the
+    # issue's hang: nothing in MPICH notices the death then. Killed while rank 0 reads its memory
+    # (large messages go by process_vm_readv), rank 0 would get an MPI error and hpcdl would abort
+    # the job by itself, the script untested.
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(1)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while (fields := slurm.job(job)).get("JobState") not in TERMINAL and time.monotonic() - killed < 60:
+        time.sleep(0.1)
+    seconds = time.monotonic() - killed
+    log = slurm.log(fields)
+    print(f"killed rank 1 (pid {pid}): job {job} {fields.get('JobState')} after {seconds:.1f} s")
+    assert fields.get("JobState") == "FAILED", log[-3000:]
+    assert seconds < 10, f"job {job} took {seconds:.1f} s to end after rank 1 was killed\n{log[-3000:]}"
+    assert re.search(r"^srun: error: \S+: task 1: Killed$", log, re.MULTILINE), log[-3000:]
+    # srun names the killed task, then the others it killed in turn; the script's line names the first
+    assert re.search(r"^\S+ \S+ step exit 137, run status \w+, first failed: rank 1 on \S+ \(Killed\)$", log,
+                     re.MULTILINE), log[-3000:]  # fmt: skip
+    left = sorted(s for s in segments if Path(s).exists())
+    assert not left, f"job {job} left its shared-memory segments behind: {left}\n{log[-3000:]}"

@@ -22,8 +22,9 @@
 #               then traps USR1/TERM; once every rank has, rank 0 creates HPCDL_READY_FILE
 #               (as hpcdl.train does after a barrier). It prints "rank R got SIG", and rank
 #               0 writes the run file with status "stopped" (signalled) or "finished"
-#               (after FAKE_TRAIN_SECONDS), then exits FAKE_TRAIN_EXIT (0). Anything else
-#               runs the real python (used to read the run file's status with h5py).
+#               (after FAKE_TRAIN_SECONDS), then exits FAKE_TRAIN_EXIT (0). Rank
+#               FAKE_KILLED_RANK instead dies of SIGKILL once started, printing srun's report
+#               of it first (hydra's own is not srun's). Anything else runs the real python (used to read the run file's status with h5py).
 #   The stub python tests the signal plumbing (batch shell -> srun/mpiexec -> ranks) and
 #   the requeue/resubmit decisions independently of hpcdl.train; its --out/--resume
 #   handling is hpcdl.train's own business (tests/).
@@ -84,6 +85,10 @@ if [[ -n "${HPCDL_READY_FILE:-}" ]]; then  # hpcdl.train: a barrier, then rank 0
 fi
 echo "rank $rank started: $*"
 if [[ "$rank" == 0 ]]; then echo "rank 0 HPCDL_CONTINUE=${HPCDL_CONTINUE:-}"; fi
+if [[ "$rank" == "${FAKE_KILLED_RANK:-}" ]]; then
+    echo "srun: error: $(hostname): task $rank: Killed" >&2
+    kill -KILL $$
+fi
 sleep "${FAKE_TRAIN_SECONDS:-60}" &
 sleeper=$!
 wait "$sleeper" || true
@@ -221,6 +226,28 @@ check "hpcdl_quote: a shell reads back the same words" test \
 check "hpcdl_pbs_attr joins continuation lines" test \
     "$(PATH=$stubs:$PATH PBS_JOBNAME=x hpcdl_pbs_attr 1.fake Resource_List.select)" = "1:ncpus=4:mpiprocs=2:vntype=cray_compute"
 
+check "hpcdl_srun_failure: the first task srun reports failed, after the offset" test \
+    "$(printf 'srun: error: n1: task 0: Exited with exit code 1\nx\nsrun: error: n2: tasks 2-3: Killed\nsrun: error: n1: task 0: Killed\n' > "$tmp/srun.out"
+       hpcdl_srun_failure 49 "$tmp/srun.out")" = "ranks 2-3 on n2 (Killed)"
+# hpcdl_clean_shm SINCE removes this user's mpich_shm_* segments newer than SINCE that no process
+# has open or mapped: here one stale, one held open, one older than SINCE (distinct names, removed after)
+shm=/dev/shm/mpich_shm_hpcdltest$$
+if [[ -d /dev/shm && -w /dev/shm ]]; then
+    touch -d '-1 hour' "${shm}_old"
+    since=$(( $(date +%s) - 60 ))
+    touch "${shm}_stale" "${shm}_held"
+    sleep 60 3< "${shm}_held" &
+    holder=$!
+    hpcdl_clean_shm "$since" 2> "$tmp/clean-shm.out"
+    check "hpcdl_clean_shm removes a stale segment of this job" test ! -e "${shm}_stale"
+    check "hpcdl_clean_shm keeps a segment a process holds" test -e "${shm}_held"
+    check "hpcdl_clean_shm keeps a segment older than the step" test -e "${shm}_old"
+    check "hpcdl_clean_shm says what it removed" grep -q "mpich_shm_hpcdltest$$_stale\$" "$tmp/clean-shm.out"
+    kill "$holder"
+    wait "$holder" 2>/dev/null || true
+    rm -f "${shm}_old" "${shm}_stale" "${shm}_held"
+fi
+
 echo "== slurm: USR1 to the batch shell -> ranks checkpoint -> scontrol requeue"
 reset_logs
 log=$tmp/slurm-usr1.out
@@ -234,8 +261,9 @@ before=$failures
     check "exit 0 (got $job_rc)" test "$job_rc" = 0
     check "stopped promptly (${job_secs} s < 30)" test "$job_secs" -lt 30
     check "echoes the launch command, srun --mpi=pmi2 (site.sh)" has "$log" \
-        "+ srun --mpi=pmi2 --ntasks=2 python -m hpcdl.train --progress lines --out runs/lr-0.1.h5 --resume auto --config digits-cnn --set optimizer.lr=0.1"
+        "+ srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=2 python -m hpcdl.train --progress lines --out runs/lr-0.1.h5 --resume auto --config digits-cnn --set optimizer.lr=0.1"
     check "srun gets --cpus-per-task via SRUN_CPUS_PER_TASK" has "$FAKE_LOG_DIR/srun.log" "SRUN_CPUS_PER_TASK=1"
+    check "srun --kill-on-bad-exit=1: a dead rank ends the step" has "$FAKE_LOG_DIR/srun.log" "--kill-on-bad-exit=1 "
     check "the ranks get HPCDL_CONTINUE: the sbatch line that continues the run" has "$log" \
         "rank 0 HPCDL_CONTINUE=sbatch --job-name=lr-0.1 --ntasks=2 jobs/slurm/train.sbatch --config digits-cnn --set optimizer.lr=0.1"
     check "the ready file is removed after the step" test ! -e "$submit/runs/lr-0.1.h5.ready-4242"
@@ -372,6 +400,24 @@ before=$failures
     start "$log" jobs/slurm/train.sbatch --config digits-mlp
     finish 40
     check "exit 3 (got $job_rc)" test "$job_rc" = 3
+    check "no requeue" lacks_log scontrol
+    exit "$failures"
+) || failures=$((failures + $? - before))
+show_on_failure "$before" "$log"
+
+echo "== slurm: a rank is killed -> the step ends at once, the job's line names the rank, no requeue"
+reset_logs
+log=$tmp/slurm-killed.out
+before=$failures
+(
+    slurm_env killed
+    export FAKE_TRAIN_SECONDS=60 FAKE_KILLED_RANK=1
+    start "$log" jobs/slurm/train.sbatch --config digits-mlp
+    finish 40
+    check "a failure's exit status (got $job_rc)" test "$job_rc" != 0
+    check "ended promptly (${job_secs} s < 15)" test "$job_secs" -lt 15
+    check "the step's line names the killed rank" grep -qE \
+        "^[0-9-]+ [0-9:]+ step exit $job_rc, run status [a-z]+, first failed: rank 1 on $(hostname) \(Killed\)$" "$log"
     check "no requeue" lacks_log scontrol
     exit "$failures"
 ) || failures=$((failures + $? - before))
@@ -521,7 +567,7 @@ if [[ "${HPCDL_TEST_REAL:-0}" == 1 ]]; then
         start "$log" jobs/slurm/train.sbatch --config digits-mlp --set train.steps=5
         finish 120
         check "exit 2 (got $job_rc)" test "$job_rc" = 2
-        check "srun --mpi=none" has "$FAKE_LOG_DIR/srun.log" "srun --mpi=none --ntasks=2"
+        check "srun --mpi=none" has "$FAKE_LOG_DIR/srun.log" "srun --mpi=none --kill-on-bad-exit=1 --ntasks=2"
         check "each task: one line naming both counts and the PMI setting" test \
             "$(grep -c "^hpcdl.train: error: srun started 2 processes (SLURM_STEP_NUM_TASKS=2) but MPI sees 1 rank.*HPCDL_SRUN_MPI" "$log")" = 2
         check "no traceback" bash -c "! grep -q Traceback '$log'"
