@@ -202,12 +202,12 @@ def read(path: Path) -> dict[str, Any]:
         "offline": float((online == 0).mean()) if online is not None else 0.0,
         "time": float(m["time"][-1]),
         "samples": int(m["samples"][-1]),
-        "step_time": m["step_time"].tolist(),
+        "step_s": float(np.median(m["step_time"])),
         "time_to": curve["time"][reached] if reached is not None else math.inf,
         "samples_to": curve["samples"][reached] if reached is not None else math.inf,
     }
     if online is not None:
-        r["offline_steps"] = (online == 0).any(axis=1).tolist()
+        r["offline_steps"] = int((online == 0).any(axis=1).sum())  # steps with some rank offline
     if held is not None:
         r["held_s"] = float(np.nanmax(held, axis=1).sum())
     return r
@@ -314,12 +314,12 @@ def part_time(work: Path, size: dict[str, Any], results: dict[str, Any]) -> dict
         )
     ]
     free = {(r["n"], r["opt"], r["seed"]): r for r in runs if r["kind"] == "sync-free"}
-    holds = {c: statistics.median(free[c]["step_time"]) for c in cases}
+    holds = {c: free[c]["step_s"] for c in cases}
     synced = many(work, [job("sync", *c, f"fault.step_s={holds[c]!r}") for c in cases])
     for c, r in zip(cases, synced):
         r.update(n=c[0], opt=c[1], seed=c[2], kind="sync", hold_s=holds[c])
         if "offline_steps" in r:
-            r["model_time"] = free[c]["time"] + holds[c] * sum(r["offline_steps"])
+            r["model_time"] = free[c]["time"] + holds[c] * r["offline_steps"]
         runs.append(r)
     return {"runs": runs}
 
@@ -420,12 +420,11 @@ def tables(results: dict[str, Any]) -> str:
     timed = results.get("time", {}).get("runs", [])
     if timed:
         lines += [
+            f"Time to {100 * TARGET:.0f} % test accuracy (simulated, `{NETWORK}`, centre point), and sync's "
+            f"time against the wait model; medians of {len(SEEDS)} seeds",
             "",
-            f"Time to {100 * TARGET:.0f} % test accuracy (simulated, `{NETWORK}`, centre point), and "
-            f"sync's time against the wait model; medians of {len(SEEDS)} seeds",
-            "",
-            "| N | optimizer | local: time to target | sync under faults: time to target | sync: "
-            "simulated time | wait model | model error | sync without faults: time |",
+            "| N | optimizer | local | sync waiting | sync without faults | sync waiting: whole run, "
+            "simulated | wait model | model error |",
             "|---|---|---|---|---|---|---|---|",
         ]
         groups = {}
@@ -434,11 +433,13 @@ def tables(results: dict[str, Any]) -> str:
         for (n, opt), kinds in sorted(groups.items()):
             sync = kinds.get("sync", [])
             err = med([r["time"] / r["model_time"] - 1 for r in sync if "model_time" in r])
+            to = {
+                k: _s(med([r["time_to"] for r in kinds.get(k, [])])) for k in ("local", "sync", "sync-free")
+            }
             lines.append(
-                f"| {n} | {LABELS[opt]} | {_s(med([r['time_to'] for r in kinds['local']]))} | "
-                f"{_s(med([r['time_to'] for r in sync]))} | {_s(med([r['time'] for r in sync]))} | "
-                f"{_s(med([r['model_time'] for r in sync]))} | {100 * err:+.2f} % | "
-                f"{_s(med([r['time'] for r in kinds['sync-free']]))} |"
+                f"| {n} | {LABELS[opt]} | {to['local']} | {to['sync']} | {to['sync-free']} | "
+                f"{_s(med([r['time'] for r in sync]))} | {_s(med([r['model_time'] for r in sync]))} | "
+                f"{100 * err:+.2f} % |"
             )
     return "\n".join(lines)
 
@@ -518,6 +519,32 @@ def figures(results: dict[str, Any]) -> None:
                 ax.legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(OUT / "accuracy-time.png", dpi=110)
+        plt.close(fig)
+
+
+def schedule_figure(work: Path) -> None:
+    """``schedule.png``: the report's fault figure (:func:`hpcdl.parallel.fault.faults_figure`) for
+    seed 0 of K-FAC at N = 16: local at the centre point, local at p = 0, and sync waiting out
+    the same schedule (its trajectory is sync's without faults)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    from hpcdl.parallel.fault import faults_figure  # noqa: PLC0415
+    from hpcdl.report import load  # noqa: PLC0415
+
+    centre = point_name(point())
+    names = {
+        f"sweep-n16-kfac-{centre}-s0": "local, centre",
+        f"sweep-n16-kfac-{point_name(point(p=0.0))}-s0": "local, p = 0",
+        "time-n16-kfac-sync-s0": "sync waiting, centre",
+    }
+    runs = [(load(work / f"{n}.h5"), label) for n, label in names.items() if (work / f"{n}.h5").exists()]
+    fig = faults_figure(runs) if runs else None
+    if fig is not None:
+        fig.tight_layout()
+        fig.savefig(OUT / "schedule.png", dpi=100)
         plt.close(fig)
 
 
@@ -608,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             results_path.write_text(json.dumps(results, indent=1) + "\n")
             print(f"{name}: {results['wall_s'][name]} s", flush=True)
     figures(results)
+    if args.work is not None and args.work.exists():
+        schedule_figure(args.work)
     if args.reproduce:
         write_summary(args.work, HERE.name, args.reproduce, comparisons(results), sizes=size)
     print(tables(results))
