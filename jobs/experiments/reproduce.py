@@ -80,6 +80,39 @@ def write_summary(work: Path, experiment: str, size: str, rows: list[dict[str, A
     return path
 
 
+def cpu_model() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``), for an experiment's ``results.json``."""
+    with open("/proc/cpuinfo") as f:
+        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
+
+
+def experiment_parser(
+    doc: str, parts: list[str], default: list[str], sizes: list[str]
+) -> argparse.ArgumentParser:
+    """The options every experiment's ``run.py`` takes: ``--work``, ``--parts``, ``--figures-only``,
+    ``--tables`` and ``--reproduce`` (the interface above)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--work", type=Path, help="directory for run files")
+    parser.add_argument("--parts", nargs="*", choices=parts, default=default)
+    parser.add_argument("--figures-only", action="store_true", help="redraw from results.json")
+    parser.add_argument("--tables", action="store_true", help="print the README's tables from results.json")
+    parser.add_argument("--reproduce", choices=sizes, help="every part at this size; results, figures, "
+                        "summary.json in --work")  # fmt: skip
+    return parser
+
+
+def run_parts(names: list[str], results: dict[str, Any], path: Path, part: Any) -> None:
+    """Run each part (``part(name)`` -> its entry), timing it into ``results["wall_s"]`` with the
+    machine, and write ``results`` to ``path`` after each (an interrupted study keeps its parts)."""
+    for name in names:
+        t0 = time.monotonic()
+        results[name] = part(name)
+        results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
+        results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count()}
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"{name}: {results['wall_s'][name]} s", flush=True)
+
+
 #: a timed comparison is made only when other processes kept fewer cores busy than this meanwhile
 QUIET_CORES = 0.25
 

@@ -37,10 +37,8 @@ Rows go to ``results.json`` beside this script (each part replaces its own entry
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -53,7 +51,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from reproduce import QUIET_CORES, env, other_cores, row, sets, write_summary  # noqa: E402
+from reproduce import QUIET_CORES, env, experiment_parser, other_cores, row, run_parts, sets, write_summary  # noqa: E402
 
 #: the parts bench train splits K-FAC's share of a step into (its JSON's ``<part>_s`` keys)
 SPLIT_PARTS = ("factors", "exchange", "fold", "decompose", "broadcast_eigen", "precondition",
@@ -749,16 +747,7 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     global OUT
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, help="directory for run files")
-    parser.add_argument("--parts", nargs="*", choices=PARTS, default=[p for p in PARTS if p != "look"])
-    parser.add_argument("--figures-only", action="store_true", help="redraw from results.json")
-    parser.add_argument("--tables", action="store_true", help="print the README's tables from results.json")
-    parser.add_argument(
-        "--reproduce",
-        choices=list(SIZES),
-        help="every part at this size; results, figures, summary.json in --work",
-    )
+    parser = experiment_parser(__doc__, list(PARTS), [p for p in PARTS if p != "look"], list(SIZES))
     args = parser.parse_args(argv)
     size = SIZES["full"]
     if args.reproduce:
@@ -775,15 +764,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.work is None:
             parser.error("--work is needed to run parts")
         args.work.mkdir(parents=True, exist_ok=True)
-        for name in args.parts:
-            t0 = time.monotonic()
-            part = globals()[f"part_{name}"]
-            results[name] = (
-                part(args.work, size) if name in ("look", "grid") else part(args.work, size, results)
-            )
-            results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
-            results["machine"] = {"cpu": _cpu(), "cores": os.cpu_count()}
-            results_path.write_text(json.dumps(results, indent=1) + "\n")
+
+        def part(name: str) -> dict[str, Any]:
+            fn = globals()[f"part_{name}"]
+            return fn(args.work, size) if name in ("look", "grid") else fn(args.work, size, results)
+
+        run_parts(args.parts, results, results_path, part)
     for part in ("look", "grid", "wall"):  # the medians again, from the runs (new columns reach old results)
         if part in results:
             results[part]["settings"] = setting_rows(results[part]["runs"])
@@ -795,11 +781,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in comparisons(results):
         print(f"{r['verdict']:>14}: {r['figure']}: {r['quantity']}: {r['measured']}")
     return 0
-
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":

@@ -38,10 +38,8 @@ Rows go to ``results.json`` beside this script (each part replaces its own entry
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -55,7 +53,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from reproduce import env, row, sets, write_summary  # noqa: E402
+from reproduce import env, experiment_parser, row, run_parts, sets, write_summary  # noqa: E402
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
@@ -601,14 +599,7 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     global OUT
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, help="directory for run files")
-    parser.add_argument("--parts", nargs="*", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--figures-only", action="store_true", help="redraw from results.json")
-    parser.add_argument("--tables", action="store_true", help="print the README's tables from results.json")
-    parser.add_argument(
-        "--reproduce", choices=list(SIZES), help="this size; results, figures, summary in --work"
-    )
+    parser = experiment_parser(__doc__, list(PARTS), list(PARTS), list(SIZES))
     args = parser.parse_args(argv)
     size = SIZES["full"]
     if args.reproduce:
@@ -627,13 +618,12 @@ def main(argv: list[str] | None = None) -> int:
         args.work.mkdir(parents=True, exist_ok=True)
         if "profile" not in args.parts and not (args.work / "profile.h5").exists():
             args.parts = ["profile", *args.parts]
-        for name in args.parts:
-            t0 = time.monotonic()
-            results[name] = globals()[f"part_{name}"](args.work, size, results)
-            results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
-            results["machine"] = {"cpu": _cpu(), "cores": os.cpu_count()}
-            results_path.write_text(json.dumps(results, indent=1) + "\n")
-            print(f"{name}: {results['wall_s'][name]} s", flush=True)
+        work = args.work
+
+        def part(name: str) -> dict[str, Any]:
+            return globals()[f"part_{name}"](work, size, results)
+
+        run_parts(args.parts, results, results_path, part)
     figures(results)
     if args.work is not None and args.work.exists():
         schedule_figure(args.work)
@@ -643,11 +633,6 @@ def main(argv: list[str] | None = None) -> int:
     for r in comparisons(results):
         print(f"{r['verdict']:>14}: {r['figure']}: {r['quantity']}: {r['measured']}")
     return 0
-
-
-def _cpu() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
 
 
 if __name__ == "__main__":
