@@ -101,6 +101,21 @@ def experiment_parser(
     return parser
 
 
+def open_results(
+    args: argparse.Namespace, sizes: dict[str, dict[str, Any]], out: Path
+) -> tuple[dict[str, Any], Path, Path, dict[str, Any]]:
+    """An experiment's size, output directory, ``results.json`` and its results so far: with
+    ``--reproduce`` that size (its ``parts``), ``--work`` and a fresh file; else ``full`` and ``out``'s."""
+    size = sizes["full"]
+    if args.reproduce:
+        size, out = sizes[args.reproduce], args.work
+        args.parts = size["parts"]
+        args.work.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").unlink(missing_ok=True)
+    path = out / "results.json"
+    return size, out, path, (json.loads(path.read_text()) if path.exists() else {})
+
+
 def run_parts(names: list[str], results: dict[str, Any], path: Path, part: Any) -> None:
     """Run each part (``part(name)`` -> its entry), timing it into ``results["wall_s"]`` with the
     machine, and write ``results`` to ``path`` after each (an interrupted study keeps its parts)."""

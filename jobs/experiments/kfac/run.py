@@ -51,7 +51,17 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from reproduce import QUIET_CORES, env, experiment_parser, other_cores, row, run_parts, sets, write_summary  # noqa: E402
+from reproduce import (  # noqa: E402
+    QUIET_CORES,
+    env,
+    experiment_parser,
+    open_results,
+    other_cores,
+    row,
+    run_parts,
+    sets,
+    write_summary,
+)
 
 #: the parts bench train splits K-FAC's share of a step into (its JSON's ``<part>_s`` keys)
 SPLIT_PARTS = ("factors", "exchange", "fold", "decompose", "broadcast_eigen", "precondition",
@@ -749,14 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     global OUT
     parser = experiment_parser(__doc__, list(PARTS), [p for p in PARTS if p != "look"], list(SIZES))
     args = parser.parse_args(argv)
-    size = SIZES["full"]
-    if args.reproduce:
-        size, OUT = SIZES[args.reproduce], args.work
-        args.parts = size["parts"]
-        args.work.mkdir(parents=True, exist_ok=True)
-        (OUT / "results.json").unlink(missing_ok=True)
-    results_path = OUT / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    size, OUT, results_path, results = open_results(args, SIZES, OUT)
     if args.tables:
         print(tables(results))
         return 0

@@ -38,7 +38,6 @@ Rows go to ``results.json`` beside this script (each part replaces its own entry
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import subprocess
@@ -53,7 +52,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from reproduce import env, experiment_parser, row, run_parts, sets, write_summary  # noqa: E402
+from reproduce import env, experiment_parser, open_results, row, run_parts, sets, write_summary  # noqa: E402
 
 PYTHON = sys.executable
 MPIEXEC = str(Path(sys.executable).with_name("mpiexec"))
@@ -601,14 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     global OUT
     parser = experiment_parser(__doc__, list(PARTS), list(PARTS), list(SIZES))
     args = parser.parse_args(argv)
-    size = SIZES["full"]
-    if args.reproduce:
-        size, OUT = SIZES[args.reproduce], args.work
-        args.parts = size["parts"]
-        args.work.mkdir(parents=True, exist_ok=True)
-        (OUT / "results.json").unlink(missing_ok=True)
-    results_path = OUT / "results.json"
-    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    size, OUT, results_path, results = open_results(args, SIZES, OUT)
     if args.tables:
         print(tables(results))
         return 0
