@@ -70,6 +70,14 @@ class Key:
     Numbers lie in ``[minimum, below)`` and above ``above`` (each bound only when
     given), or are one of ``also`` (a value with a meaning of its own, such as 0 for
     "infer"); floats must be finite.
+
+    ``legacy`` is for a key added after runs were made without it: the value those runs
+    behaved as (None: the key's ``default``, nothing changed). A stored config without the key
+    (a run file or checkpoint that predates it) is read with that value
+    (:func:`hpcdl.config.legacy_values`): a resume of such a run continues with it when the
+    config leaves the key at its default, saying so in one line, and a fit key is compared
+    with it. So a key may give new runs a new behaviour by default while old runs continue,
+    bitwise, as they began (``exchange.int32_scale``: ``pow2``, ``legacy="max"``).
     """
 
     type: type
@@ -84,6 +92,7 @@ class Key:
     pattern: str = ""  # lists of strings: the regular expression every element matches
     pattern_doc: str = ""  # ... and how it reads, for the table and errors
     or_list: bool = False  # a string of ``choices`` or a non-empty list of positive ``item``s
+    legacy: Any = None  # the value of runs that predate the key (None: its default)
 
     @property
     def type_name(self) -> str:

@@ -8,6 +8,7 @@ import math
 import operator
 import re
 import tomllib
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "add_set_argument",
     "stored_values",
+    "legacy_values",
     "DRIVER_FIT_KEYS",
     "DRIVER_KEYS",
     "Key",
@@ -241,6 +243,19 @@ def stored_values(text: str) -> dict[str, Any]:
         raise ConfigError(f"a stored config is not valid TOML: {err}") from None
     renamed = _renamed(str(values.get("parallel.strategy", "")))
     return {renamed.get(k, k): v for k, v in values.items()}  # old names: a file of an older hpcdl
+
+
+def legacy_values(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys a stored config lacks because it predates them, at the value its run behaved as
+    (:attr:`Key.legacy <hpcdl.components.Key>`): ``{"exchange.int32_scale": "max"}`` for a run
+    file written before that key existed.
+
+    Args:
+        stored: a stored config's values (:func:`stored_values`).
+    """
+    strategy = str(stored.get("parallel.strategy", ""))
+    keys = schema(strategy if ":" in strategy else "")
+    return {k: spec.legacy for k, spec in keys.items() if spec.legacy is not None and k not in stored}
 
 
 def add_set_argument(parser: Any, help_prefix: str = "") -> None:

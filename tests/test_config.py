@@ -228,3 +228,40 @@ def test_config_command_as_python_m() -> None:
     assert proc.stderr.splitlines() == [
         "hpcdl.config: error: unrecognized arguments: --bogus (see python -m hpcdl.config --help)"
     ]
+
+
+def test_a_key_newer_than_a_stored_config_reads_as_its_legacy_value() -> None:
+    """exchange.int32_scale came after runs without it: they ran the max rule, new runs get pow2."""
+    from hpcdl.config import legacy_values, stored_values
+    from hpcdl.driver.checkpoints import check_run_config
+    from hpcdl.driver.settle import continue_legacy
+
+    cfg = load_config("digits-mlp", ['exchange.compression="int32"'])
+    assert cfg["exchange.int32_scale"] == "pow2" and SCHEMA["exchange.int32_scale"].legacy == "max"
+    new = stored_values(cfg.toml())
+    old = {k: v for k, v in new.items() if k != "exchange.int32_scale"}  # as a hpcdl before the key wrote it
+    assert legacy_values(new) == {} and legacy_values(old) == {"exchange.int32_scale": "max"}
+    assert all(spec.legacy is None for k, spec in SCHEMA.items() if k != "exchange.int32_scale")
+
+    resumed, lines = continue_legacy(cfg, old)  # the config leaves the key at its default: the run's rule
+    assert resumed["exchange.int32_scale"] == "max" and len(lines) == 1 and "predates" in lines[0]
+    assert continue_legacy(cfg, new) == (cfg, []) and continue_legacy(cfg, None) == (cfg, [])
+    text = "\n".join(line for line in cfg.toml().splitlines() if not line.startswith("int32_scale"))
+    assert check_run_config({"config": text}, resumed, 1) == {}  # no change: the run's own rule
+
+
+def test_a_fit_key_newer_than_a_checkpoint_is_compared_with_its_legacy_value(monkeypatch) -> None:
+    """Were a key with a legacy value a fit key, a checkpoint without it ran with that value."""
+    from hpcdl.config import DRIVER_FIT_KEYS
+    from hpcdl.driver import checkpoints
+    from hpcdl.driver.run import plan
+    from hpcdl.store.checkpoint import Checkpoint, CheckpointError
+
+    monkeypatch.setattr(checkpoints, "fit_keys", lambda config: (*DRIVER_FIT_KEYS, "exchange.int32_scale"))
+    cfg = load_config("digits-mlp", [])
+    placement = plan(cfg, 1)
+    fit = {k: cfg[k] for k in DRIVER_FIT_KEYS}  # a checkpoint's fit keys of before the key
+    ckpt = Checkpoint(1, 0, cfg.toml(), placement.to_json(), {}, [({}, {})], meta={"fit": fit})
+    with pytest.raises(CheckpointError, match="exchange.int32_scale = 'max'; this run has 'pow2'"):
+        checkpoints.check_fits(ckpt, cfg, placement)
+    checkpoints.check_fits(ckpt, cfg.with_updates({"exchange.int32_scale": "max"}), placement)

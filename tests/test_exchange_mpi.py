@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -184,8 +186,42 @@ def test_bucketed_compression_rounds_once_after_a_float32_sum(compression: str) 
 
 
 @pytest.mark.mpi(min_size=2)
-def test_bucketed_int32_compression_quantizes_with_the_global_max() -> None:
-    """The mean is sum(rint(g q)) / (N q), q = int32_scale(global max |g|, N): exact in float64."""
+def test_bucketed_int32_compression_quantizes_with_a_shared_power_of_two() -> None:
+    """The default rule (pow2): the scale is 2**k from the MAX of the ranks' int32 exponents, and the
+    mean is bitwise sum_r(rint(g_r 2**k)) / 2**k / N, computed here independently, over several buckets."""
+    from hpcdl.comm import MAX
+    from hpcdl.comm.pack import int32_pow2_scale
+
+    comm = world()
+    size, rank = comm.Get_size(), comm.Get_rank()
+    params = _params(rank, (5, 0, 300, 7, 1))
+    params[2].grad[7] = 1e4 * (rank + 1)  # the largest exponent comes from the last rank
+    params[3].grad[...] *= 1e-6  # a bucket of small gradients: a large k of its own
+    ex = make_exchange("bucketed", comm, params, bucket_mb=0.0005, compression="int32")
+    assert ex.int32_scale == "pow2" and len(ex.buckets) >= 2
+    local = [p.grad.copy() for p in params]
+    ex.exchange()
+    for b, bucket in enumerate(ex.buckets.plan.buckets):
+        members = [local[i] for i in bucket.arrays]
+        e = comm.allreduce(max(math.frexp(float(np.abs(g).max(initial=0)))[1] for g in members), op=MAX)
+        k = (2**31 - 1) // size
+        k = k.bit_length() - 1 - e  # the largest k with N 2**e 2**k <= 2**31 - 1
+        assert ex._qscales[b] == int32_pow2_scale(e, size) == 2.0**k
+        for i in bucket.arrays:
+            quantized = np.rint(local[i].astype(np.float64) * 2.0**k)
+            assert np.abs(quantized).max(initial=0) * size <= 2**31 - 1
+            total = np.empty_like(quantized)
+            comm.Allreduce(quantized, total, op=SUM)  # integers: exact in float64
+            want = (total / 2.0**k * (1.0 / size)).astype(np.float32)
+            assert np.array_equal(params[i].grad, want), params[i].name
+    assert ex.bytes_sent == 4 * sum(p.size for p in params)
+    ex.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bucketed_int32_compression_old_rule_quantizes_with_the_global_max() -> None:
+    """The rule before pow2 (``int32_scale="max"``), kept for runs that began under it: the mean is
+    sum(rint(g q)) / (N q), q = int32_scale(global max |g|, N)."""
     from hpcdl.comm import MAX
     from hpcdl.comm.pack import int32_scale
 
@@ -193,25 +229,29 @@ def test_bucketed_int32_compression_quantizes_with_the_global_max() -> None:
     size = comm.Get_size()
     params = _params(comm.Get_rank(), (5, 0, 300, 7, 1))
     params[2].grad[7] = 1e4 * (comm.Get_rank() + 1)  # the global max comes from the last rank
-    ex = make_exchange("bucketed", comm, params, bucket_mb=0.0, compression="int32")  # one bucket
+    ex = make_exchange(
+        "bucketed", comm, params, bucket_mb=0.0, compression="int32", int32_scale="max"
+    )  # one bucket
     local = [p.grad.copy() for p in params]
     ex.exchange()
     q = int32_scale(comm.allreduce(max(float(np.abs(g).max(initial=0)) for g in local), op=MAX), size)
-    assert q == int32_scale(1e4 * size, size)
+    assert q == int32_scale(1e4 * size, size) == ex._qscales[0]
     for p, g in zip(params, local):
         total = np.empty(g.shape, np.float64)
         comm.Allreduce(np.rint(g.astype(np.float64) * q), total, op=SUM)
-        np.testing.assert_allclose(p.grad, (total / (size * q)).astype(np.float32), rtol=1e-6)
+        assert np.array_equal(p.grad, (total * (1.0 / size / q)).astype(np.float32)), p.name
     assert ex.bytes_sent == 4 * sum(p.size for p in params)
     ex.free()
 
 
 @pytest.mark.mpi(min_size=2)
-def test_int32_compression_refuses_a_non_finite_gradient_on_every_rank() -> None:
+@pytest.mark.parametrize("rule", ["pow2", "max"])
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_int32_compression_refuses_a_non_finite_gradient_on_every_rank(rule: str, bad: float) -> None:
     comm = world()
     params = _params(comm.Get_rank())
     if comm.Get_rank() == comm.Get_size() - 1:
-        params[2].grad[1] = np.inf
-    ex = make_exchange("bucketed", comm, params, compression="int32")
+        params[2].grad[1] = bad
+    ex = make_exchange("bucketed", comm, params, compression="int32", int32_scale=rule)
     with pytest.raises(ExchangeError, match="not finite on some rank"):
         ex.exchange()

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from hpcdl.comm.pack import HAVE_EXT, INT32_LIMIT, Packer, PackError, int32_scale, local_maxabs
+from hpcdl.comm.pack import (
+    HAVE_EXT,
+    INT32_LIMIT,
+    INT32_NONFINITE_EXPONENT,
+    INT32_ZERO_EXPONENT,
+    Packer,
+    PackError,
+    int32_exponent,
+    int32_pow2_scale,
+    int32_scale,
+    local_maxabs,
+)
 
 DTYPES = (np.float32, np.float64)
 SHAPES = [(3, 5), (0,), (7,), (1,), (2, 0, 4), (13, 3, 1), (), (1031,)]
@@ -304,6 +316,80 @@ def test_int32_scale_edges() -> None:
         int32_scale(1.0, 0)
     with pytest.raises(ValueError, match="too small"):
         int32_scale(1e-310, 2)
+
+
+def _worst(e: int, dtype: type) -> float:
+    """The largest ``|g|`` of ``dtype`` below ``2**e`` (its max |g| has exponent ``e``), or None."""
+    top = np.ldexp(dtype(1.0), e) if e < np.finfo(dtype).maxexp else dtype(np.inf)
+    g = np.nextafter(top, dtype(0))
+    return float(g) if np.isfinite(g) and g > 0 and int32_exponent(float(g)) == e else None
+
+
+def test_int32_pow2_scale_is_the_largest_power_of_two_n_worst_cases_cannot_overflow() -> None:
+    """For random N in 1..1024 and exponents from subnormal to the largest float's, the worst case
+    (the largest |g| below 2**e, of either sign, rounded to the nearest integer, +0.5 included) is
+    within floor((2**31 - 1) / N), so N of them sum within int32; and with 2**(k + 1) it is not."""
+    rng = np.random.default_rng(26)
+    ns = np.concatenate([np.arange(1, 65), 2 ** np.arange(7, 11), rng.integers(1, 1025, 400)])
+    exps = np.concatenate(
+        [np.arange(-1073, 1025, 7), [-1073, -993, -994, -995, -149, -126, 0, 1, 30, 128, 1024]]
+    )
+    checked = 0
+    for n in ns:
+        n = int(n)
+        bound = INT32_LIMIT // n
+        for e in rng.choice(exps, 60):
+            e = int(e)
+            scale = int32_pow2_scale(e, n)
+            k = math.frexp(scale)[1] - 1
+            assert scale == 2.0**k and math.isfinite(scale)  # a power of two, a finite float64
+            assert n * Fraction(2) ** (e + k) <= INT32_LIMIT  # N 2**e 2**k <= 2**31 - 1, exactly
+            if k < 1023:  # the largest such k (unless capped): one more doubles past the bound
+                assert n * Fraction(2) ** (e + k + 1) > INT32_LIMIT
+            for dtype in (np.float32, np.float64):
+                g = _worst(e, dtype)
+                if g is None:
+                    continue
+                worst = np.array([g, -g], dtype)
+                q = Packer([worst], mode="int32").pack([worst], qscale=scale).astype(np.int64)
+                assert np.array_equal(q, np.rint(worst.astype(np.float64) * scale))  # as today, in float64
+                assert abs(q).max() <= bound and n * abs(q).max() <= INT32_LIMIT
+                checked += 1
+    assert checked > 10_000
+
+
+@pytest.mark.parametrize("n_terms", [1, 2, 3, 7, 64, 1024])
+def test_int32_pow2_random_gradients_sum_exactly_within_int32(n_terms: int) -> None:
+    """N ranks' random gradients (magnitudes spread over 40 binades, denormal-ish to huge) quantized with
+    the shared power of two: each within the bound, the int64 sum within int32, dequantizing exact."""
+    rng = np.random.default_rng(n_terms)
+    for span in ((-150, -110), (-20, 20), (85, 124)):
+        g = rng.standard_normal((n_terms, 50)) * np.exp2(rng.uniform(*span, (n_terms, 50)))
+        g = g.astype(np.float32)
+        e = max(int32_exponent(local_maxabs([r])) for r in g)  # the MAX allreduce of the exponents
+        scale = int32_pow2_scale(e, n_terms)
+        q = np.stack([Packer([r], mode="int32").pack([r], qscale=scale).astype(np.int64) for r in g])
+        assert abs(q).max() <= INT32_LIMIT // n_terms and abs(q.sum(axis=0)).max() <= INT32_LIMIT
+        assert np.array_equal(q.sum(axis=0) / scale * scale, q.sum(axis=0))  # power of two: exact
+
+
+def test_int32_exponent_and_pow2_scale_edges() -> None:
+    assert int32_exponent(0.75) == 0 and int32_exponent(1.0) == 1 and int32_exponent(0.5) == 0
+    assert int32_exponent(2.0**-1074) == -1073 and int32_exponent(np.finfo(np.float64).max) == 1024
+    assert int32_exponent(0.0) == INT32_ZERO_EXPONENT < -1073  # an all-zero bucket: passed over by MAX
+    assert int32_exponent(math.nan) == int32_exponent(math.inf) == INT32_NONFINITE_EXPONENT == 2**31 - 1
+    assert int32_pow2_scale(INT32_ZERO_EXPONENT, 4) == 1.0  # zero on every rank, as int32_scale(0.0, 4)
+    assert int32_pow2_scale(0, 1) == 2.0**30 and int32_pow2_scale(0, 2) == 2.0**29
+    assert int32_pow2_scale(0, 3) == 2.0**29 and int32_pow2_scale(-1073, 1) == 2.0**1023  # capped: finite
+    assert int32_pow2_scale(1024, 2**31 - 1) == 2.0**-1024  # the largest float64: exact, subnormal scale
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        int32_pow2_scale(INT32_NONFINITE_EXPONENT, 2)
+    with pytest.raises(ValueError, match="n_terms"):
+        int32_pow2_scale(0, 0)
+    with pytest.raises(ValueError, match="beyond"):
+        int32_pow2_scale(1025, 2)
+    with pytest.raises(ValueError, match="non-negative"):
+        int32_exponent(-1.0)
 
 
 def test_qscale_is_required_exactly_for_int32() -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import h5py
 import numpy as np
 import pytest
 
 from hpcdl.comm import world
 from hpcdl.config import load_config
+from hpcdl.store.checkpoint import checkpoint_path
 from hpcdl.train import run
 
 EXCHANGES = [
@@ -117,3 +121,44 @@ def test_the_exchanges_duplicated_communicator_is_freed_at_the_end() -> None:
     result = run(load_config("digits-mlp", ["train.steps=2"]), world())
     with pytest.raises(CollectivesFreedError):
         _ = result.strategy.exchange.coll.comm
+
+
+def _as_before(path: Path, key: str) -> None:
+    """Make the config a run file or checkpoint stores read as a hpcdl before ``key`` wrote it."""
+    section, _, leaf = key.rpartition(".")
+    with h5py.File(path, "r+") as f:
+        text = str(f.attrs["config"])
+        kept, where = [], ""
+        for line in text.splitlines():
+            where = line.strip("[]") if line.startswith("[") else where
+            if not (where == section and line.split(" = ")[0] == leaf):
+                kept.append(line)
+        assert len(kept) == len(text.splitlines()) - 1, f"{key} is not in {path}'s config"
+        f.attrs["config"] = "\n".join(kept) + "\n"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_int32_run_begun_before_the_pow2_rule_resumes_under_the_max_rule_bitwise(tmp_path: Path) -> None:
+    """A run file and checkpoint of before exchange.int32_scale (the key absent from their configs) resume,
+    under today's config and default, with the rule they began with: bitwise the uninterrupted max run."""
+    comm = world()
+    base = Path(comm.bcast(str(tmp_path), root=0))
+    sets = [*COMMON, "exchange.compression='int32'", "exchange.bucket_mb=0.05"]
+    old = [*sets, "exchange.int32_scale='max'"]
+    whole_max = run(load_config("digits-mlp", old), comm, out=base / "max.h5")
+    whole_pow2 = run(load_config("digits-mlp", sets), comm, out=base / "pow2.h5")
+    first = run(load_config("digits-mlp", [*old, "train.stop_at=3"]), comm, out=base / "split.h5")
+    assert first.steps == 3
+    if comm.Get_rank() == 0:
+        for path in (base / "split.h5", checkpoint_path(base / "split.h5", 3)):
+            _as_before(path, "exchange.int32_scale")
+    comm.Barrier()
+    rest = run(load_config("digits-mlp", sets), comm, out=base / "split.h5", resume="auto")
+    assert rest.steps == whole_max.steps == 6
+    for p, q, r in zip(rest.model.parameters(), whole_max.model.parameters(), whole_pow2.model.parameters()):
+        assert np.array_equal(p.data, q.data), p.name  # the old rule, bitwise
+        assert not np.array_equal(p.data, r.data), p.name  # which the new one is not
+    if comm.Get_rank() == 0:
+        with h5py.File(base / "split.h5", "r") as f:
+            assert 'int32_scale = "max"' in str(f.attrs["config"])  # the rule, recorded now
+            assert list(f.attrs["resumed_at"]) == [3]

@@ -10,7 +10,7 @@ import numpy as np
 
 from hpcdl.comm import world, wtime
 from hpcdl.comm.buckets import Buckets
-from hpcdl.comm.pack import HAVE_EXT, int32_scale
+from hpcdl.comm.pack import HAVE_EXT, int32_exponent, int32_pow2_scale
 from hpcdl.driver.cli import nonnegative_float
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
@@ -83,7 +83,8 @@ def bench_pack(
         for mode in modes or list(BENCH_MODES):
             fmt, scale = BENCH_MODES[mode]
             buckets = Buckets(grads, cap, mode=fmt)
-            q = int32_scale(buckets.maxabs(grads), 2) if fmt == "int32" else None
+            # the rule in force (exchange.int32_scale = "pow2"), as if for two ranks
+            q = int32_pow2_scale(int32_exponent(buckets.maxabs(grads)), 2) if fmt == "int32" else None
             bufs = buckets.pack(grads, qscale=q)
             impl = buckets.packer(0).last_impl
 

@@ -1,4 +1,21 @@
-"""Pack many arrays into one contiguous buffer and back, casting on the way (wraps ``ext/pack.pyx``)."""
+"""Pack many arrays into one contiguous buffer and back, casting on the way (wraps ``ext/pack.pyx``).
+
+``int32`` packing quantizes with a scale every rank shares, chosen so that a sum of the N
+ranks' buffers cannot overflow. Two rules give it:
+
+- **pow2** (the default of ``exchange.int32_scale``): SwitchML's block floating point. Each
+  rank sends the binary exponent ``e`` of its bucket's ``max |g|`` (:func:`int32_exponent`,
+  ``max |g| = m * 2**e`` with ``0.5 <= m < 1``); a MAX over the ranks' *integers* gives the
+  bucket's exponent (a programmable switch does this as "max instead of sum" over int32),
+  and every rank quantizes with the same power of two :func:`int32_pow2_scale`, the largest
+  ``2**k`` with ``N * 2**e * 2**k <= 2**31 - 1``. An in-network aggregation switch and the
+  ring then sum the same integers: their sums are bitwise the same. Scaling by ``2**k`` is
+  exact in floating point; the price is up to two bits of the int32 range (``max |g| *
+  2**k`` lies in ``(L / 4, L]``, ``L = floor((2**31 - 1) / N)``).
+- **max** (the rule before it, ``exchange.int32_scale = "max"``): scale
+  ``floor((2**31 - 1) / N) / max |g|`` from the global ``max |g|`` (a MAX allreduce of one
+  float, :func:`int32_scale`): the whole range, at the cost of a scale that is no power of two.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +40,10 @@ __all__ = [
     "PackError",
     "Packer",
     "SUPPORTED_DTYPES",
+    "INT32_NONFINITE_EXPONENT",
+    "INT32_ZERO_EXPONENT",
+    "int32_exponent",
+    "int32_pow2_scale",
     "int32_scale",
     "local_maxabs",
     "narrow_into",
@@ -42,6 +63,17 @@ MODES: tuple[str, ...] = ("plain", "float16", "bfloat16", "int32")
 
 #: Largest magnitude of a quantized value: ``int32`` packing saturates to ``±INT32_LIMIT``.
 INT32_LIMIT: int = 2**31 - 1
+
+#: :func:`int32_exponent` of zero: below the exponent of every nonzero float64 (the smallest
+#: subnormal, ``2**-1074``, has exponent -1073), so a MAX over the ranks passes it over.
+INT32_ZERO_EXPONENT: int = -1075
+
+#: :func:`int32_exponent` of NaN or inf: the largest int32, which a MAX over the ranks carries
+#: to every rank, so that all of them refuse the bucket alike (:func:`int32_pow2_scale` raises).
+INT32_NONFINITE_EXPONENT: int = 2**31 - 1
+
+#: the largest ``k`` whose ``2.0**k`` is a finite float64
+_MAX_SHIFT = 1023
 
 _IMPLS = ("auto", "cython", "numpy")
 _WIRE = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16), "int32": np.dtype(np.int32)}
@@ -63,7 +95,7 @@ def wire_dtype(mode: str, dtype: Any) -> np.dtype:
 
 
 def int32_scale(global_maxabs: float, n_terms: int) -> float:
-    """The quantization scale for ``int32`` packing such that a sum of ``n_terms`` cannot overflow.
+    """The ``max`` rule's quantization scale for ``int32`` packing: a sum of ``n_terms`` cannot overflow.
 
     ``scale = floor((2**31 - 1) / n_terms) / global_maxabs``: every ``rint(g * scale)`` is then
     at most ``floor((2**31 - 1) / n_terms)`` in magnitude (the floor keeps rounding to the
@@ -93,6 +125,76 @@ def int32_scale(global_maxabs: float, n_terms: int) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"global max |g| = {maxabs} is too small for an int32 scale")
     return scale
+
+
+def int32_exponent(local_maxabs: float) -> int:
+    """The binary exponent ``e`` of ``max |g|``: ``local_maxabs = m * 2**e`` with ``0.5 <= m < 1``.
+
+    Every ``|g| <= max |g|`` is then ``< 2**e``, strictly. This integer is what a rank sends
+    for the ``pow2`` rule, reduced with MAX over the ranks (as int32) before
+    :func:`int32_pow2_scale`.
+
+    Args:
+        local_maxabs: this rank's ``max |g|`` of the bucket (:func:`local_maxabs`).
+
+    Returns:
+        ``e`` (``math.frexp``), between -1073 and 1024 for nonzero finite values;
+        :data:`INT32_ZERO_EXPONENT` for 0 (an all-zero bucket), :data:`INT32_NONFINITE_EXPONENT`
+        for NaN or inf.
+
+    Raises:
+        ValueError: ``local_maxabs`` is negative.
+    """
+    maxabs = float(local_maxabs)
+    if not math.isfinite(maxabs):
+        return INT32_NONFINITE_EXPONENT
+    if maxabs < 0:
+        raise ValueError(f"max |g| must be non-negative (got {maxabs})")
+    if maxabs == 0.0:
+        return INT32_ZERO_EXPONENT
+    return math.frexp(maxabs)[1]
+
+
+def int32_pow2_scale(global_exponent: int, n_terms: int) -> float:
+    """The power-of-two quantization scale ``2**k`` of the ``pow2`` rule (SwitchML's block floating point).
+
+    ``k`` is the largest integer with ``n_terms * 2**e * 2**k <= 2**31 - 1``, ``e =
+    global_exponent``: with ``L = floor((2**31 - 1) / n_terms)`` (the integer bound is the
+    same, as ``2**(e + k)`` is an integer or below 1), ``e + k = L.bit_length() - 1``, exact
+    integer arithmetic. Every ``|g| < 2**e`` gives ``|g * 2**k| < 2**(e + k)``, and rounding
+    to the nearest integer cannot pass that integer: ``|rint(g * 2**k)| <= 2**(e + k) <= L``,
+    so the sum of ``n_terms`` fits int32. The product ``g * 2**k`` is exact in float64 (or
+    underflows toward zero), and so is dividing the sum by ``2**k``.
+
+    ``k`` is capped at 1023, so that ``2**k`` stays a finite float64 (this happens only when
+    the global ``max |g|`` is below ``2**-994``, float64 gradients: float32's smallest value
+    is ``2**-149``; a smaller scale only shrinks the quantized values, which stay in bounds).
+    A bucket that is zero on every rank (:data:`INT32_ZERO_EXPONENT`) gets scale 1, as under
+    :func:`int32_scale`.
+
+    Args:
+        global_exponent: the MAX over the ranks of their :func:`int32_exponent`.
+        n_terms: how many quantized buffers are summed (the number of ranks).
+
+    Returns:
+        ``2.0**k``, the scale passed as ``qscale`` to ``pack`` and ``unpack``.
+
+    Raises:
+        ValueError: ``n_terms`` is not in ``[1, 2**31 - 1]``, or ``global_exponent`` is
+            :data:`INT32_NONFINITE_EXPONENT` (a NaN or inf gradient on some rank) or otherwise
+            outside the exponents of finite float64 values.
+    """
+    if not 1 <= n_terms <= INT32_LIMIT:
+        raise ValueError(f"n_terms must be an integer in [1, 2**31 - 1] (got {n_terms})")
+    e = int(global_exponent)
+    if e == INT32_NONFINITE_EXPONENT:
+        raise ValueError("a max |g| is NaN or infinite: no int32 scale quantizes it")
+    if e <= INT32_ZERO_EXPONENT:
+        return 1.0
+    if e > 1024:
+        raise ValueError(f"exponent {e} is beyond every finite float64's (at most 1024)")
+    k = min((INT32_LIMIT // n_terms).bit_length() - 1 - e, _MAX_SHIFT)
+    return math.ldexp(1.0, k)
 
 
 def local_maxabs(arrays: Sequence[Any]) -> float:
@@ -199,7 +301,7 @@ class Packer:
       ``uint16`` (NaN stays NaN); float64 arrays are first rounded to float32.
     - ``"int32"``: ``q = rint(g * qscale)`` in float64, saturated to ``±(2**31 - 1)``, NaN to 0;
       ``unpack`` gives ``q * (scale / qscale)`` computed in float64. ``qscale`` comes from
-      :func:`int32_scale`, so that a sum of N buffers cannot overflow.
+      :func:`int32_pow2_scale` (or :func:`int32_scale`), so that a sum of N buffers cannot overflow.
 
     NumPy arrays that are C-contiguous and aligned go through the compiled kernel: a
     pointer table built in C on each call, then ``memcpy`` or the cast loop per array,
@@ -415,7 +517,7 @@ class Packer:
             if qscale is None or not (float(qscale) > 0 and math.isfinite(qscale)):
                 raise PackError(
                     f"mode='int32' needs qscale= a positive finite scale (got {qscale}): "
-                    "compute it with int32_scale(global max |g|, number of ranks)"
+                    "compute it with int32_pow2_scale(global exponent, number of ranks)"
                 )
             return float(qscale)
         if qscale is not None:

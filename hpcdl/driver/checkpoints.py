@@ -16,7 +16,7 @@ from typing import Any
 
 from hpcdl.comm import Communicator, recv_object, scatter_objects, send_object, subcomm
 from hpcdl.components import all_declared, declared
-from hpcdl.config import DRIVER_FIT_KEYS, Config, stored_values
+from hpcdl.config import DRIVER_FIT_KEYS, Config, legacy_values, stored_values
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.parallel import Placement, RankState, Strategy
 from hpcdl.store.checkpoint import Checkpoint, CheckpointError, list_checkpoints, load_checkpoint
@@ -157,7 +157,8 @@ def check_fits(
         )
     fit = _saved_fit(ckpt.meta["fit"], config)
     for key, value in _fit(config).items():
-        saved = fit.get(key, value)  # a key newer than the file: its default
+        legacy = config.schema[key].legacy if key in config.schema else None
+        saved = fit.get(key, value if legacy is None else legacy)  # a key newer than the file: its legacy
         if saved != value:
             raise CheckpointError(f"{where} was written with {key} = {saved!r}; this run has {value!r}")
     theirs = Placement.from_json(ckpt.placement)
@@ -239,6 +240,7 @@ def check_run_config(attrs: dict[str, Any], config: Config, ranks: int) -> dict[
         )
     try:
         saved = stored_values(str(attrs.get("config", "")))
+        saved = {**legacy_values(saved), **saved}  # keys newer than the file: the values it ran with
     except ConfigError as err:
         raise CheckpointError(f"{path} has a damaged config attribute ({err}): start a new run") from None
     changed = {}

@@ -19,7 +19,7 @@ from hpcdl.driver.loop import Counters, Trainer
 from hpcdl.driver.memory import check as check_memory
 from hpcdl.driver.progress import Progress, choose_mode
 from hpcdl.driver.runlog import RunLog, checkpoint_attrs, open_run, peak_rss_mb
-from hpcdl.driver.settle import PlanInputs, settle, stored_config
+from hpcdl.driver.settle import PlanInputs, continue_legacy, settle, stored_config
 from hpcdl.driver.signals import current_stop_request
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
@@ -146,6 +146,10 @@ def train(
     comm = comm or world()
     factor = slowdown_factor(cfg, comm.Get_rank(), comm.Get_size())
     stored = on_root(comm, lambda: stored_config(out, resume))
+    cfg, lines = continue_legacy(cfg, stored)
+    if comm.Get_rank() == 0:
+        for line in lines:
+            print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
     ctx, strategy = build(cfg, comm, stored)
     try:
         path = Path(out) if out is not None else None

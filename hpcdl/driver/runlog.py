@@ -16,7 +16,7 @@ import numpy as np
 from hpcdl import __version__
 from hpcdl.comm import Communicator, on_root
 from hpcdl.components import declared
-from hpcdl.config import Config
+from hpcdl.config import Config, legacy_values, stored_values
 from hpcdl.driver.checkpoints import check_run_config, find_resume
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.parallel import Placement, Strategy
@@ -345,8 +345,8 @@ def _open_on_root(
         )
     if resume is not None and exists:  # continue it; no checkpoint yet (killed before one): from step 0
         runfile = RunFile.resume(run_path, ckpt.step if ckpt else 0, ranks, *_declared_rows(cfg))
-        if int(attrs.get("format_version", FORMAT_VERSION)) < FORMAT_VERSION:  # config in today's names
-            runfile.set_attrs(config=cfg.toml())
+        if int(attrs.get("format_version", FORMAT_VERSION)) < FORMAT_VERSION or _predates(attrs):
+            runfile.set_attrs(config=cfg.toml())  # today's names; legacy values recorded
         if changes:
             step = ckpt.step if ckpt else 0
             runfile.record_config_change(step, changes, cfg.toml())
@@ -356,6 +356,14 @@ def _open_on_root(
         runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks, *_declared_rows(cfg))
     _remove_orphans(run_path)
     return ckpt, runfile
+
+
+def _predates(attrs: dict[str, Any]) -> bool:
+    """True when the run file's config lacks keys that declare a legacy value (it predates them)."""
+    try:
+        return bool(legacy_values(stored_values(str(attrs.get("config", "")))))
+    except ConfigError:
+        return False
 
 
 def _check_writer(attrs: dict[str, Any], run_path: Path, take_over: bool) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, on_root
-from hpcdl.config import Config, stored_values
+from hpcdl.config import Config, legacy_values, stored_values
 from hpcdl.data import Dataset, gather_batch
 from hpcdl.driver.factory import build, load_data
 from hpcdl.errors import HpcdlError
@@ -25,9 +25,10 @@ from hpcdl.nn import Sequential
 from hpcdl.parallel import strategy_class
 from hpcdl.rng import generator
 from hpcdl.sim.network import load_network
+from hpcdl.store.checkpoint import checkpoint_config
 from hpcdl.store.runfile import read_attrs
 
-__all__ = ["PlanInputs", "settle", "stored_config"]
+__all__ = ["PlanInputs", "continue_legacy", "settle", "stored_config"]
 
 
 class PlanInputs:
@@ -64,15 +65,42 @@ class PlanInputs:
 
 
 def stored_config(out: str | os.PathLike[str] | None, resume: str | None) -> dict[str, Any] | None:
-    """The config a run file stores, when the run resumes from it (None for a fresh run, or a
-    file that cannot be read: opening the run reports that, in its own words)."""
-    if resume is None or out is None or not Path(out).is_file():
+    """The config a run file stores, when the run resumes from it — or, resumed from a checkpoint
+    without a run file, the checkpoint's (None for a fresh run, or a file that cannot be read:
+    opening the run reports that, in its own words)."""
+    if resume is None:
         return None
     try:
-        text = read_attrs(out).get("config")
+        if out is None and resume != "auto":
+            text = checkpoint_config(resume)
+        elif out is not None and Path(out).is_file():
+            text = read_attrs(out).get("config")
+        else:
+            return None
         return stored_values(text) if text else None
     except HpcdlError:
         return None
+
+
+def continue_legacy(cfg: Config, stored: Mapping[str, Any] | None) -> tuple[Config, list[str]]:
+    """``cfg`` for continuing a run whose stored config predates some keys: each such key that
+    declares a legacy value (:attr:`Key.legacy <hpcdl.components.Key>`) and that ``cfg`` leaves
+    at its default takes that value, so the run goes on as it began (an int32 run of before
+    ``exchange.int32_scale`` keeps the ``max`` rule); and one line per key saying so.
+
+    Args:
+        cfg: the config as given.
+        stored: the config of the run being resumed (:func:`stored_config`), or None: a fresh run.
+    """
+    if stored is None:
+        return cfg, []
+    updates = {k: v for k, v in legacy_values(stored).items() if k in cfg.values and not cfg.is_set(k)}
+    lines = [
+        f"{k} = {v!r}: the run predates this key and continues as it began (a new run: {cfg[k]!r})"
+        for k, v in updates.items()
+        if v != cfg[k]
+    ]
+    return (cfg.with_updates(updates) if updates else cfg), lines
 
 
 def settle(

@@ -14,12 +14,12 @@ from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives, CollRequest
 from hpcdl.comm.collectives.auto import AutoTable
-from hpcdl.comm.pack import int32_scale
+from hpcdl.comm.pack import INT32_NONFINITE_EXPONENT, int32_exponent, int32_pow2_scale, int32_scale
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.exchange import ExchangeError, LocalExchange, broadcast_parameters
 
-__all__ = ["BucketedExchange", "COMPRESSIONS", "DEFAULT_BUCKET_MB"]
+__all__ = ["BucketedExchange", "COMPRESSIONS", "DEFAULT_BUCKET_MB", "INT32_SCALES"]
 
 #: bucket size in MiB when the config does not say (PyTorch DDP's default is 25)
 DEFAULT_BUCKET_MB = 25.0
@@ -27,6 +27,11 @@ DEFAULT_BUCKET_MB = 25.0
 #: wire formats of the buckets: ``none`` (the gradients' dtype), ``float16`` and
 #: ``bfloat16`` (2 bytes, summed in float32), ``int32`` (quantized with a shared scale)
 COMPRESSIONS: tuple[str, ...] = ("none", "float16", "bfloat16", "int32")
+
+#: rules for the scale of ``int32`` compression (:mod:`hpcdl.comm.pack`): ``pow2`` (SwitchML's
+#: block floating point, a MAX allreduce of int32 exponents) or ``max`` (a MAX allreduce of
+#: ``max |g|``, the rule before ``pow2``)
+INT32_SCALES: tuple[str, ...] = ("pow2", "max")
 
 
 class BucketedExchange(LocalExchange):
@@ -50,9 +55,13 @@ class BucketedExchange(LocalExchange):
       whatever ``algorithm`` says. Values beyond float16's range (65504) become inf, which
       the training loop reports as a non-finite loss.
     - ``int32``: when a bucket is complete, one small blocking MAX allreduce gives the
-      global ``max |g|`` of its gradients, hence the scale (:func:`int32_scale`) at which
-      a sum over the ranks cannot overflow; the quantized bucket is then summed exactly in
-      int32 (the form a switch aggregates, for in-network aggregation).
+      scale at which a sum over the ranks cannot overflow; the quantized bucket is then
+      summed exactly in int32 (the form a switch aggregates, for in-network aggregation).
+      ``int32_scale`` is the rule (:data:`INT32_SCALES`): ``pow2`` reduces the int32 binary
+      exponents of the ranks' ``max |g|`` (:func:`int32_exponent`) and quantizes with the
+      power of two :func:`int32_pow2_scale`, the rule an aggregation switch applies
+      (SwitchML), so both sum the same integers; ``max`` reduces ``max |g|`` itself
+      (:func:`int32_scale`).
 
     With gradient accumulation (:meth:`accumulate` after each micro-step but the last),
     the observer must be active only in the last micro-step's backward: the exchange adds
@@ -69,16 +78,21 @@ class BucketedExchange(LocalExchange):
         algorithm: str = "auto",
         auto: AutoTable | None = None,
         compression: str = "none",
+        int32_scale: str = "pow2",
     ) -> None:
         super().__init__(comm, params, debug)
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS} (got {compression!r})")
+        if int32_scale not in INT32_SCALES:
+            raise ValueError(f"int32_scale must be one of {INT32_SCALES} (got {int32_scale!r})")
         self.compression = compression
+        self.int32_scale = int32_scale
         self.index = {id(p): i for i, p in enumerate(self.params)}
         mode = "plain" if compression == "none" else compression
         self.buckets = Buckets([p.grad for p in self.params], int(bucket_mb * 2**20) or None, mode=mode)
         self._qscales: list[float | None] = [None] * len(self.buckets)
-        self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place
+        self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place (max rule)
+        self._exponent = np.zeros(1, np.int32)  # ... of the pow2 rule
         self.coll = Collectives(comm, algorithm, auto=auto)
         #: the table ``algorithm="auto"`` chooses from (recorded in checkpoints)
         self.auto: AutoTable = self.coll.auto
@@ -134,24 +148,32 @@ class BucketedExchange(LocalExchange):
             self.tracer("pack", t0, wtime(), b)
 
     def _int32_scale(self, b: int) -> float:
-        """The quantization scale of bucket ``b``: from its global max |g| (a MAX allreduce).
+        """The quantization scale of bucket ``b`` under the ``int32_scale`` rule (a MAX allreduce).
 
         Raises:
             ExchangeError: a gradient of the bucket is NaN or infinite on some rank (the
                 same on every rank, since they all see the same maximum).
         """
         members = self.buckets.plan.buckets[b].arrays
-        self._maxabs[0] = self.buckets.packer(b).maxabs([self._grads[i] for i in members])
-        self.coll.Allreduce(self._maxabs, self._maxabs, op=ops.MAX, algorithm="mpi")
-        gmax = float(self._maxabs[0])
-        if not math.isfinite(gmax):
-            names = ", ".join(self.params[i].name for i in members[:3])
-            raise ExchangeError(
-                f"a gradient in the bucket of {names}{', ...' * (len(members) > 3)} is not finite on some "
-                "rank: int32 compression cannot quantize it (lower optimizer.lr; exchange.debug = true "
-                "names the parameter and rank)"
-            )
-        return int32_scale(gmax, self.comm.Get_size())
+        local = self.buckets.packer(b).maxabs([self._grads[i] for i in members])
+        size = self.comm.Get_size()
+        if self.int32_scale == "pow2":
+            self._exponent[0] = int32_exponent(local)
+            self.coll.Allreduce(self._exponent, self._exponent, op=ops.MAX, algorithm="mpi")
+            if int(self._exponent[0]) != INT32_NONFINITE_EXPONENT:
+                return int32_pow2_scale(int(self._exponent[0]), size)
+        else:
+            # a NaN goes as inf: MPI's MAX over a NaN depends on the order, and some ranks would go on
+            self._maxabs[0] = math.inf if math.isnan(local) else local
+            self.coll.Allreduce(self._maxabs, self._maxabs, op=ops.MAX, algorithm="mpi")
+            if math.isfinite(self._maxabs[0]):
+                return int32_scale(float(self._maxabs[0]), size)
+        names = ", ".join(self.params[i].name for i in members[:3])
+        raise ExchangeError(
+            f"a gradient in the bucket of {names}{', ...' * (len(members) > 3)} is not finite on some "
+            "rank: int32 compression cannot quantize it (lower optimizer.lr; exchange.debug = true "
+            "names the parameter and rank)"
+        )
 
     # -- after backward ------------------------------------------------------------------
     def exchange(self) -> None:

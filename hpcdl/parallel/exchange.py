@@ -59,8 +59,16 @@ DECLARES = Declares(
             str,
             "none",
             "bucketed: gradients on the wire as float16/bfloat16 (summed in float32) or int32 "
-            "(global-max scale)",
+            "(quantized: exchange.int32_scale)",
             choices=("none", "float16", "bfloat16", "int32"),
+        ),
+        "exchange.int32_scale": Key(
+            str,
+            "pow2",
+            "int32: the scale rule, pow2 (SwitchML's block floating point: a power of two from the ranks' "
+            "max exponent, what an aggregation switch applies) or max (from the global max |g|)",
+            choices=("pow2", "max"),
+            legacy="max",
         ),
         "exchange.accumulate": Key(
             int,

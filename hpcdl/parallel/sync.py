@@ -290,6 +290,7 @@ def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExc
             "algorithm": cfg["exchange.algorithm"],
             "auto": auto_table(cfg, comm),
             "compression": cfg["exchange.compression"],
+            "int32_scale": cfg["exchange.int32_scale"],
         }
     elif cfg["exchange.compression"] != "none" and comm.Get_size() > 1:
         raise ConfigError(

@@ -41,6 +41,7 @@ __all__ = [
     "CKPT_VERSION",
     "Checkpoint",
     "CheckpointError",
+    "checkpoint_config",
     "checkpoint_path",
     "checkpoint_run_file",
     "list_checkpoints",
@@ -98,6 +99,17 @@ def checkpoint_path(run_file: str | os.PathLike[str], step: int) -> Path:
     """``RUN.ckpt-00000100.h5`` beside ``RUN.h5``."""
     run_file = Path(run_file)
     return run_file.with_name(f"{run_file.stem}.ckpt-{step:08d}.h5")
+
+
+def checkpoint_config(path: str | os.PathLike[str]) -> str | None:
+    """The config (TOML text) a checkpoint stores, read from its attributes alone; None when the
+    file cannot be read (loading it says why, in its own words)."""
+    try:
+        with h5py.File(path, "r") as h5:
+            text = h5.attrs.get("config")
+    except (OSError, ValueError):
+        return None
+    return str(text) if text is not None else None
 
 
 def checkpoint_run_file(path: str | os.PathLike[str]) -> Path | None:
