@@ -3,8 +3,10 @@
 Every message is a *flow* over its sender's send channel and its receiver's receive channel
 (and a fat tree's leaf links), sharing them max-min fairly with the flows of the moment,
 rates recomputed at every start and end, in exact integer ticks; it arrives ``alpha`` after
-its last byte is through. The model, its derivation, the analytic cases the tests check, the
-network file's keys and the presets are documented once, in ``docs/network.md``.
+its last byte is through. A ``[switch]`` section names one rank an aggregating switch (a port
+per peer instead of a NIC) or its host baseline, with a per-packet processing cost. The
+model, its derivation, the analytic cases the tests check, the network file's keys and the
+presets are documented once, in ``docs/network.md``.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from hpcdl._ext.simcore import NetCore
 from hpcdl.errors import ConfigError
 from hpcdl.sim.ticks import TICKS_PER_SECOND
 
-__all__ = ["PRESETS", "Link", "Network", "load_network", "parse_network", "network_toml"]
+__all__ = ["PRESETS", "Link", "Network", "Switch", "load_network", "parse_network", "network_toml"]
 
 #: names of the shipped presets (``hpcdl/sim/networks/<name>.toml``)
 PRESETS: tuple[str, ...] = ("shm-local", "eth10g", "eth40g", "ib-edr", "ib-hdr")
 
 _KINDS = ("switch", "fat-tree")
 _NICS = ("rank", "node")
+_SWITCH_MODES = ("switch", "host")
+_PROCESSING = ("parallel", "serial")
 #: section -> key -> (type, minimum, strict, meaning); strict: the value must exceed the minimum
 #: (a list: a non-empty list of numbers, each checked against the minimum)
 _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
@@ -54,8 +58,20 @@ _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
     "compute": {
         "contention": (list, 1.0, False, "measured-compute slow-down by ranks on a node"),
     },
+    "switch": {
+        "rank": (int, -1, False, "the rank that is the switch (-1: the last)"),
+        "mode": (str, None, False, '"switch" (a port per worker) or "host" (one NIC)'),
+        "per_packet_us": (float, 0.0, False, "processing cost per message received, in microseconds"),
+        "processing": (str, None, False, '"parallel" (a pipeline per port) or "serial" (one core)'),
+        "port_bandwidth_GBps": (float, 0.0, True, "bandwidth of each switch port in GB/s"),
+    },
 }
-_CHOICES = {"inter.nic": _NICS, "topology.kind": _KINDS}
+_CHOICES = {
+    "inter.nic": _NICS,
+    "topology.kind": _KINDS,
+    "switch.mode": _SWITCH_MODES,
+    "switch.processing": _PROCESSING,
+}
 
 
 class Link:
@@ -77,6 +93,57 @@ class Link:
         return {"latency_us": self.latency_us, "bandwidth_GBps": self.bandwidth_GBps}
 
 
+class Switch:
+    """The ``[switch]`` section: which rank is the aggregating switch, and how it is modelled.
+
+    Args:
+        rank: the switch's rank; -1: the last rank of the run.
+        mode: ``"switch"``: a port per peer rank (line rate each) instead of a NIC;
+            ``"host"``: an ordinary rank with one NIC (the software baseline).
+        per_packet_us: processing cost of each message the rank receives, microseconds.
+        processing: ``"parallel"`` (a server per port, a hardware pipeline) or
+            ``"serial"`` (one server, a software switch's core); host mode is serial.
+        port_bandwidth_GBps: switch mode: each port's bandwidth (None: the inter-node one).
+    """
+
+    __slots__ = ("rank", "mode", "per_packet_us", "processing", "port_bandwidth_GBps", "cost")
+
+    def __init__(
+        self,
+        rank: int = -1,
+        *,
+        mode: str = "switch",
+        per_packet_us: float = 0.0,
+        processing: str = "serial",
+        port_bandwidth_GBps: float | None = None,
+    ) -> None:
+        if mode not in _SWITCH_MODES or processing not in _PROCESSING:
+            raise ValueError(
+                f"switch mode must be switch or host, processing parallel or serial ({mode}, {processing})"
+            )
+        if mode == "host" and processing != "serial":
+            raise ValueError("a host processes its packets serially (one core): processing must be serial")
+        if rank < -1 or not per_packet_us >= 0:
+            raise ValueError(
+                f"switch rank must be >= -1 and per_packet_us >= 0 (got {rank}, {per_packet_us})"
+            )
+        self.rank = rank
+        self.mode = mode
+        self.per_packet_us = float(per_packet_us)
+        self.processing = processing
+        self.port_bandwidth_GBps = None if port_bandwidth_GBps is None else float(port_bandwidth_GBps)
+        #: ticks per message received (picoseconds: exact for any whole number of them)
+        self.cost = round(self.per_packet_us * (TICKS_PER_SECOND // 10**6))
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "mode": self.mode, "per_packet_us": self.per_packet_us}
+        if self.mode == "switch":
+            out["processing"] = self.processing
+            if self.port_bandwidth_GBps is not None:
+                out["port_bandwidth_GBps"] = self.port_bandwidth_GBps
+        return out
+
+
 class Network(NetCore):
     """The NIC/switch/fat-tree model of the module docstring; built by :func:`load_network`.
 
@@ -93,6 +160,7 @@ class Network(NetCore):
         contention: measured compute's slow-down by ranks on a node (entry k-1 for k
             ranks, the last for more); empty: none. The compute model applies it
             (:class:`hpcdl.sim.compute.Contention`); the network only carries it.
+        switch: the rank that is an aggregating switch, or its host baseline (None: none).
         source: where the figures come from.
         path: the file it was read from, if any.
     """
@@ -110,6 +178,7 @@ class Network(NetCore):
         oversubscription: float = 1.0,
         leaf_latency_us: float = 0.0,
         contention: Sequence[float] = (),
+        switch: Switch | None = None,
         source: str = "",
         path: str | None = None,
     ) -> None:
@@ -124,6 +193,8 @@ class Network(NetCore):
             )
         if any(not f >= 1.0 for f in contention):
             raise ValueError(f"contention factors must be >= 1 (got {list(contention)})")
+        if switch is not None and switch.mode == "switch" and (inter is None or kind != "switch"):
+            raise ValueError('a switch rank in mode "switch" needs an inter-node link and kind "switch"')
         self.name = name
         self.source = source
         self.path = path
@@ -136,6 +207,7 @@ class Network(NetCore):
         self.oversubscription = float(oversubscription)
         self.leaf_latency_us = float(leaf_latency_us)
         self.contention = tuple(float(f) for f in contention)
+        self.switch = switch
         self.fat_tree = kind == "fat-tree"
         self._nic_node = nic == "node"
         #: capacity of a leaf's uplink and downlink, bytes per second
@@ -145,8 +217,39 @@ class Network(NetCore):
         self.leaf_alpha = round(self.leaf_latency_us * (TICKS_PER_SECOND // 10**6))
         self.reset(0)
 
+    def switch_rank(self, nranks: int) -> int | None:
+        """The switch's rank in a run of ``nranks`` ranks (None: no ``[switch]``).
+
+        Raises:
+            ConfigError: ``switch.rank`` is not one of the run's ranks.
+        """
+        if self.switch is None:
+            return None
+        rank = nranks - 1 if self.switch.rank == -1 else self.switch.rank
+        if not 0 <= rank < nranks:
+            where = f"network file {self.path}" if self.path else f"network {self.name}"
+            raise ConfigError(
+                f"{where}: key 'switch.rank' = {self.switch.rank} is not a rank of this run of {nranks} "
+                "ranks: give one of 0..{} or -1 (the last)".format(nranks - 1)
+            )
+        return rank
+
     def reset(self, nranks: int) -> None:
-        """Fresh, idle channels for a run of ``nranks`` ranks."""
+        """Fresh, idle channels for a run of ``nranks`` ranks.
+
+        Raises:
+            ConfigError: ``switch.rank`` is not one of the ``nranks`` ranks.
+        """
+        sw = self.switch
+        rank = self.switch_rank(nranks) if sw is not None and nranks > 0 else None
+        ports = rank is not None and sw.mode == "switch"
+        port_bps = 1
+        if ports:
+            port_bps = (
+                self.inter.bps
+                if sw.port_bandwidth_GBps is None
+                else max(1, round(sw.port_bandwidth_GBps * 1e9))
+            )
         self.nranks = nranks
         self._configure(
             self.ranks_per_node,
@@ -158,6 +261,11 @@ class Network(NetCore):
             self.uplink_bps,
             self.leaf_alpha,
             nranks,
+            -1 if rank is None else rank,
+            ports,
+            port_bps,
+            0 if sw is None else sw.cost,
+            sw is not None and sw.processing == "parallel",
         )
 
     # NetCore (in C) runs the flows: the engine posts each message and takes the network's
@@ -197,6 +305,8 @@ class Network(NetCore):
         out["topology"] = topo
         if self.contention:
             out["compute"] = {"contention": list(self.contention)}
+        if self.switch is not None:
+            out["switch"] = self.switch.describe()
         return out
 
     def __repr__(self) -> str:
@@ -300,6 +410,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
                 raise ConfigError(f"{where}: key '{sec}.{k}' is missing ({cause}): add it to [{sec}]")
         links[sec] = Link(values["latency_us"], values["bandwidth_GBps"])
     kind = topo.get("kind", "switch")
+    switch = _switch(v["switch"], data, links["inter"], kind, where)
     if kind == "fat-tree" and "nodes_per_leaf" not in topo:
         raise ConfigError(f"{where}: key 'topology.nodes_per_leaf' is missing (kind = \"fat-tree\" needs it)")
     if kind == "switch":
@@ -319,8 +430,57 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
         oversubscription=topo.get("oversubscription", 1.0),
         leaf_latency_us=topo.get("leaf_latency_us", 0.0),
         contention=contention,
+        switch=switch,
         source=top.get("source", ""),
         path=path,
+    )
+
+
+def _switch(
+    values: dict[str, Any], data: dict[str, Any], inter: Link | None, kind: str, where: str
+) -> Switch | None:
+    """The ``[switch]`` section's :class:`Switch` (None when the file has none), its rules checked."""
+    if "switch" not in data:
+        return None
+    for k in ("mode", "per_packet_us"):
+        if k not in values:
+            why = {
+                "mode": '"switch" (a port per worker) or "host" (one NIC)',
+                "per_packet_us": "the processing cost per message received, measured: 0 for none",
+            }[k]
+            raise ConfigError(f"{where}: key 'switch.{k}' is missing ([switch] needs it: {why})")
+    mode = values["mode"]
+    if mode == "host":
+        for k in ("processing", "port_bandwidth_GBps"):
+            if k in values:
+                why = (
+                    "a host processes its packets serially, on one core"
+                    if k == "processing"
+                    else "a host has one NIC, [inter]'s"
+                )
+                raise ConfigError(f"{where}: key 'switch.{k}' only applies to mode = \"switch\" ({why})")
+    else:
+        if "processing" not in values:
+            raise ConfigError(
+                f'{where}: key \'switch.processing\' is missing (mode = "switch" needs it: "parallel", '
+                'a pipeline per port as in hardware, or "serial", one core as in a software switch)'
+            )
+        if inter is None:
+            raise ConfigError(
+                f"{where}: key 'inter.latency_us' is missing ([switch] mode = \"switch\" takes its ports' "
+                "latency and line rate from [inter])"
+            )
+        if kind != "switch":
+            raise ConfigError(
+                f'{where}: key \'switch.mode\' = "switch" needs topology kind = "switch" '
+                f"(a switch rank in a fat tree is not modelled; kind is {kind!r})"
+            )
+    return Switch(
+        values.get("rank", -1),
+        mode=mode,
+        per_packet_us=values["per_packet_us"],
+        processing=values.get("processing", "serial"),
+        port_bandwidth_GBps=values.get("port_bandwidth_GBps"),
     )
 
 
