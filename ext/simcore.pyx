@@ -1227,6 +1227,12 @@ cdef class NetCore:
     128-bit integers, so a run is reproducible bit for bit and a flow alone on its
     channels takes ``ceil(S / B)`` ticks exactly, as before.
 
+    A switch rank (``[switch]``, :mod:`hpcdl.sim.switch`) in switch mode has a send and a
+    receive port per peer rank instead of a NIC (channels after the others); in either
+    mode each message it receives is processed by a FIFO server (one, or one per source
+    rank) before delivery: :meth:`process`, called in arrival order by the engine when the
+    arrival event is taken, and by :meth:`schedule`.
+
     The engine (:class:`Core`) posts messages (:meth:`post`), asks for the next completion
     (:meth:`next_time`) and lets the network reach it (:meth:`advance`), which hands back
     the messages that ended. :meth:`schedule` does the same for a list of messages, without

@@ -21,6 +21,7 @@ from typing import Any
 
 from hpcdl._ext.simcore import NetCore
 from hpcdl.errors import ConfigError
+from hpcdl.sim.switch import PROCESSING, SWITCH_MODES, Switch, parse_switch
 from hpcdl.sim.ticks import TICKS_PER_SECOND
 
 __all__ = ["PRESETS", "Link", "Network", "Switch", "load_network", "parse_network", "network_toml"]
@@ -30,8 +31,6 @@ PRESETS: tuple[str, ...] = ("shm-local", "eth10g", "eth40g", "ib-edr", "ib-hdr")
 
 _KINDS = ("switch", "fat-tree")
 _NICS = ("rank", "node")
-_SWITCH_MODES = ("switch", "host")
-_PROCESSING = ("parallel", "serial")
 #: section -> key -> (type, minimum, strict, meaning); strict: the value must exceed the minimum
 #: (a list: a non-empty list of numbers, each checked against the minimum)
 _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
@@ -69,8 +68,8 @@ _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
 _CHOICES = {
     "inter.nic": _NICS,
     "topology.kind": _KINDS,
-    "switch.mode": _SWITCH_MODES,
-    "switch.processing": _PROCESSING,
+    "switch.mode": SWITCH_MODES,
+    "switch.processing": PROCESSING,
 }
 
 
@@ -91,57 +90,6 @@ class Link:
 
     def describe(self) -> dict[str, float]:
         return {"latency_us": self.latency_us, "bandwidth_GBps": self.bandwidth_GBps}
-
-
-class Switch:
-    """The ``[switch]`` section: which rank is the aggregating switch, and how it is modelled.
-
-    Args:
-        rank: the switch's rank; -1: the last rank of the run.
-        mode: ``"switch"``: a port per peer rank (line rate each) instead of a NIC;
-            ``"host"``: an ordinary rank with one NIC (the software baseline).
-        per_packet_us: processing cost of each message the rank receives, microseconds.
-        processing: ``"parallel"`` (a server per port, a hardware pipeline) or
-            ``"serial"`` (one server, a software switch's core); host mode is serial.
-        port_bandwidth_GBps: switch mode: each port's bandwidth (None: the inter-node one).
-    """
-
-    __slots__ = ("rank", "mode", "per_packet_us", "processing", "port_bandwidth_GBps", "cost")
-
-    def __init__(
-        self,
-        rank: int = -1,
-        *,
-        mode: str = "switch",
-        per_packet_us: float = 0.0,
-        processing: str = "serial",
-        port_bandwidth_GBps: float | None = None,
-    ) -> None:
-        if mode not in _SWITCH_MODES or processing not in _PROCESSING:
-            raise ValueError(
-                f"switch mode must be switch or host, processing parallel or serial ({mode}, {processing})"
-            )
-        if mode == "host" and processing != "serial":
-            raise ValueError("a host processes its packets serially (one core): processing must be serial")
-        if rank < -1 or not per_packet_us >= 0:
-            raise ValueError(
-                f"switch rank must be >= -1 and per_packet_us >= 0 (got {rank}, {per_packet_us})"
-            )
-        self.rank = rank
-        self.mode = mode
-        self.per_packet_us = float(per_packet_us)
-        self.processing = processing
-        self.port_bandwidth_GBps = None if port_bandwidth_GBps is None else float(port_bandwidth_GBps)
-        #: ticks per message received (picoseconds: exact for any whole number of them)
-        self.cost = round(self.per_packet_us * (TICKS_PER_SECOND // 10**6))
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"rank": self.rank, "mode": self.mode, "per_packet_us": self.per_packet_us}
-        if self.mode == "switch":
-            out["processing"] = self.processing
-            if self.port_bandwidth_GBps is not None:
-                out["port_bandwidth_GBps"] = self.port_bandwidth_GBps
-        return out
 
 
 class Network(NetCore):
@@ -410,7 +358,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
                 raise ConfigError(f"{where}: key '{sec}.{k}' is missing ({cause}): add it to [{sec}]")
         links[sec] = Link(values["latency_us"], values["bandwidth_GBps"])
     kind = topo.get("kind", "switch")
-    switch = _switch(v["switch"], data, links["inter"], kind, where)
+    switch = parse_switch(v["switch"] if "switch" in data else None, links["inter"] is not None, kind, where)
     if kind == "fat-tree" and "nodes_per_leaf" not in topo:
         raise ConfigError(f"{where}: key 'topology.nodes_per_leaf' is missing (kind = \"fat-tree\" needs it)")
     if kind == "switch":
@@ -433,54 +381,6 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
         switch=switch,
         source=top.get("source", ""),
         path=path,
-    )
-
-
-def _switch(
-    values: dict[str, Any], data: dict[str, Any], inter: Link | None, kind: str, where: str
-) -> Switch | None:
-    """The ``[switch]`` section's :class:`Switch` (None when the file has none), its rules checked."""
-    if "switch" not in data:
-        return None
-    for k in ("mode", "per_packet_us"):
-        if k not in values:
-            why = {
-                "mode": '"switch" (a port per worker) or "host" (one NIC)',
-                "per_packet_us": "the processing cost per message received, measured: 0 for none",
-            }[k]
-            raise ConfigError(f"{where}: key 'switch.{k}' is missing ([switch] needs it: {why})")
-    mode = values["mode"]
-    if mode == "host":
-        for k in ("processing", "port_bandwidth_GBps"):
-            if k in values:
-                why = (
-                    "a host processes its packets serially, on one core"
-                    if k == "processing"
-                    else "a host has one NIC, [inter]'s"
-                )
-                raise ConfigError(f"{where}: key 'switch.{k}' only applies to mode = \"switch\" ({why})")
-    else:
-        if "processing" not in values:
-            raise ConfigError(
-                f'{where}: key \'switch.processing\' is missing (mode = "switch" needs it: "parallel", '
-                'a pipeline per port as in hardware, or "serial", one core as in a software switch)'
-            )
-        if inter is None:
-            raise ConfigError(
-                f"{where}: key 'inter.latency_us' is missing ([switch] mode = \"switch\" takes its ports' "
-                "latency and line rate from [inter])"
-            )
-        if kind != "switch":
-            raise ConfigError(
-                f'{where}: key \'switch.mode\' = "switch" needs topology kind = "switch" '
-                f"(a switch rank in a fat tree is not modelled; kind is {kind!r})"
-            )
-    return Switch(
-        values.get("rank", -1),
-        mode=mode,
-        per_packet_us=values["per_packet_us"],
-        processing=values.get("processing", "serial"),
-        port_bandwidth_GBps=values.get("port_bandwidth_GBps"),
     )
 
 

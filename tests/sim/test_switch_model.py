@@ -305,3 +305,15 @@ def test_switch_mode_needs_the_inter_node_link() -> None:
     n = parse_network(data, "t", where="t")
     n.reset(3)
     assert sorted(a for _, a in n.schedule([(0, 2, 0, 0), (1, 2, 0, 0)])) == [ALPHA + US, ALPHA + 2 * US]
+
+
+def test_the_switch_object_refuses_what_the_file_would() -> None:
+    from hpcdl.sim.switch import Switch
+
+    with pytest.raises(ValueError, match="processing must be serial"):
+        Switch(mode="host", processing="parallel")
+    with pytest.raises(ValueError, match="per_packet_us >= 0"):
+        Switch(per_packet_us=-1.0)
+    with pytest.raises(ValueError, match="switch mode must be"):
+        Switch(mode="router")
+    assert Switch(per_packet_us=0.35).cost == C
