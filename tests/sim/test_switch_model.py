@@ -317,3 +317,17 @@ def test_the_switch_object_refuses_what_the_file_would() -> None:
     with pytest.raises(ValueError, match="switch mode must be"):
         Switch(mode="router")
     assert Switch(per_packet_us=0.35).cost == C
+
+
+def test_the_switch_is_on_no_node_and_a_shared_nic_stays_shared() -> None:
+    """ranks_per_node = 2: rank 2 shares the switch's node number but reaches it through a port (inter
+    alpha, not shared memory); with nic = "node", ranks 0 and 1 share their node's NIC to the switch."""
+    s = xfer(SIZES[1])
+    intra = {"latency_us": 0.5, "bandwidth_GBps": 20.0}
+    n = net(switch(), 4, ranks_per_node=2, intra=intra)
+    assert n.schedule([(2, 3, SIZES[1], 0)]) == [(s, ALPHA + s)]
+    assert n.schedule([(0, 1, SIZES[1], 0)]) == [(s // 2, US // 2 + s // 2)]  # shared memory, as before
+    inter = {"latency_us": 1.0, "bandwidth_GBps": 10.0, "nic": "node"}
+    n = net(switch(), 5, ranks_per_node=2, intra=intra, inter=inter)
+    times = n.schedule([(0, 4, SIZES[1], 0), (1, 4, SIZES[1], 0), (2, 4, SIZES[1], 0)])
+    assert times == [(2 * s, ALPHA + 2 * s)] * 2 + [(s, ALPHA + s)]
