@@ -47,6 +47,7 @@ cdef enum:  # event kinds
     RESUME = 0
     ARRIVE = 1
     NETWORK = 2  # the network's next completion (rank -1: before any rank's own event at that tick)
+    DELIVER = 3  # a message the switch rank has processed: delivered as it is (no second processing)
 
 cdef int64_t TICKS_PER_SECOND = 1000000000000  # hpcdl.sim.ticks.TICKS_PER_SECOND
 
@@ -518,9 +519,13 @@ cdef class Core:
             else:
                 ev = self._pop()
                 self.events += 1
-                if ev.kind == ARRIVE:
+                if ev.kind == ARRIVE or ev.kind == DELIVER:
                     msg = <Message>ev.msg
                     Py_DECREF(msg)  # the heap's reference; ``msg`` holds one
+                    if ev.kind == ARRIVE and self._net is not None and (<Message>msg).dst == self._net._proc_rank \
+                            and ev.token != self._net._proc_rank:  # at the switch rank: processed first
+                        self._push(self._net.process(ev.token, ev.t), ev.rank, DELIVER, -1, msg)
+                        continue
                     self._deliver(ev.t, msg)
                     continue
                 if ev.kind == NETWORK:
@@ -762,7 +767,7 @@ cdef class Core:
             t_sent, t_arrival = self._net_send(r, dst, msg.nbytes, self.now[r])
         self.in_flight += 1
         req._t_done = t_sent
-        self._push(t_arrival, dst, ARRIVE, -1, msg)
+        self._push(t_arrival, dst, ARRIVE, r, msg)  # ARRIVE's token: the sender's world rank
         return 0
 
     cdef void _net_reschedule(self) except *:
@@ -782,7 +787,7 @@ cdef class Core:
         try:
             for i in range(n):
                 self._net._take(i, &e)
-                self._push(e.t_arrival, e.dst, ARRIVE, -1, <Message>e.msg)
+                self._push(e.t_arrival, e.dst, ARRIVE, e.src, <Message>e.msg)
             self._batch = True  # several wakes at once: each through the heap, in (time, rank) order
             for i in range(n):
                 self._net._take(i, &e)
@@ -1201,7 +1206,7 @@ cdef struct Completion:
 cdef struct Ended:
     PyObject* msg  # owned references
     PyObject* req
-    int64_t t_sent, t_arrival, dst
+    int64_t t_sent, t_arrival, src, dst
 
 
 cdef inline bint _earlier(Completion* a, Completion* b) noexcept nogil:
@@ -1221,6 +1226,12 @@ cdef class NetCore:
     starts or ends. Rates are whole bytes per second and the work left is kept in exact
     128-bit integers, so a run is reproducible bit for bit and a flow alone on its
     channels takes ``ceil(S / B)`` ticks exactly, as before.
+
+    A switch rank (``[switch]``, :mod:`hpcdl.sim.switch`) in switch mode has a send and a
+    receive port per peer rank instead of a NIC (channels after the others); in either
+    mode each message it receives is processed by a FIFO server (one, or one per source
+    rank) before delivery: :meth:`process`, called in arrival order by the engine when the
+    arrival event is taken, and by :meth:`schedule`.
 
     The engine (:class:`Core`) posts messages (:meth:`post`), asks for the next completion
     (:meth:`next_time`) and lets the network reach it (:meth:`advance`), which hands back
@@ -1255,10 +1266,19 @@ cdef class NetCore:
     cdef int64_t* _due  # flows ending at the tick being reached
     cdef Py_ssize_t _cap_comp, _n_res
     cdef Py_ssize_t _n_active  # flows on their channels (the heap is compacted against it)
+    # the switch rank ([switch] of the network file; -1: none)
+    cdef int64_t _sw_rank  # the rank whose messages go through a port per peer (switch mode; -1: none)
+    cdef int64_t _port_base  # its send port for peer p: channel _port_base + p; receive port: + n_ranks + p
+    cdef int64_t _port_bps
+    cdef readonly int64_t _proc_rank  # the rank that processes each message it receives (-1: none)
+    cdef int64_t _proc_cost  # ticks per message received, > 0
+    cdef bint _proc_parallel  # a server per source rank (port), else one server
+    cdef int64_t* _busy  # each server's tick free again
 
     def __cinit__(self, *args, **kwargs):
         self._free_head = -1
         self._pairs = {}
+        self._sw_rank = self._proc_rank = -1
 
     def __dealloc__(self):
         self._drop_flows()
@@ -1276,6 +1296,7 @@ cdef class NetCore:
         PyMem_Free(self._comp_res)
         PyMem_Free(self._seeds)
         PyMem_Free(self._due)
+        PyMem_Free(self._busy)
 
     cdef void _drop_flows(self) noexcept:
         """Release every flow's references (and those of ended flows not taken)."""
@@ -1292,8 +1313,15 @@ cdef class NetCore:
         self._n_ended = 0
 
     def _configure(self, int64_t ranks_per_node, intra, inter, bint nic_node, bint fat_tree,
-                   int64_t nodes_per_leaf, int64_t uplink_bps, int64_t leaf_alpha, int64_t nranks):
-        """Set the parameters and fresh, idle channels for ``nranks`` ranks (``intra``/``inter``: Links or None)."""
+                   int64_t nodes_per_leaf, int64_t uplink_bps, int64_t leaf_alpha, int64_t nranks,
+                   int64_t switch_rank=-1, bint switch_ports=False, int64_t port_bps=1,
+                   int64_t per_packet=0, bint parallel=False):
+        """Set the parameters and fresh, idle channels for ``nranks`` ranks (``intra``/``inter``: Links or None).
+
+        ``switch_rank`` (-1: none) pays ``per_packet`` ticks per message it receives (one
+        server, or one per source rank when ``parallel``); with ``switch_ports`` its messages
+        use a port per peer of ``port_bps`` (and the inter-node latency) instead of a NIC.
+        """
         cdef int64_t nodes, i, base
         self._rpn = ranks_per_node
         self._npl = nodes_per_leaf
@@ -1309,6 +1337,17 @@ cdef class NetCore:
         self._n_nics = nodes if nic_node else nranks
         self._n_leaves = _ceil_div(nodes, nodes_per_leaf) if fat_tree else 0
         self._nchan = 2 * self._n_nics + 2 * nranks + 2 * self._n_leaves
+        self._port_base = self._nchan
+        self._sw_rank = switch_rank if switch_ports and 0 <= switch_rank < nranks else -1
+        self._port_bps = max(1, port_bps)
+        if self._sw_rank >= 0:
+            self._nchan += 2 * nranks
+        self._proc_rank = switch_rank if per_packet > 0 and 0 <= switch_rank < nranks else -1
+        self._proc_cost = per_packet
+        self._proc_parallel = parallel
+        self._busy = <int64_t*>PyMem_Realloc(self._busy, (nranks + 1) * sizeof(int64_t))
+        if self._busy == NULL:
+            raise MemoryError()
         n = self._nchan + 1
         self._cap = <int64_t*>PyMem_Realloc(self._cap, n * sizeof(int64_t))
         self._head = <int64_t*>PyMem_Realloc(self._head, n * sizeof(int64_t))
@@ -1327,6 +1366,9 @@ cdef class NetCore:
         base += 2 * nranks
         for i in range(2 * self._n_leaves):
             self._cap[base + i] = self._uplink_bps
+        if self._sw_rank >= 0:
+            for i in range(2 * nranks):
+                self._cap[self._port_base + i] = self._port_bps
         self._cap[self._nchan] = 1
 
     def clear(self):
@@ -1348,6 +1390,9 @@ cdef class NetCore:
                 self._head[i] = -1
                 self._count[i] = 0
                 self._rmark[i] = 0
+        if self._busy != NULL:
+            for i in range(self._n_ranks + 1):
+                self._busy[i] = 0
 
     # -- flows ----------------------------------------------------------------------------------
 
@@ -1383,6 +1428,17 @@ cdef class NetCore:
                 f"message {f.src} -> {f.dst} outside the ranks 0..{self._n_ranks - 1} of this network: "
                 "call reset(nranks) first"
             )
+        if self._sw_rank >= 0 and (f.src == self._sw_rank or f.dst == self._sw_rank):
+            # the switch rank: a port per peer at line rate, the peer's NIC on the other side
+            f.nres = 2
+            if f.src == self._sw_rank:
+                f.res[0] = <int>(self._port_base + f.dst)
+                f.res[1] = <int>(self._n_nics + self._nic(f.dst))
+            else:
+                f.res[0] = <int>self._nic(f.src)
+                f.res[1] = <int>(self._port_base + self._n_ranks + f.src)
+            f.alpha = self._inter_alpha
+            return 0
         if self._rpn == 0 or (self._rpn > 1 and f.src // self._rpn == f.dst // self._rpn):
             base = 2 * self._n_nics
             f.nres = 2
@@ -1407,6 +1463,25 @@ cdef class NetCore:
                 f.res[3] = <int>(base + self._n_leaves + ld)
                 f.alpha += self._leaf_alpha
         return 0
+
+    cdef inline int64_t _nic(self, int64_t r) noexcept:
+        """The NIC of rank ``r``: its own, or its node's."""
+        if not self._nic_node:
+            return r
+        return 0 if self._rpn == 0 else r // self._rpn
+
+    cdef int64_t process(self, int64_t src, int64_t t) noexcept:
+        """The tick the switch rank has processed a message from ``src`` that arrived at ``t``.
+
+        Called in the order the messages arrive (ties: in the order they were handed over):
+        each server is a FIFO queue, ``done = max(t, free) + cost``.
+        """
+        cdef int64_t s = src if self._proc_parallel else self._n_ranks
+        if self._busy[s] > t:
+            t = self._busy[s]
+        t += self._proc_cost
+        self._busy[s] = t
+        return t
 
     cdef void _attach(self, int64_t fid, int64_t t) noexcept:
         """Put flow ``fid`` on its channels at tick ``t``."""
@@ -1720,7 +1795,7 @@ cdef class NetCore:
         self._n_ended += 1
         e.msg, e.req = f.msg, f.req  # the references move
         f.msg = f.req = NULL
-        e.t_sent, e.t_arrival, e.dst = t, t + f.alpha, f.dst
+        e.t_sent, e.t_arrival, e.src, e.dst = t, t + f.alpha, f.src, f.dst
         nxt = f.pair_next
         if nxt >= 0:
             self._attach(nxt, t)
@@ -1789,7 +1864,8 @@ cdef class NetCore:
         Messages are posted in order of ``t_ready`` (ties: in the order given); a
         completion at a tick comes before a message posted at that tick, as in the
         engine. Returns ``[(t_sent, t_arrival), ...]`` in the order given; afterwards the
-        channels are idle again.
+        channels are idle again. A message to the switch rank (``[switch]`` with a per-packet
+        cost) arrives when it has been processed, as the engine delivers it.
         """
         cdef int64_t t_sent, t_arr, nt
         cdef Py_ssize_t i, k, n, m
@@ -1805,6 +1881,10 @@ cdef class NetCore:
                 )
         msgs.sort()
         out = [None] * len(msgs)
+        srcs = [0] * len(msgs)
+        for t, i, s, d, b in msgs:
+            srcs[i] = s
+        arrived = []  # (t_arrival, handed over, index) of the messages the switch rank processes
         n = len(msgs)
         k = 0
         while True:
@@ -1814,6 +1894,8 @@ cdef class NetCore:
                 k += 1
                 if self.post(s, d, b, t, i, None, &t_sent, &t_arr):
                     out[i] = (t_sent, t_arr)
+                    if d == self._proc_rank and s != d:
+                        arrived.append((t_arr, len(arrived), i))
                 continue
             if nt < 0:
                 break
@@ -1821,7 +1903,16 @@ cdef class NetCore:
             for i in range(m):
                 e = self._ended[i]
                 out[<object>e.msg] = (e.t_sent, e.t_arrival)
+                if e.dst == self._proc_rank:
+                    arrived.append((e.t_arrival, len(arrived), <object>e.msg))
                 Py_DECREF(<object>e.msg)
                 Py_DECREF(<object>e.req)
             self._taken()
+        arrived.sort()
+        for i in range(self._n_ranks + 1):  # idle servers
+            self._busy[i] = 0
+        for t, _, i in arrived:
+            out[i] = (out[i][0], self.process(srcs[i], t))
+        for i in range(self._n_ranks + 1):
+            self._busy[i] = 0
         return out

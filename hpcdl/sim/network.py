@@ -3,8 +3,10 @@
 Every message is a *flow* over its sender's send channel and its receiver's receive channel
 (and a fat tree's leaf links), sharing them max-min fairly with the flows of the moment,
 rates recomputed at every start and end, in exact integer ticks; it arrives ``alpha`` after
-its last byte is through. The model, its derivation, the analytic cases the tests check, the
-network file's keys and the presets are documented once, in ``docs/network.md``.
+its last byte is through. A ``[switch]`` section names one rank an aggregating switch (a port
+per peer instead of a NIC) or its host baseline, with a per-packet processing cost. The
+model, its derivation, the analytic cases the tests check, the network file's keys and the
+presets are documented once, in ``docs/network.md``.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Any
 
 from hpcdl._ext.simcore import NetCore
 from hpcdl.errors import ConfigError
+from hpcdl.sim.switch import PROCESSING, SWITCH_MODES, Switch, parse_switch
 from hpcdl.sim.ticks import TICKS_PER_SECOND
 
-__all__ = ["PRESETS", "Link", "Network", "load_network", "parse_network", "network_toml"]
+__all__ = ["PRESETS", "Link", "Network", "Switch", "load_network", "parse_network", "network_toml"]
 
 #: names of the shipped presets (``hpcdl/sim/networks/<name>.toml``)
 PRESETS: tuple[str, ...] = ("shm-local", "eth10g", "eth40g", "ib-edr", "ib-hdr")
@@ -54,8 +57,20 @@ _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
     "compute": {
         "contention": (list, 1.0, False, "measured-compute slow-down by ranks on a node"),
     },
+    "switch": {
+        "rank": (int, -1, False, "the rank that is the switch (-1: the last)"),
+        "mode": (str, None, False, '"switch" (a port per worker) or "host" (one NIC)'),
+        "per_packet_us": (float, 0.0, False, "processing cost per message received, in microseconds"),
+        "processing": (str, None, False, '"parallel" (a pipeline per port) or "serial" (one core)'),
+        "port_bandwidth_GBps": (float, 0.0, True, "bandwidth of each switch port in GB/s"),
+    },
 }
-_CHOICES = {"inter.nic": _NICS, "topology.kind": _KINDS}
+_CHOICES = {
+    "inter.nic": _NICS,
+    "topology.kind": _KINDS,
+    "switch.mode": SWITCH_MODES,
+    "switch.processing": PROCESSING,
+}
 
 
 class Link:
@@ -93,6 +108,7 @@ class Network(NetCore):
         contention: measured compute's slow-down by ranks on a node (entry k-1 for k
             ranks, the last for more); empty: none. The compute model applies it
             (:class:`hpcdl.sim.compute.Contention`); the network only carries it.
+        switch: the rank that is an aggregating switch, or its host baseline (None: none).
         source: where the figures come from.
         path: the file it was read from, if any.
     """
@@ -110,6 +126,7 @@ class Network(NetCore):
         oversubscription: float = 1.0,
         leaf_latency_us: float = 0.0,
         contention: Sequence[float] = (),
+        switch: Switch | None = None,
         source: str = "",
         path: str | None = None,
     ) -> None:
@@ -124,6 +141,8 @@ class Network(NetCore):
             )
         if any(not f >= 1.0 for f in contention):
             raise ValueError(f"contention factors must be >= 1 (got {list(contention)})")
+        if switch is not None and switch.mode == "switch" and (inter is None or kind != "switch"):
+            raise ValueError('a switch rank in mode "switch" needs an inter-node link and kind "switch"')
         self.name = name
         self.source = source
         self.path = path
@@ -136,6 +155,7 @@ class Network(NetCore):
         self.oversubscription = float(oversubscription)
         self.leaf_latency_us = float(leaf_latency_us)
         self.contention = tuple(float(f) for f in contention)
+        self.switch = switch
         self.fat_tree = kind == "fat-tree"
         self._nic_node = nic == "node"
         #: capacity of a leaf's uplink and downlink, bytes per second
@@ -145,8 +165,39 @@ class Network(NetCore):
         self.leaf_alpha = round(self.leaf_latency_us * (TICKS_PER_SECOND // 10**6))
         self.reset(0)
 
+    def switch_rank(self, nranks: int) -> int | None:
+        """The switch's rank in a run of ``nranks`` ranks (None: no ``[switch]``).
+
+        Raises:
+            ConfigError: ``switch.rank`` is not one of the run's ranks.
+        """
+        if self.switch is None:
+            return None
+        rank = nranks - 1 if self.switch.rank == -1 else self.switch.rank
+        if not 0 <= rank < nranks:
+            where = f"network file {self.path}" if self.path else f"network {self.name}"
+            raise ConfigError(
+                f"{where}: key 'switch.rank' = {self.switch.rank} is not a rank of this run of {nranks} "
+                "ranks: give one of 0..{} or -1 (the last)".format(nranks - 1)
+            )
+        return rank
+
     def reset(self, nranks: int) -> None:
-        """Fresh, idle channels for a run of ``nranks`` ranks."""
+        """Fresh, idle channels for a run of ``nranks`` ranks.
+
+        Raises:
+            ConfigError: ``switch.rank`` is not one of the ``nranks`` ranks.
+        """
+        sw = self.switch
+        rank = self.switch_rank(nranks) if sw is not None and nranks > 0 else None
+        ports = rank is not None and sw.mode == "switch"
+        port_bps = 1
+        if ports:
+            port_bps = (
+                self.inter.bps
+                if sw.port_bandwidth_GBps is None
+                else max(1, round(sw.port_bandwidth_GBps * 1e9))
+            )
         self.nranks = nranks
         self._configure(
             self.ranks_per_node,
@@ -158,6 +209,11 @@ class Network(NetCore):
             self.uplink_bps,
             self.leaf_alpha,
             nranks,
+            -1 if rank is None else rank,
+            ports,
+            port_bps,
+            0 if sw is None else sw.cost,
+            sw is not None and sw.processing == "parallel",
         )
 
     # NetCore (in C) runs the flows: the engine posts each message and takes the network's
@@ -197,6 +253,8 @@ class Network(NetCore):
         out["topology"] = topo
         if self.contention:
             out["compute"] = {"contention": list(self.contention)}
+        if self.switch is not None:
+            out["switch"] = self.switch.describe()
         return out
 
     def __repr__(self) -> str:
@@ -300,6 +358,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
                 raise ConfigError(f"{where}: key '{sec}.{k}' is missing ({cause}): add it to [{sec}]")
         links[sec] = Link(values["latency_us"], values["bandwidth_GBps"])
     kind = topo.get("kind", "switch")
+    switch = parse_switch(v["switch"] if "switch" in data else None, links["inter"] is not None, kind, where)
     if kind == "fat-tree" and "nodes_per_leaf" not in topo:
         raise ConfigError(f"{where}: key 'topology.nodes_per_leaf' is missing (kind = \"fat-tree\" needs it)")
     if kind == "switch":
@@ -319,6 +378,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
         oversubscription=topo.get("oversubscription", 1.0),
         leaf_latency_us=topo.get("leaf_latency_us", 0.0),
         contention=contention,
+        switch=switch,
         source=top.get("source", ""),
         path=path,
     )
