@@ -7,11 +7,16 @@ and the simulator's model of it are built on it later.
 from __future__ import annotations
 
 from hpcdl.switch.protocol import Header, Limits, Malformed, encode, encode_into, parse, pow2_scale_exponent
+from hpcdl.switch.slots import MULTICAST, Counter, Send, SwitchState
 
 __all__ = [
+    "MULTICAST",
+    "Counter",
     "Header",
     "Limits",
     "Malformed",
+    "Send",
+    "SwitchState",
     "encode",
     "encode_into",
     "parse",
