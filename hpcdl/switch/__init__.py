@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hpcdl.switch.protocol import Header, Limits, Malformed, encode, encode_into, parse, pow2_scale_exponent
 from hpcdl.switch.slots import MULTICAST, Counter, Send, SwitchState
+from hpcdl.switch.worker import WorkerState, exponent_of
 
 __all__ = [
     "MULTICAST",
@@ -17,8 +18,10 @@ __all__ = [
     "Malformed",
     "Send",
     "SwitchState",
+    "WorkerState",
     "encode",
     "encode_into",
+    "exponent_of",
     "parse",
     "pow2_scale_exponent",
 ]
