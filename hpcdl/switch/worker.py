@@ -106,7 +106,8 @@ class WorkerState:
         """Begin reducing a float vector: the exponent round's datagram.
 
         Args:
-            grad: the vector (float32 or float64, finite), the same length on every worker.
+            grad: the vector (float32 or float64, finite), the same length on every worker;
+                it is read again when the exponent round ends, so it must not change before.
             now: the caller's clock, seconds.
 
         Returns:
@@ -135,7 +136,7 @@ class WorkerState:
         slot's next chunk is sent; anything else (stale, duplicate, malformed) is counted
         and ignored.
         """
-        parsed = p.parse(data, self._limits._replace(length=len(self.result)))
+        parsed = p.parse(data, self._limits)
         if isinstance(parsed, p.Malformed):
             self.malformed[parsed] += 1
             return []
@@ -199,6 +200,7 @@ class WorkerState:
         if length >= 2**32:
             raise ValueError(f"a reduction holds at most 2**32 - 1 elements (got {length})")
         self.result = np.zeros(length, np.int32)
+        self._limits = self._limits._replace(length=length)
         self._chunks = -(-length // self.elements)
         self._done_chunks = 0
         self.phase = DATA
