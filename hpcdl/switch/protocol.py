@@ -84,6 +84,8 @@ ALL_WORKERS = 0xFFFF
 #: The exponent an all-zero vector sends: below every real one.
 ZERO_EXPONENT = -32768
 INT32_LIMIT = 2**31 - 1
+_NO_MAGNITUDE = -1075  # below the exponent of every nonzero float64 (frexp of 2**-1074 is -1073)
+_MAX_SHIFT = 1023  # the largest k with 2**k a finite float64
 
 CONTRIBUTION = 0x01
 RESULT = 0x02
@@ -151,6 +153,11 @@ def pow2_scale_exponent(max_exponent: int, workers: int) -> int:
         max_exponent: the maximum over the workers of their exponents (``frexp(max|g|)[1]``).
         workers: W, the number of contributions summed.
 
+    As ``int32_pow2_scale`` of ``hpcdl/comm/pack.py`` (the same rule, to be unified): k is
+    capped at 1023, so that ``2**k`` is a finite float64 (a smaller k only shrinks the
+    quantised values), and an all-zero bucket on every worker (``max_exponent`` at or below
+    -1075, such as :data:`ZERO_EXPONENT`) gets k = 0.
+
     Returns:
         k, possibly negative (large gradients are scaled down).
 
@@ -159,8 +166,10 @@ def pow2_scale_exponent(max_exponent: int, workers: int) -> int:
     """
     if not 1 <= workers <= 0xFFFF:
         raise ValueError(f"workers must be in 1 .. 65535 (got {workers})")
+    if max_exponent <= _NO_MAGNITUDE:
+        return 0
     # 2**j <= (2**31 - 1) / W  <=>  2**j <= (2**31 - 1) // W for integer j >= 0 (W <= 2**16 keeps j >= 0)
-    return (INT32_LIMIT // workers).bit_length() - 1 - int(max_exponent)
+    return min((INT32_LIMIT // workers).bit_length() - 1 - int(max_exponent), _MAX_SHIFT)
 
 
 def encode_into(buf: bytearray | memoryview, header: Header, payload: np.ndarray | None = None) -> int:

@@ -94,6 +94,12 @@ def test_pow2_scale_exponent_is_the_largest_safe_k() -> None:
             assert workers * 2 ** (exponent + k) <= p.INT32_LIMIT < workers * 2 ** (exponent + k + 1)
 
 
+def test_pow2_scale_exponent_of_zero_and_tiny_buckets() -> None:
+    assert p.pow2_scale_exponent(p.ZERO_EXPONENT, 3) == p.pow2_scale_exponent(-1075, 3) == 0
+    assert p.pow2_scale_exponent(-1073, 1) == 1023  # capped: 2**k stays a finite float64
+    assert p.pow2_scale_exponent(-992, 1) == 1022
+
+
 def test_pow2_scale_exponent_refuses_impossible_worker_counts() -> None:
     with pytest.raises(ValueError, match="got 0"):
         p.pow2_scale_exponent(0, 0)
