@@ -1,0 +1,230 @@
+"""A worker's side of the switch protocol as a pure state machine: no transport, no clock.
+
+This is Algorithm 2 (with the timeouts of §4, "Tolerating packet loss") of SwitchML (Sapio
+et al., NSDI'21). The worker uses the slots 0 .. window-1 of the switch; slot i streams
+chunks i, i + window, i + 2·window, ... of the vector: a slot's next chunk is sent when the
+result of its previous one arrives, so at most ``window`` chunks are in flight and the slot
+sets alternate (``use & 1``). A chunk whose result has not come ``timeout`` seconds after it
+was sent is sent again, flagged RETRANSMISSION, by :meth:`WorkerState.tick`.
+
+One reduction (:meth:`WorkerState.start`) of a float vector g:
+
+1. the exponent round: one datagram on slot 0 carrying e = ``frexp(max|g|)[1]``
+   (``max|g| < 2**e``); the switch returns the maximum E over the workers;
+2. k = :func:`~hpcdl.switch.protocol.pow2_scale_exponent` (E, W); each chunk is sent as
+   ``rint(g * 2**k)`` in int32, and the results are written into :attr:`WorkerState.result`,
+   the exact int32 sum (``result * 2**-k`` is the float sum).
+
+:meth:`WorkerState.start_quantised` reduces an int32 vector the caller has already scaled
+(no exponent round). The per-slot ``use`` numbers live as long as the object: all workers of
+a job reduce the same sequence of vectors, so they agree on them. Time is passed in (``now``,
+seconds), so the same object runs under a real clock, in the simulator and in tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcdl.switch import protocol as p
+
+__all__ = ["WorkerState", "exponent_of"]
+
+IDLE, EXPONENT, DATA = 0, 1, 2
+#: ``WorkerState.chunk`` of a slot with nothing in flight, and of the slot carrying the exponent round
+NOTHING, EXPONENT_CHUNK = -1, -2
+
+
+def exponent_of(values: np.ndarray) -> int:
+    """The smallest e with ``max|values| < 2**e`` (``ZERO_EXPONENT`` for an all-zero vector).
+
+    Raises:
+        ValueError: a value is not finite.
+    """
+    if values.size == 0:
+        return p.ZERO_EXPONENT
+    top = float(np.max(np.abs(values)))
+    if not np.isfinite(top):
+        raise ValueError("cannot scale a vector with non-finite values for the switch")
+    return p.ZERO_EXPONENT if top == 0.0 else int(np.frexp(top)[1])
+
+
+class WorkerState:
+    """One worker of a job: its reductions through the switch's slots.
+
+    Args:
+        job: the job id (u32).
+        worker: this worker's id, 0 .. workers-1.
+        workers: W.
+        slots: the switch's slots.
+        payload: payload bytes per datagram (``switch.payload``).
+        timeout: seconds after which a chunk without result is sent again (``switch.timeout_ms``/1000).
+        window: chunks in flight, the slots 0 .. window-1 used (default: all); the same on every worker.
+
+    Attributes:
+        result: the last reduction's int32 sum (complete when :attr:`done`).
+        scale_exponent: k of the last float reduction (``result * 2**-k`` is the float sum).
+        retransmissions: datagrams sent again after a timeout.
+        ignored: results that were stale, duplicated or not for a chunk in flight.
+        malformed: drops by reason, indexed by ``protocol.Malformed``.
+    """
+
+    def __init__(self, job: int, worker: int, workers: int, slots: int, payload: int,
+                 timeout: float, window: int | None = None) -> None:  # fmt: skip
+        window = slots if window is None else window
+        if not 0 <= worker < workers:
+            raise ValueError(f"worker must be in 0 .. {workers - 1} (got {worker})")
+        if not 1 <= window <= slots:
+            raise ValueError(f"window must be in 1 .. slots = {slots} (got {window})")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive (got {timeout} s)")
+        self.job, self.worker, self.workers, self.slots = job, worker, workers, slots
+        self.elements = payload // 4
+        self.timeout, self.window = timeout, window
+        self.use = np.zeros(window, np.uint32)  # each slot's next use; lives across reductions
+        self.chunk = np.full(window, NOTHING, np.int64)  # the chunk in flight on each slot
+        self.deadline = np.full(window, np.inf)
+        self.size = np.zeros(window, np.int64)  # bytes of the datagram in flight
+        self.buffers = [bytearray(p.HEADER_SIZE + 4 * self.elements) for _ in range(window)]
+        self.phase = IDLE
+        self.values = np.zeros(0, np.int32)
+        self.result = np.zeros(0, np.int32)
+        self.scale_exponent = 0
+        self.retransmissions = 0
+        self.ignored = 0
+        self.malformed = np.zeros(len(p.Malformed), np.int64)
+        self._grad: np.ndarray | None = None
+        self._chunks = 0
+        self._done_chunks = 0
+        self._limits = p.Limits(job=job, workers=workers, slots=slots, elements=self.elements)
+
+    @property
+    def done(self) -> bool:
+        """The last reduction is complete (or none was started)."""
+        return self.phase == IDLE
+
+    def start(self, grad: np.ndarray, now: float) -> list[bytes]:
+        """Begin reducing a float vector: the exponent round's datagram.
+
+        Args:
+            grad: the vector (float32 or float64, finite), the same length on every worker;
+                it is read again when the exponent round ends, so it must not change before.
+            now: the caller's clock, seconds.
+
+        Returns:
+            The datagrams to send to the switch.
+        """
+        self._begin(len(grad))
+        self._grad = grad
+        self.phase = EXPONENT
+        header = self._header(0, p.EXPONENT_ROUND, 0, 0, exponent_of(grad))
+        return [self._send(0, EXPONENT_CHUNK, header, None, now)]
+
+    def start_quantised(self, values: np.ndarray, now: float) -> list[bytes]:
+        """Begin reducing an int32 vector already scaled so that W of them cannot overflow.
+
+        Returns:
+            The first ``window`` chunks' datagrams.
+        """
+        self._begin(len(values))
+        self.values = np.ascontiguousarray(values, np.int32)
+        return self._first_chunks(now)
+
+    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[bytes]:
+        """Take a datagram from the switch; return the datagrams to send next.
+
+        A result for the chunk in flight on its slot is written into :attr:`result` and the
+        slot's next chunk is sent; anything else (stale, duplicate, malformed) is counted
+        and ignored.
+        """
+        parsed = p.parse(data, self._limits)
+        if isinstance(parsed, p.Malformed):
+            self.malformed[parsed] += 1
+            return []
+        header, payload = parsed
+        s = header.slot
+        exp_round = bool(header.flags & p.EXPONENT_ROUND)
+        c = int(self.chunk[s]) if s < self.window else NOTHING
+        if (
+            not header.flags & p.RESULT
+            or header.worker not in (p.ALL_WORKERS, self.worker)
+            or c == NOTHING
+            or exp_round != (c == EXPONENT_CHUNK)
+            or header.use != self.use[s]
+            or (not exp_round and (header.offset != c * self.elements or header.count != self._count(c)))
+        ):
+            self.ignored += 1
+            return []
+        self.use[s] = (int(self.use[s]) + 1) & 0xFFFFFFFF
+        if exp_round:
+            self.chunk[s] = NOTHING
+            self.deadline[s] = np.inf
+            self.scale_exponent = p.pow2_scale_exponent(header.exponent, self.workers)
+            grad = self._grad
+            self._grad = None
+            self.values = np.rint(np.ldexp(grad.astype(np.float64), self.scale_exponent)).astype(np.int32)
+            return self._first_chunks(now)
+        self.result[header.offset : header.offset + header.count] = payload
+        self._done_chunks += 1
+        nxt = int(self.chunk[s]) + self.window
+        if nxt < self._chunks:
+            return [self._send_chunk(s, nxt, now)]
+        self.chunk[s] = NOTHING
+        self.deadline[s] = np.inf
+        if self._done_chunks == self._chunks:
+            self.phase = IDLE
+        return []
+
+    def tick(self, now: float) -> list[bytes]:
+        """The retransmissions due at ``now``: every datagram in flight past its deadline.
+
+        Args:
+            now: the caller's clock, seconds (the same clock as the other calls).
+        """
+        due = np.flatnonzero(self.deadline <= now)
+        out = []
+        for s in due:
+            buf = self.buffers[s]
+            buf[3] |= p.RETRANSMISSION  # the flags byte
+            out.append(bytes(buf[: self.size[s]]))
+            self.deadline[s] = now + self.timeout
+        self.retransmissions += len(out)
+        return out
+
+    def next_deadline(self) -> float:
+        """When :meth:`tick` next has something to send (``inf`` when nothing is in flight)."""
+        return float(self.deadline.min())
+
+    def _begin(self, length: int) -> None:
+        if self.phase != IDLE:
+            raise RuntimeError("a reduction is in flight: feed receive() and tick() until done")
+        if length >= 2**32:
+            raise ValueError(f"a reduction holds at most 2**32 - 1 elements (got {length})")
+        self.result = np.zeros(length, np.int32)
+        self._limits = self._limits._replace(length=length)
+        self._chunks = -(-length // self.elements)
+        self._done_chunks = 0
+        self.phase = DATA
+
+    def _first_chunks(self, now: float) -> list[bytes]:
+        self.phase = DATA if self._chunks else IDLE
+        return [self._send_chunk(s, s, now) for s in range(min(self.window, self._chunks))]
+
+    def _count(self, chunk: int) -> int:
+        return min(self.elements, len(self.result) - chunk * self.elements)
+
+    def _header(self, slot: int, flags: int, offset: int, count: int, exponent: int = 0) -> p.Header:
+        return p.Header(p.CONTRIBUTION | flags, self.job, self.worker, slot, int(self.use[slot]),
+                        offset, count, exponent)  # fmt: skip
+
+    def _send_chunk(self, s: int, chunk: int, now: float) -> bytes:
+        offset = chunk * self.elements
+        count = self._count(chunk)
+        header = self._header(s, 0, offset, count)
+        return self._send(s, chunk, header, self.values[offset : offset + count], now)
+
+    def _send(self, s: int, chunk: int, header: p.Header, payload: np.ndarray | None, now: float) -> bytes:
+        """Encode into slot ``s``'s buffer (kept for retransmissions) and arm its timer."""
+        self.chunk[s] = chunk
+        self.size[s] = p.encode_into(self.buffers[s], header, payload)
+        self.deadline[s] = now + self.timeout
+        return bytes(self.buffers[s][: self.size[s]])

@@ -1,0 +1,1 @@
+"""Tests of hpcdl.switch; ``network`` is the in-memory network with loss, duplication and reordering."""
