@@ -19,6 +19,9 @@ def test_job_scripts_under_a_fake_scheduler() -> None:
     env = {**os.environ, "HPCDL_TEST_REAL": "1", "HPCDL_TEST_VENV": str(Path(sys.executable).parent.parent)}
     proc = subprocess.run(["bash", str(ROOT / "jobs/test/fake-scheduler.sh")], capture_output=True, text=True,
                           timeout=600, env=env, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # the failed checks with the lines after each (what the harness shows of them), then the end
+    lines = proc.stdout.splitlines()
+    failed = ["\n".join(lines[i : i + 8]) for i, ln in enumerate(lines) if ln.lstrip().startswith("FAIL ")]
+    assert proc.returncode == 0, "\n".join(failed) + "\n...\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "fake-scheduler: all checks passed" in proc.stdout
     assert " FAIL " not in proc.stdout

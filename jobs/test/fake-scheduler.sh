@@ -238,6 +238,8 @@ if [[ -d /dev/shm && -w /dev/shm ]]; then
     touch "${shm}_stale" "${shm}_held"
     sleep 60 3< "${shm}_held" &
     holder=$!
+    # the holder opens the file as it starts: on a loaded machine that may come after this line
+    for _ in $(seq 100); do [[ -e /proc/$holder/fd/3 ]] && break; sleep 0.05; done
     hpcdl_clean_shm "$since" 2> "$tmp/clean-shm.out"
     check "hpcdl_clean_shm removes a stale segment of this job" test ! -e "${shm}_stale"
     check "hpcdl_clean_shm keeps a segment a process holds" test -e "${shm}_held"
