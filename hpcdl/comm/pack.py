@@ -44,6 +44,7 @@ __all__ = [
     "INT32_ZERO_EXPONENT",
     "int32_exponent",
     "int32_pow2_scale",
+    "int32_pow2_shift",
     "int32_scale",
     "local_maxabs",
     "narrow_into",
@@ -156,7 +157,14 @@ def int32_exponent(local_maxabs: float) -> int:
 
 
 def int32_pow2_scale(global_exponent: int, n_terms: int) -> float:
-    """The power-of-two quantization scale ``2**k`` of the ``pow2`` rule (SwitchML's block floating point).
+    """The ``pow2`` rule's quantization scale: ``2.0**k``, k = :func:`int32_pow2_shift`."""
+    return math.ldexp(1.0, int32_pow2_shift(global_exponent, n_terms))
+
+
+def int32_pow2_shift(global_exponent: int, n_terms: int) -> int:
+    """The exponent ``k`` of the ``pow2`` rule's scale ``2**k`` (SwitchML's block floating point); the
+    switch (:mod:`hpcdl.switch`) quantises with the same ``k``, so that it and the ring sum the
+    same integers.
 
     ``k`` is the largest integer with ``n_terms * 2**e * 2**k <= 2**31 - 1``, ``e =
     global_exponent``: with ``L = floor((2**31 - 1) / n_terms)`` (the integer bound is the
@@ -177,7 +185,7 @@ def int32_pow2_scale(global_exponent: int, n_terms: int) -> float:
         n_terms: how many quantized buffers are summed (the number of ranks).
 
     Returns:
-        ``2.0**k``, the scale passed as ``qscale`` to ``pack`` and ``unpack``.
+        ``k`` (possibly negative: large gradients are scaled down); 0 for an all-zero bucket.
 
     Raises:
         ValueError: ``n_terms`` is not in ``[1, 2**31 - 1]``, or ``global_exponent`` is
@@ -190,11 +198,10 @@ def int32_pow2_scale(global_exponent: int, n_terms: int) -> float:
     if e == INT32_NONFINITE_EXPONENT:
         raise ValueError("a max |g| is NaN or infinite: no int32 scale quantizes it")
     if e <= INT32_ZERO_EXPONENT:
-        return 1.0
+        return 0
     if e > 1024:
         raise ValueError(f"exponent {e} is beyond every finite float64's (at most 1024)")
-    k = min((INT32_LIMIT // n_terms).bit_length() - 1 - e, _MAX_SHIFT)
-    return math.ldexp(1.0, k)
+    return min((INT32_LIMIT // n_terms).bit_length() - 1 - e, _MAX_SHIFT)
 
 
 def local_maxabs(arrays: Sequence[Any]) -> float:

@@ -50,6 +50,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hpcdl.comm.pack import int32_pow2_shift
+
 __all__ = [
     "ALL_WORKERS",
     "CONTRIBUTION",
@@ -85,7 +87,6 @@ ALL_WORKERS = 0xFFFF
 ZERO_EXPONENT = -32768
 INT32_LIMIT = 2**31 - 1
 _NO_MAGNITUDE = -1075  # below the exponent of every nonzero float64 (frexp of 2**-1074 is -1073)
-_MAX_SHIFT = 1023  # the largest k with 2**k a finite float64
 
 CONTRIBUTION = 0x01
 RESULT = 0x02
@@ -143,33 +144,30 @@ class Limits(NamedTuple):
 
 
 def pow2_scale_exponent(max_exponent: int, workers: int) -> int:
-    """The largest k with ``workers * 2**(max_exponent + k) <= 2**31 - 1``.
+    """The largest k with ``workers * 2**(max_exponent + k) <= 2**31 - 1``: the exchange's own
+    rule, :func:`hpcdl.comm.pack.int32_pow2_shift`, so that the switch and the int32 ring sum
+    the same integers.
 
     With ``max|g| < 2**max_exponent`` on every worker, ``rint(g * 2**k)`` is at most
     ``2**(max_exponent + k)`` in magnitude, so the sum of ``workers`` such integers cannot
-    overflow int32 (SwitchML's block floating point, with one exponent per bucket).
+    overflow int32 (SwitchML's block floating point, with one exponent per bucket). k is capped
+    at 1023 (``2**k`` a finite float64); an all-zero bucket on every worker (``max_exponent``
+    at or below -1075, such as :data:`ZERO_EXPONENT`) gets k = 0.
 
     Args:
         max_exponent: the maximum over the workers of their exponents (``frexp(max|g|)[1]``).
         workers: W, the number of contributions summed.
 
-    As ``int32_pow2_scale`` of ``hpcdl/comm/pack.py`` (the same rule, to be unified): k is
-    capped at 1023, so that ``2**k`` is a finite float64 (a smaller k only shrinks the
-    quantised values), and an all-zero bucket on every worker (``max_exponent`` at or below
-    -1075, such as :data:`ZERO_EXPONENT`) gets k = 0.
-
     Returns:
         k, possibly negative (large gradients are scaled down).
 
     Raises:
-        ValueError: ``workers`` is not in 1 .. 65535.
+        ValueError: ``workers`` is not in 1 .. 65535, or ``max_exponent`` is above 1024 (no
+            finite float64 has it: a result datagram that carries one is refused by the worker).
     """
     if not 1 <= workers <= 0xFFFF:
         raise ValueError(f"workers must be in 1 .. 65535 (got {workers})")
-    if max_exponent <= _NO_MAGNITUDE:
-        return 0
-    # 2**j <= (2**31 - 1) / W  <=>  2**j <= (2**31 - 1) // W for integer j >= 0 (W <= 2**16 keeps j >= 0)
-    return min((INT32_LIMIT // workers).bit_length() - 1 - int(max_exponent), _MAX_SHIFT)
+    return int32_pow2_shift(max(int(max_exponent), _NO_MAGNITUDE), workers)
 
 
 def encode_into(buf: bytearray | memoryview, header: Header, payload: np.ndarray | None = None) -> int:

@@ -154,11 +154,17 @@ class WorkerState:
         ):
             self.ignored += 1
             return []
+        if exp_round:
+            try:
+                k = p.pow2_scale_exponent(header.exponent, self.workers)
+            except ValueError:  # an exponent no finite float has: not a result of this round
+                self.ignored += 1
+                return []
         self.use[s] = (int(self.use[s]) + 1) & 0xFFFFFFFF
         if exp_round:
             self.chunk[s] = NOTHING
             self.deadline[s] = np.inf
-            self.scale_exponent = p.pow2_scale_exponent(header.exponent, self.workers)
+            self.scale_exponent = k
             grad = self._grad
             self._grad = None
             self.values = np.rint(np.ldexp(grad.astype(np.float64), self.scale_exponent)).astype(np.int32)

@@ -129,3 +129,24 @@ def test_a_run_is_a_function_of_its_seed() -> None:
         net.reduce(_ints(np.random.default_rng(2), 3, 900), quantised=True)
         runs.append((net.now, net.switch.counters()))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("workers", [2, 3, 8])
+def test_the_switch_sums_the_same_integers_as_the_int32_ring(workers: int) -> None:
+    """The exchange's int32 packing (hpcdl.comm.pack, the ring's) and the switch's workers quantise
+    each rank's float32 gradients with the same k: the switch's int32 sum is the ring's, bit for bit."""
+    from hpcdl.comm.pack import Packer, int32_exponent, int32_pow2_scale, local_maxabs  # noqa: PLC0415
+
+    rng = np.random.default_rng(workers)
+    grads = [(rng.standard_normal(1000) * 10.0 ** rng.uniform(-4, 1, 1000)).astype(np.float32)
+             for _ in range(workers)]  # fmt: skip
+    # the ring's side: each rank's exponent, MAX over the ranks, one scale, packed to int32 and summed
+    exponent = max(int32_exponent(local_maxabs([g])) for g in grads)
+    qscale = int32_pow2_scale(exponent, workers)
+    packed = [Packer([g], mode="int32").pack([g], qscale=qscale).astype(np.int64) for g in grads]
+    ring = np.sum(packed, axis=0)
+    net = _net(workers, slots=4, payload=256, seed=workers, fault=FAULTS[-1])
+    net.reduce(grads, quantised=False)
+    for w in net.workers:
+        assert 2.0**w.scale_exponent == qscale
+        np.testing.assert_array_equal(w.result, ring.astype(np.int32))

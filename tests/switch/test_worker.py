@@ -92,3 +92,13 @@ def test_refuses_misuse() -> None:
 def test_an_empty_vector_is_done_at_once() -> None:
     w = WorkerState(7, 0, 2, slots=2, payload=256, timeout=1.0)
     assert w.start_quantised(np.zeros(0, np.int32), now=0.0) == [] and w.done
+
+
+def test_an_exponent_round_result_beyond_every_float64_is_ignored_not_raised() -> None:
+    w = WorkerState(job=7, worker=0, workers=2, slots=2, payload=256, timeout=1.0)
+    (h,) = headers(w.start(np.array([0.5, -2.0, 3.0]), now=0.0))
+    assert h.flags & p.EXPONENT_ROUND and h.exponent == 2
+    assert w.receive(answer(h, exponent=2000), now=0.0) == []  # no finite float64 has 2**2000
+    assert w.ignored == 1
+    sent = headers(w.receive(answer(h, exponent=2), now=0.0))  # the true maximum still completes the round
+    assert w.scale_exponent == p.pow2_scale_exponent(2, 2) and sent and not sent[0].flags & p.EXPONENT_ROUND
