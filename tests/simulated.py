@@ -23,3 +23,10 @@ def sim(
         compute=make_compute(compute),
     )
     return result.results
+
+
+def schedule_setting(tmp_path: Path, text: str) -> str:
+    """``fault.schedule`` set to ``tmp_path/faults.csv`` holding ``text`` (outages ``rank,start,end``)."""
+    f = tmp_path / "faults.csv"
+    f.write_text(text)
+    return f'fault.schedule="{f}"'

@@ -14,6 +14,7 @@ from typing import Any
 import local_recording
 import numpy as np
 import pytest
+from simulated import schedule_setting as _schedule
 from simulated import sim
 
 from hpcdl.config import load_config
@@ -50,12 +51,6 @@ def test_tau_1_without_faults_ends_with_syncs_parameters(n: int, momentum: float
     for r in range(n):
         got = vector(local[f"replica {r}"]["params"])
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-10 * np.abs(want).max())
-
-
-def _schedule(tmp_path: Path, text: str) -> str:
-    f = tmp_path / "faults.csv"
-    f.write_text(text)
-    return f'fault.schedule="{f}"'
 
 
 # rank 2 offline at steps 1-4 (misses the rounds after steps 1 and 3), rank 0 at step 5 (the round after 5)

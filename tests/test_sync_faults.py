@@ -14,6 +14,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from simulated import schedule_setting as _schedule
 from simulated import sim
 
 from hpcdl.config import load_config
@@ -36,12 +37,6 @@ def _params(out: Path) -> np.ndarray:
 def _end(out: Path) -> float:
     with h5py.File(out) as f:
         return float(f["metrics/time"][-1])
-
-
-def _schedule(tmp_path: Path, text: str) -> str:
-    f = tmp_path / "outages.csv"
-    f.write_text(text)
-    return f'fault.schedule="{f}"'
 
 
 # ranks 1 and 2 offline together at steps 3-6 (one wait per step, not two), rank 0 alone at 10-10,
