@@ -271,7 +271,8 @@ def test_ranks_started_without_pmi_are_refused(slurm: Cluster) -> None:
     # the first task to refuse ends the step (--kill-on-bad-exit): the other exits 2 as well, or is
     # terminated first (143)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] in ("2:0", "143:0"), log
-    assert re.search(r"^srun: error: \S+: task [01]: Exited with exit code 2$", log, re.MULTILINE), log
+    # one line per task, or one for both when they exit together ("tasks 0-1")
+    assert re.search(r"^srun: error: \S+: (task [01]|tasks 0-1): Exited with exit code 2$", log, re.MULTILINE), log
     assert "+ srun --mpi=none --kill-on-bad-exit=1 --ntasks=2 python -m hpcdl.train" in log
     refusals = {line for line in log.splitlines() if line.startswith("hpcdl.train: error:")}
     assert len(refusals) == 1, log  # one line, the same from each task
