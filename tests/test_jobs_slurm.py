@@ -272,7 +272,8 @@ def test_ranks_started_without_pmi_are_refused(slurm: Cluster) -> None:
     # terminated first (143)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] in ("2:0", "143:0"), log
     # one line per task, or one for both when they exit together ("tasks 0-1")
-    assert re.search(r"^srun: error: \S+: (task [01]|tasks 0-1): Exited with exit code 2$", log, re.MULTILINE), log
+    exited = r"^srun: error: \S+: (task [01]|tasks 0-1): Exited with exit code 2$"
+    assert re.search(exited, log, re.MULTILINE), log
     assert "+ srun --mpi=none --kill-on-bad-exit=1 --ntasks=2 python -m hpcdl.train" in log
     refusals = {line for line in log.splitlines() if line.startswith("hpcdl.train: error:")}
     assert len(refusals) == 1, log  # one line, the same from each task
