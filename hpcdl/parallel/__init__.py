@@ -23,6 +23,7 @@ from hpcdl.parallel.strategy import (
     Strategy,
     strategy_class,
 )
+from hpcdl.parallel.switched import SwitchExchange
 
 __all__ = [
     "Agreement",
@@ -43,13 +44,19 @@ __all__ = [
     "GradientExchange",
     "AllreduceExchange",
     "BucketedExchange",
+    "SwitchExchange",
     "LocalExchange",
     "ExchangeError",
 ]
 
 #: exchange name -> class; "allreduce": one flat blocking Allreduce after backward,
-#: "bucketed": buckets reduced with hpcdl's collectives while backward runs
-EXCHANGES: dict[str, type] = {"allreduce": AllreduceExchange, "bucketed": BucketedExchange}
+#: "bucketed": buckets reduced with hpcdl's collectives while backward runs, "switch": buckets
+#: summed by an aggregation switch (its link in ``options``: ``switched.make_switch_exchange``)
+EXCHANGES: dict[str, type] = {
+    "allreduce": AllreduceExchange,
+    "bucketed": BucketedExchange,
+    "switch": SwitchExchange,
+}
 
 
 def make_exchange(
@@ -57,14 +64,15 @@ def make_exchange(
 ) -> GradientExchange:
     """The gradient exchange ``name`` over ``comm`` (a :class:`LocalExchange` on one rank).
 
-    ``options`` go to the bucketed exchange (``bucket_mb``, ``algorithm``).
+    ``options`` go to the bucketed and switch exchanges (``bucket_mb``, ``algorithm``; the
+    switch's ``link`` and ``address``).
     """
     if name not in EXCHANGES:
         raise ValueError(f"unknown exchange {name!r}; exchanges: {', '.join(EXCHANGES)}")
     if comm.Get_size() == 1:
         return LocalExchange(comm, params, debug=debug)
-    if name == "bucketed":
-        return BucketedExchange(comm, params, debug=debug, **options)
+    if name in ("bucketed", "switch"):
+        return EXCHANGES[name](comm, params, debug=debug, **options)
     return EXCHANGES[name](comm, params, debug=debug)
 
 

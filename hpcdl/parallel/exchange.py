@@ -25,7 +25,7 @@ __all__ = [
 
 
 #: ``exchange.name`` values (``hpcdl.parallel.EXCHANGES`` maps each to its class)
-EXCHANGE_NAMES = ("allreduce", "bucketed")
+EXCHANGE_NAMES = ("allreduce", "bucketed", "switch")
 
 #: the gradient exchange's config section (sync's; a pipeline's per-stage exchange reads it too)
 DECLARES = Declares(
@@ -33,8 +33,15 @@ DECLARES = Declares(
         "exchange.name": Key(
             str,
             "bucketed",
-            "gradient exchange under mpiexec: bucketed (overlaps backward) or allreduce (one flat)",
+            "gradient exchange under mpiexec: bucketed (overlaps backward), allreduce (one flat), or "
+            "switch (buckets summed in int32 by an aggregation switch: exchange.switch, switch.*)",
             choices=EXCHANGE_NAMES,
+        ),
+        "exchange.switch": Key(
+            str,
+            "spawn",
+            "switch: where the aggregation switch is, HOST:PORT (a running python -m hpcdl.switch) or "
+            "spawn (rank 0 starts one on loopback for the job)",
         ),
         "exchange.bucket_mb": Key(float, 25.0, "bucketed: bucket size in MiB (0: one bucket)", minimum=0.0),
         "exchange.algorithm": Key(

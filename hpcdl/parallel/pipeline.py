@@ -215,6 +215,11 @@ class Pipeline(LockstepStrategy):
             ConfigError: a schedule that does not fit the stages and microbatches.
         """
         elementwise_only(cfg, cls.name, "splits the model into stages (K-FAC over stages is not built)")
+        if cfg["exchange.name"] == "switch":
+            raise ConfigError(
+                "exchange.name = 'switch' with parallel.strategy = 'pipeline': a stage's replicas do not "
+                "sum through a switch (one job per switch); use 'bucketed', or parallel.strategy = 'sync'"
+            )
         m, v = cfg["pipeline.microbatches"], cfg["pipeline.virtual_stages"]
         reps = stage_replicas(cfg, world)
         p = len(reps)

@@ -44,6 +44,16 @@ from hpcdl.parallel.strategy import (
     RunContext,
     StepStats,
 )
+from hpcdl.parallel.switched import DECLARES as SWITCH_DECLARES
+from hpcdl.parallel.switched import (
+    SWITCH_ROLE,
+    make_switch_exchange,
+    switch_communicators,
+    switch_memory,
+    switch_note,
+    switch_ranks,
+)
+from hpcdl.switch.ranklink import SwitchRank
 
 __all__ = ["SyncDataParallel", "exchange_for"]
 
@@ -55,6 +65,16 @@ def one_process_on_the_global_batch(cfg: Any, world: int) -> tuple[dict[str, Any
     return {"data.batch_size": SyncDataParallel.plan(cfg, world).global_batch, "exchange.accumulate": 1}, 1
 
 
+def the_int32_ring_on_the_workers(cfg: Any, world: int) -> tuple[dict[str, Any], int] | None:
+    """The switch rank's run on ``world`` ranks is, bit for bit, the int32 ring's on its
+    ``world - 1`` workers (the same power-of-two scale per bucket, exact integer sums); a ring of
+    one worker sends nothing and quantises nothing, so it has none at 2 ranks."""
+    if world < 3:
+        return None
+    ring = {"exchange.name": "bucketed", "exchange.compression": "int32", "exchange.algorithm": "ring"}
+    return ring, world - 1
+
+
 class SyncDataParallel(LockstepStrategy):
     """Synchronous data parallel (DDP, Horovod): N replicas, one global batch, one update.
 
@@ -63,7 +83,8 @@ class SyncDataParallel(LockstepStrategy):
     """
 
     name = "sync"
-    keys = ("exchange.",)
+    keys = ("exchange.", "switch.")
+    declares = SWITCH_DECLARES  # the [switch] section of exchange.name = "switch"
     faults = True  # an offline rank holds back its gradients; the others wait (module docstring)
     conformance = Conformance(
         {
@@ -77,6 +98,11 @@ class SyncDataParallel(LockstepStrategy):
                     "optimizer.name": "adam",
                     "optimizer.lr": 0.003,
                 }  # fmt: skip
+            ),
+            # the last rank a switch summing the others' int32 buckets: the int32 ring's sums
+            "switch-rank": Case(
+                {"exchange.name": "switch", "exchange.switch": "rank"},
+                reference=the_int32_ring_on_the_workers,
             ),
             # outages cost time, not samples: the trajectory is the fault-free run's
             "faults": Case(
@@ -94,9 +120,13 @@ class SyncDataParallel(LockstepStrategy):
         Raises:
             ConfigError: the ``[fault]`` keys do not fit ``world`` ranks.
         """
-        check_faults(cfg, world)
-        ranks = tuple(RankPlace("worker", "model", r) for r in range(world))
-        return Placement(cls.name, ranks, cfg["data.batch_size"], cfg["exchange.accumulate"])
+        aside = switch_ranks(cfg, world)  # the exchange's say: the switch rank is not a worker
+        workers = world - aside
+        check_faults(cfg, workers)
+        ranks = tuple(RankPlace("worker", "model", r) for r in range(workers))
+        ranks += (RankPlace(SWITCH_ROLE),) * aside
+        notes = (switch_note(cfg, workers),) if aside else ()
+        return Placement(cls.name, ranks, cfg["data.batch_size"], cfg["exchange.accumulate"], notes=notes)
 
     @classmethod
     def describe(cls, cfg: Any, placement: Placement, model: Any) -> list[str]:
@@ -136,7 +166,7 @@ class SyncDataParallel(LockstepStrategy):
         act = probe.activations()
         exchange = 0
         if placement.world > 1:
-            if cfg["exchange.name"] == "bucketed":
+            if cfg["exchange.name"] in ("bucketed", "switch"):
                 itemsize = probe.dtype.itemsize
                 exchange = 2 * nbytes * wire_dtype(_wire_mode(cfg), probe.dtype).itemsize // itemsize
             else:
@@ -155,17 +185,27 @@ class SyncDataParallel(LockstepStrategy):
             cfg["data.batch_size"],
             hint="(and raise exchange.accumulate by as much to keep the global batch)",
         )
-        return [one] * placement.world
+        workers = [p for p in placement.ranks if p.role != SWITCH_ROLE]
+        return [one] * len(workers) + [switch_memory(cfg, placement.width)] * (placement.world - len(workers))
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.comm = ctx.comm
         self.micro_steps = ctx.placement.micro_steps
+        #: the switch rank's serving loop (exchange.switch = "rank"), None on a worker
+        self.switch: SwitchRank | None = None
+        self._links: Communicator | None = None
+        if ctx.placement.width < ctx.placement.world:  # the exchange set the switch rank aside
+            self._links, self.comm, self.switch = switch_communicators(ctx.cfg, ctx.comm, ctx.placement)
+        self._note = notes()  # what this rank does, for the stall watchdog's reports
+        self._agree = np.zeros(10)  # mean_over_contributors: 2 (4 k + 1) for a meeting of k = 1 step
+        self.model: Sequential = ctx.build_model()  # the switch rank's is never trained
+        if self.switch is not None:  # it reads no batches, holds no piece: it serves each step
+            return
         self.sampler = ctx.sampler(ctx.placement.ranks[ctx.rank].member)
-        self.model: Sequential = ctx.build_model()
         self.lr = ctx.schedule()
         self.optimizer = ctx.optimizer(self.model.parameters(), self.model)
-        self.exchange = exchange_for(ctx.cfg, self.comm, self.model)
+        self.exchange = exchange_for(ctx.cfg, self.comm, self.model, links=self._links)
         # the optimizer's slot after the exchange: its own communication (K-FAC's), then its update
         self.update = make_update(self.optimizer, self.comm, ctx.cfg)
         self.exchange.broadcast_parameters(root=0)  # rank 0's weights, whatever the others built
@@ -173,8 +213,6 @@ class SyncDataParallel(LockstepStrategy):
             self.exchange.tracer = ctx.trace  # the buckets' pack, wait and unpack on the timeline
         self.loss_fn = SoftmaxCrossEntropy()
         self.batches = Batches(self.sampler)
-        self._agree = np.zeros(10)  # mean_over_contributors: 2 (4 k + 1) for a meeting of k = 1 step
-        self._note = notes()  # what this rank does, for the stall watchdog's reports
         outages = fault_model(ctx.cfg, self.comm.Get_size(), ctx.total_steps)
         #: under faults, this rank's holds (None: no faults); its series go to ranks/
         self.holdback = HoldBack(outages, ctx.rank, ctx.cfg["fault.step_s"]) if outages else None
@@ -183,7 +221,14 @@ class SyncDataParallel(LockstepStrategy):
 
     # -- a step ------------------------------------------------------------------------------
     def step(self, step: int) -> StepStats:
-        """Batch -> forward/backward per micro-step (buckets summed during backward) -> exchange -> update."""
+        """Batch -> forward/backward per micro-step (buckets summed during backward) -> exchange -> update.
+
+        The switch rank serves the step's datagrams until every worker is done with them."""
+        if self.switch is not None:
+            self._note["phase"] = "switch rank: summing the workers' buckets"
+            before = self.switch.busy_s
+            self.switch.serve_step()
+            return StepStats(comm_s=self.switch.busy_s - before, exposed_s=self.switch.busy_s - before)
         if self.holdback is not None:
             self.holdback.begin(step)
         indices = self.batches.next()
@@ -227,16 +272,24 @@ class SyncDataParallel(LockstepStrategy):
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
         """The step's mean loss and batch accuracy over the ranks, and the stop votes: one allreduce."""
-        return mean_over_contributors(self.comm, stats, stop, self._agree)
+        return mean_over_contributors(self.ctx.comm, stats, stop, self._agree)
 
     def evaluate(self) -> tuple[float, float]:
-        """The whole test set, sharded over the ranks (each with its own BatchNorm statistics)."""
-        return self.ctx.evaluate(self.model, self.comm)
+        """The whole test set, sharded over the workers (each with its own BatchNorm statistics);
+        a switch rank is told the result."""
+        if self.switch is None:
+            result = self.ctx.evaluate(self.model, self.comm)
+        if self._links is None:
+            return result
+        return self.ctx.comm.bcast(result if self.switch is None else None, root=0)
 
     # -- checkpoints -------------------------------------------------------------------------
     def serialize(self, s: Serializer) -> None:
         """The model and optimizer (the piece every rank holds alike), BatchNorm statistics, the
         sampler's position, the random streams and the exchange's counters."""
+        if self.switch is not None:  # the switch rank: its random streams only (its slots start afresh)
+            s.random(self.ctx)
+            return
         if s.saving:
             self.update.gather()  # rank 0 writes the piece: what the optimizer spread goes there
         s.piece("model", model=self.model, optimizer=self.optimizer)
@@ -252,9 +305,13 @@ class SyncDataParallel(LockstepStrategy):
             self.batches.restart()
 
     def close(self) -> None:
-        """Free the exchange's and the optimizer's communicators (collective)."""
-        self.update.close()
-        self.exchange.free()
+        """Free the exchange's and the optimizer's communicators, and the switch's (collective)."""
+        if self.switch is None:
+            self.update.close()
+            self.exchange.free()
+        if self._links is not None:
+            self.comm.Free()
+            self._links.Free()
 
 
 def __getattr__(name: str) -> Any:
@@ -277,12 +334,22 @@ def _span(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}, {ranks[1]}, ... ({len(ranks)})"
 
 
-def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExchange:
+def exchange_for(
+    cfg: Any, comm: Communicator, model: Sequential, links: Communicator | None = None
+) -> GradientExchange:
     """The config's gradient exchange (``[exchange]``) over the model's parameters.
 
+    Args:
+        cfg: the config.
+        comm: the workers.
+        model: this worker's model.
+        links: the switch rank's communicator (``exchange.switch = "rank"``), else None.
+
     Raises:
-        ConfigError: compression asked of the flat allreduce exchange.
+        ConfigError: compression asked of the flat allreduce exchange; a switch key it cannot honour.
     """
+    if cfg["exchange.name"] == "switch" and (comm.Get_size() > 1 or links is not None):
+        return make_switch_exchange(cfg, comm, model.parameters(), links=links)
     options: dict[str, Any] = {}
     if cfg["exchange.name"] == "bucketed":
         options = {
@@ -303,7 +370,9 @@ def exchange_for(cfg: Any, comm: Communicator, model: Sequential) -> GradientExc
 
 
 def _wire_mode(cfg: Any) -> str:
-    """The buckets' packing mode for ``exchange.compression``."""
+    """The buckets' packing mode for ``exchange.compression`` (the switch's: int32)."""
+    if cfg["exchange.name"] == "switch":
+        return "int32"
     return "plain" if cfg["exchange.compression"] == "none" else cfg["exchange.compression"]
 
 

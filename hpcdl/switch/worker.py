@@ -5,7 +5,12 @@ et al., NSDI'21). The worker uses the slots 0 .. window-1 of the switch; slot i 
 chunks i, i + window, i + 2·window, ... of the vector: a slot's next chunk is sent when the
 result of its previous one arrives, so at most ``window`` chunks are in flight and the slot
 sets alternate (``use & 1``). A chunk whose result has not come ``timeout`` seconds after it
-was sent is sent again, flagged RETRANSMISSION, by :meth:`WorkerState.tick`.
+was sent is sent again, flagged RETRANSMISSION, by :meth:`WorkerState.tick`; each further
+retransmission of the same chunk waits twice as long as the one before (at most
+``2**MAX_BACKOFF`` times ``timeout``), as TCP backs off its retransmission timer. A fixed
+timer is SwitchML's, whose switch runs at line rate; a software switch that falls behind
+would otherwise be flooded with retransmissions of every chunk in flight each period, and fall
+further behind (congestion collapse: W workers x the window every ``timeout``).
 
 One reduction (:meth:`WorkerState.start`) of a float vector g:
 
@@ -27,7 +32,10 @@ import numpy as np
 
 from hpcdl.switch import protocol as p
 
-__all__ = ["WorkerState", "exponent_of"]
+__all__ = ["MAX_BACKOFF", "WorkerState", "exponent_of"]
+
+#: a chunk's k-th retransmission waits ``timeout * 2**min(k, MAX_BACKOFF)``
+MAX_BACKOFF = 6
 
 IDLE, EXPONENT, DATA = 0, 1, 2
 #: ``WorkerState.chunk`` of a slot with nothing in flight, and of the slot carrying the exponent round
@@ -83,12 +91,15 @@ class WorkerState:
         self.use = np.zeros(window, np.uint32)  # each slot's next use; lives across reductions
         self.chunk = np.full(window, NOTHING, np.int64)  # the chunk in flight on each slot
         self.deadline = np.full(window, np.inf)
+        self.attempts = np.zeros(window, np.int64)  # retransmissions of the chunk in flight
         self.size = np.zeros(window, np.int64)  # bytes of the datagram in flight
         self.buffers = [bytearray(p.HEADER_SIZE + 4 * self.elements) for _ in range(window)]
         self.phase = IDLE
         self.values = np.zeros(0, np.int32)
         self.result = np.zeros(0, np.int32)
         self.scale_exponent = 0
+        self.max_exponent = p.ZERO_EXPONENT
+        self.results = 0  # results taken, of every reduction (a caller sees progress by it)
         self.retransmissions = 0
         self.ignored = 0
         self.malformed = np.zeros(len(p.Malformed), np.int64)
@@ -118,6 +129,32 @@ class WorkerState:
         self.phase = EXPONENT
         header = self._header(0, p.EXPONENT_ROUND, 0, 0, exponent_of(grad))
         return [self._send(0, EXPONENT_CHUNK, header, None, now)]
+
+    def start_exponent(self, exponent: int, now: float) -> list[bytes]:
+        """Begin an exponent round alone: the maximum of the workers' ``exponent`` (i16).
+
+        The caller quantises itself once it is :attr:`done` (:attr:`max_exponent` holds the
+        maximum), then reduces with :meth:`start_quantised`: the exchange does this, so that
+        its own packing kernel quantises, as the int32 ring's does.
+
+        Returns:
+            The exponent round's datagram.
+        """
+        if not -0x8000 <= exponent <= 0x7FFF:
+            raise ValueError(f"an exponent travels as an i16 (got {exponent})")
+        self._begin(0)
+        self._grad = None
+        self.phase = EXPONENT
+        header = self._header(0, p.EXPONENT_ROUND, 0, 0, exponent)
+        return [self._send(0, EXPONENT_CHUNK, header, None, now)]
+
+    def outstanding(self) -> tuple[list[int], int]:
+        """The chunks in flight (their indices; ``-2`` the exponent round) and the chunks of the
+        reduction not sent yet, for a message when the switch stops answering."""
+        flying = sorted(int(c) for c in self.chunk if c != NOTHING)
+        if self.phase != DATA:
+            return flying, 0
+        return flying, self._chunks - self._done_chunks - len(flying)
 
     def start_quantised(self, values: np.ndarray, now: float) -> list[bytes]:
         """Begin reducing an int32 vector already scaled so that W of them cannot overflow.
@@ -154,17 +191,27 @@ class WorkerState:
         ):
             self.ignored += 1
             return []
+        if exp_round and self._grad is None:  # start_exponent: the maximum is the result
+            self.results += 1
+            self.use[s] = (int(self.use[s]) + 1) & 0xFFFFFFFF
+            self.chunk[s] = NOTHING
+            self.deadline[s] = np.inf
+            self.max_exponent = header.exponent
+            self.phase = IDLE
+            return []
         if exp_round:
             try:
                 k = p.pow2_scale_exponent(header.exponent, self.workers)
             except ValueError:  # an exponent no finite float has: not a result of this round
                 self.ignored += 1
                 return []
+        self.results += 1
         self.use[s] = (int(self.use[s]) + 1) & 0xFFFFFFFF
         if exp_round:
             self.chunk[s] = NOTHING
             self.deadline[s] = np.inf
             self.scale_exponent = k
+            self.max_exponent = header.exponent
             grad = self._grad
             self._grad = None
             self.values = np.rint(np.ldexp(grad.astype(np.float64), self.scale_exponent)).astype(np.int32)
@@ -192,7 +239,8 @@ class WorkerState:
             buf = self.buffers[s]
             buf[3] |= p.RETRANSMISSION  # the flags byte
             out.append(bytes(buf[: self.size[s]]))
-            self.deadline[s] = now + self.timeout
+            self.attempts[s] += 1
+            self.deadline[s] = now + self.timeout * 2.0 ** min(int(self.attempts[s]), MAX_BACKOFF)
         self.retransmissions += len(out)
         return out
 
@@ -233,4 +281,5 @@ class WorkerState:
         self.chunk[s] = chunk
         self.size[s] = p.encode_into(self.buffers[s], header, payload)
         self.deadline[s] = now + self.timeout
+        self.attempts[s] = 0
         return bytes(self.buffers[s][: self.size[s]])

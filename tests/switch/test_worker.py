@@ -8,6 +8,7 @@ import pytest
 from hpcdl.switch import WorkerState, exponent_of
 from hpcdl.switch import protocol as p
 from hpcdl.switch.protocol import Header
+from hpcdl.switch.worker import MAX_BACKOFF
 
 LIMITS = p.Limits(job=7, workers=2, slots=2, elements=64)
 
@@ -68,12 +69,24 @@ def test_tick_retransmits_after_the_timeout_only() -> None:
     assert w.tick(1.49) == [] and w.next_deadline() == 1.5
     (again,) = w.tick(1.5)
     assert headers([again])[0] == h._replace(flags=h.flags | p.RETRANSMISSION)
-    assert w.next_deadline() == 2.0 and w.retransmissions == 1
+    assert w.next_deadline() == 2.5 and w.retransmissions == 1  # backed off: 2 x the timeout
+    assert len(w.tick(2.5)) == 1 and w.next_deadline() == 4.5  # then 4 x
     data = headers(w.receive(answer(h, exponent=5, extra=p.RETRANSMISSION), now=1.6))
     k = p.pow2_scale_exponent(5, 2)
     assert w.scale_exponent == k and (data[0].slot, data[0].use) == (0, 1)  # the round used slot 0 once
     assert np.frombuffer(w.buffers[0], "<i4", 2, 24).tolist() == [0.75 * 2**k, -3.5 * 2**k]
-    assert w.tick(1.9) == []  # the new chunk's deadline is 2.1
+    assert w.tick(1.9) == [] and w.next_deadline() == 2.1  # the new chunk's timer starts afresh
+
+
+def test_backoff_is_capped() -> None:
+    w = WorkerState(job=7, worker=0, workers=2, slots=1, payload=256, timeout=1.0)
+    w.start(np.ones(3), now=0.0)
+    now, gaps = 1.0, []
+    for _ in range(MAX_BACKOFF + 3):
+        assert len(w.tick(now)) == 1
+        gaps.append(w.next_deadline() - now)
+        now = w.next_deadline()
+    assert gaps == [2.0**min(k, MAX_BACKOFF) for k in range(1, MAX_BACKOFF + 4)]
 
 
 def test_refuses_misuse() -> None:
