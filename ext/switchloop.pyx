@@ -51,6 +51,28 @@ cdef extern from "<sys/socket.h>" nogil:
     int MSG_DONTWAIT
     int MSG_TRUNC
 
+cdef extern from "<sys/socket.h>" nogil:
+    struct cmsghdr:
+        size_t cmsg_len
+        int cmsg_level
+        int cmsg_type
+    size_t CMSG_SPACE(size_t length)
+    size_t CMSG_LEN(size_t length)
+    unsigned char* CMSG_DATA(cmsghdr* c)
+
+cdef extern from *:
+    """
+    #include <netinet/udp.h>
+    #ifndef UDP_SEGMENT
+    #define UDP_SEGMENT 103
+    #endif
+    #ifndef SOL_UDP
+    #define SOL_UDP 17
+    #endif
+    """
+    int UDP_SEGMENT
+    int SOL_UDP
+
 cdef extern from "<errno.h>" nogil:
     int EWOULDBLOCK
 
@@ -124,15 +146,17 @@ DEF RECV_CALLS = 0
 DEF SEND_CALLS = 1
 DEF SEND_FAILED = 2
 DEF NO_ADDRESS = 3
-DEF N_IO = 4
+DEF GSO_MESSAGES = 4
+DEF N_IO = 5
 
 #: the names of ``SwitchLoop.count`` (``Counter``'s, lower case)
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "summed", "completed",
             "exponent_rounds", "duplicates", "retransmitted_results", "stale", "mismatch",
             "not_contribution", "overflow", "malformed")
 #: the names of ``SwitchLoop.io``: system calls, datagrams not sent (a failed or short
-#: ``sendmmsg``, e.g. EAGAIN), results for a worker whose address is not known yet
-IO_COUNTERS = ("recv_calls", "send_calls", "send_failed", "no_address")
+#: ``sendmmsg``, e.g. EAGAIN), results for a worker whose address is not known yet, messages
+#: of several datagrams sent with UDP GSO
+IO_COUNTERS = ("recv_calls", "send_calls", "send_failed", "no_address", "gso_messages")
 _MALFORMED = ("short", "length", "magic", "version", "flags", "job", "worker", "slot", "count", "offset")
 
 
@@ -177,6 +201,10 @@ cdef class SwitchLoop:
         payload: payload bytes (a positive multiple of 4, at most 4 * 65535).
         job: the job served (u32).
         batch: datagrams per ``recvmmsg`` in :meth:`serve` (1: one per system call).
+        gso: send a worker's results of one batch that have the same size as one message with
+            UDP generic segmentation offload (``UDP_SEGMENT``: the kernel splits it into the
+            same datagrams, walking its UDP/IP path once); turned off by itself, the datagrams
+            of that call counted in ``send_failed``, if the kernel refuses it.
 
     Attributes:
         count: int64 counters indexed by ``slots.Counter``.
@@ -185,6 +213,7 @@ cdef class SwitchLoop:
     """
 
     cdef readonly int workers, slots, payload, elements, words, batch, out_cap
+    cdef readonly bint gso  # coalesce each worker's equal-size results into one UDP_SEGMENT message
     cdef readonly uint32_t job
     cdef readonly object count, malformed, io
     cdef readonly double first_ms, last_ms  # monotonic ms of the first and last datagram served
@@ -212,15 +241,22 @@ cdef class SwitchLoop:
     cdef iovec* _outiov
     cdef uint8_t* _addr  # worker -> sockaddr (SOCKADDR_SIZE bytes each)
     cdef socklen_t* _addrlen
-    cdef int _insize
+    cdef int _insize, _seg_limit, _cmsg_space
+    cdef uint8_t* _cmsg  # one UDP_SEGMENT control message per output message
+    cdef uint8_t** _res_buf  # the results of the batch being served
+    cdef int* _res_size
+    cdef int* _res_dest
 
     def __cinit__(self):
         self._inbuf = self._outbuf = self._names = self._addr = NULL
         self._inmsg = self._outmsg = NULL
         self._iniov = self._outiov = NULL
         self._addrlen = NULL
+        self._cmsg = NULL
+        self._res_buf = NULL
+        self._res_size = self._res_dest = NULL
 
-    def __init__(self, int workers, int slots, int payload, long long job, int batch=64):
+    def __init__(self, int workers, int slots, int payload, long long job, int batch=64, bint gso=False):
         if not 1 <= workers < ALL_WORKERS:
             raise ValueError(f"workers must be in 1 .. {ALL_WORKERS - 1} (got {workers})")
         if not 1 <= slots <= 0xFFFF:
@@ -286,7 +322,15 @@ cdef class SwitchLoop:
         self._outiov = <iovec*>calloc(self.out_cap, sizeof(iovec))
         self._addr = <uint8_t*>calloc(workers, SOCKADDR_SIZE)
         self._addrlen = <socklen_t*>calloc(workers, sizeof(socklen_t))
-        if (self._inbuf == NULL or self._outbuf == NULL or self._names == NULL or self._inmsg == NULL
+        self.gso = gso
+        self._seg_limit = max(1, min(64, 65000 // self._insize, batch))  # the kernel's limits: 64 segments, 64 KiB
+        self._cmsg_space = CMSG_SPACE(sizeof(uint16_t))
+        self._cmsg = <uint8_t*>calloc(self.out_cap, self._cmsg_space)
+        self._res_buf = <uint8_t**>calloc(batch, sizeof(uint8_t*))
+        self._res_size = <int*>calloc(batch, sizeof(int))
+        self._res_dest = <int*>calloc(batch, sizeof(int))
+        if (self._cmsg == NULL or self._res_buf == NULL or self._res_size == NULL or self._res_dest == NULL
+                or self._inbuf == NULL or self._outbuf == NULL or self._names == NULL or self._inmsg == NULL
                 or self._iniov == NULL or self._outmsg == NULL or self._outiov == NULL
                 or self._addr == NULL or self._addrlen == NULL):
             raise MemoryError("cannot allocate the switch loop's socket buffers")
@@ -311,6 +355,10 @@ cdef class SwitchLoop:
         free(self._outiov)
         free(self._addr)
         free(self._addrlen)
+        free(self._cmsg)
+        free(self._res_buf)
+        free(self._res_size)
+        free(self._res_dest)
 
     def arrays(self) -> dict:
         """The state arrays by name (flat: index ``2 * slot + set``), for tests and inspection."""
@@ -503,8 +551,8 @@ cdef class SwitchLoop:
         memcpy(self._addr + w * SOCKADDR_SIZE, self._names + j * SOCKADDR_SIZE, length)
         self._addrlen[w] = length
 
-    cdef int _flush(self, int fd, int nout) noexcept nogil:
-        """``sendmmsg`` the ``nout`` queued answers; count what could not be sent. 0, or an errno."""
+    cdef void _flush(self, int fd, int nout) noexcept nogil:
+        """``sendmmsg`` the ``nout`` queued messages; count the datagrams that could not be sent."""
         cdef int sent = 0, r, tries = 0
         cdef pollfd pfd
         while sent < nout:
@@ -515,33 +563,71 @@ cdef class SwitchLoop:
                 continue
             if r < 0 and errno == EINTR:
                 continue
-            if r < 0 and (errno == EAGAIN or errno == EWOULDBLOCK) and tries < 1:
-                tries += 1  # the send queue is full: wait a millisecond once, then drop
-                pfd.fd, pfd.events, pfd.revents = fd, POLLOUT, 0
-                poll(&pfd, 1, 1)
-                continue
-            if r < 0 and not (errno == EAGAIN or errno == EWOULDBLOCK):
-                # per-destination errors (an unreachable worker): skip that datagram
-                self._io[SEND_FAILED] += 1
-                sent += 1
-                continue
-            self._io[SEND_FAILED] += nout - sent
-            break
-        return 0
+            if r < 0 and (errno == EAGAIN or errno == EWOULDBLOCK):
+                if tries < 1:
+                    tries += 1  # the send queue is full: wait a millisecond once, then drop
+                    pfd.fd, pfd.events, pfd.revents = fd, POLLOUT, 0
+                    poll(&pfd, 1, 1)
+                    continue
+                while sent < nout:
+                    self._io[SEND_FAILED] += self._outmsg[sent].msg_hdr.msg_iovlen
+                    sent += 1
+                break
+            # this message failed (an unreachable worker, or GSO refused): skip it
+            if self._outmsg[sent].msg_hdr.msg_control != NULL:
+                self.gso = False
+            self._io[SEND_FAILED] += self._outmsg[sent].msg_hdr.msg_iovlen
+            sent += 1
 
-    cdef inline int _queue(self, int fd, int nout, uint8_t* buf, int size, int w) noexcept nogil:
-        """Queue ``buf`` for worker ``w``; flush first when the queue is full. The new queue length."""
-        if self._addrlen[w] == 0:
-            self._io[NO_ADDRESS] += 1
-            return nout
-        if nout == self.out_cap:
-            self._flush(fd, nout)
-            nout = 0
-        self._outiov[nout].iov_base = buf
-        self._outiov[nout].iov_len = size
-        self._outmsg[nout].msg_hdr.msg_name = self._addr + w * SOCKADDR_SIZE
-        self._outmsg[nout].msg_hdr.msg_namelen = self._addrlen[w]
+    cdef inline int _message(self, int nout, int niov, int count, int size, int w) noexcept nogil:
+        """Make message ``nout``: the ``count`` datagrams at ``_outiov[niov:]`` to worker ``w``."""
+        cdef msghdr* m = &self._outmsg[nout].msg_hdr
+        cdef cmsghdr* c
+        m.msg_iov = &self._outiov[niov]
+        m.msg_iovlen = count
+        m.msg_name = self._addr + w * SOCKADDR_SIZE
+        m.msg_namelen = self._addrlen[w]
+        if count > 1:  # one UDP_SEGMENT message: the kernel cuts it into datagrams of ``size``
+            c = <cmsghdr*>(self._cmsg + nout * self._cmsg_space)
+            c.cmsg_level, c.cmsg_type, c.cmsg_len = SOL_UDP, UDP_SEGMENT, CMSG_LEN(sizeof(uint16_t))
+            (<uint16_t*>CMSG_DATA(c))[0] = size
+            m.msg_control, m.msg_controllen = c, self._cmsg_space
+            self._io[GSO_MESSAGES] += 1
+        else:
+            m.msg_control, m.msg_controllen = NULL, 0
         return nout + 1
+
+    cdef void _send_results(self, int fd, int nres) noexcept nogil:
+        """Send the batch's ``nres`` results: one datagram per worker of a multicast, one to the
+        asker of a shadow result; with GSO, a worker's run of equal-size results as one message."""
+        cdef int nout = 0, niov = 0, r, w, count, size = 0, limit = 1
+        if self.gso:
+            limit = self._seg_limit
+        for w in range(self.workers):
+            count = 0
+            for r in range(nres):
+                if self._res_dest[r] != MULTICAST and self._res_dest[r] != w:
+                    continue
+                if self._addrlen[w] == 0:
+                    self._io[NO_ADDRESS] += 1
+                    continue
+                if count and (self._res_size[r] != size or count == limit):
+                    nout = self._message(nout, niov, count, size, w)
+                    niov += count
+                    count = 0
+                if count == 0:
+                    if nout == self.out_cap or niov + limit > self.out_cap:
+                        self._flush(fd, nout)
+                        nout = niov = 0
+                    size = self._res_size[r]
+                self._outiov[niov + count].iov_base = self._res_buf[r]
+                self._outiov[niov + count].iov_len = size
+                count += 1
+            if count:
+                nout = self._message(nout, niov, count, size, w)
+                niov += count
+        if nout:
+            self._flush(fd, nout)
 
     def serve(self, int fd, double max_ms) -> int:
         """Serve datagrams on ``fd`` for at most ``max_ms`` milliseconds, without the GIL.
@@ -559,7 +645,7 @@ cdef class SwitchLoop:
         """
         cdef double start = _now_ms(), now = start, deadline = start + max_ms
         cdef long long served = 0
-        cdef int got, j, k, size, nout, dest, err = 0, wait
+        cdef int got, j, size, nres, dest, err = 0, wait
         cdef int vlen = self.batch
         cdef uint8_t* inp
         cdef uint8_t* out
@@ -591,7 +677,7 @@ cdef class SwitchLoop:
                     self.first_ms = now
                 self.last_ms = now
                 served += got
-                nout = 0
+                nres = 0
                 for j in range(got):
                     inp = self._inbuf + j * self._insize
                     size = self._inmsg[j].msg_len  # the datagram's real size (MSG_TRUNC)
@@ -604,15 +690,11 @@ cdef class SwitchLoop:
                     self._learn(inp, size, j)
                     out = self._outbuf + j * self._insize
                     size = self._process(inp, size, out, &dest)
-                    if size == 0:
-                        continue
-                    if dest == MULTICAST:
-                        for k in range(self.workers):
-                            nout = self._queue(fd, nout, out, size, k)
-                    else:
-                        nout = self._queue(fd, nout, out, size, dest)
-                if nout:
-                    self._flush(fd, nout)
+                    if size:
+                        self._res_buf[nres], self._res_size[nres], self._res_dest[nres] = out, size, dest
+                        nres += 1
+                if nres:
+                    self._send_results(fd, nres)
                 if now >= deadline:
                     break
         if err:
@@ -626,7 +708,7 @@ cdef class SwitchLoop:
 
 
 def generate(fds, int workers, int slots, int payload, long long job, double duration_ms,
-             int window=32, int batch=64, double timeout_ms=20.0) -> dict:
+             int window=32, int batch=64, double timeout_ms=20.0, bint gso=False) -> dict:
     """Emulate ``workers`` workers streaming contributions to a switch, for ``duration_ms``.
 
     Worker w sends on ``fds[w]`` (connected UDP sockets, non-blocking, one per worker).
@@ -634,7 +716,9 @@ def generate(fds, int workers, int slots, int payload, long long job, double dur
     result of a slot's use u makes it send use u + 1; a chunk without result after
     ``timeout_ms`` is sent again flagged RETRANSMISSION. Contributions carry ``w + 1`` in
     every element; a result whose elements are not W(W+1)/2 is counted ``bad``. Datagrams
-    are sent with ``sendmmsg`` and received with ``recvmmsg``, up to ``batch`` per call.
+    are sent with ``sendmmsg`` and received with ``recvmmsg``, up to ``batch`` per call; with
+    ``gso``, a worker's datagrams of one call go as one ``UDP_SEGMENT`` message (the kernel
+    cuts it into the same datagrams, so the load costs the generator less CPU).
 
     Returns:
         ``sent``, ``received``, ``results`` (results for the chunk in flight),
@@ -664,8 +748,12 @@ def generate(fds, int workers, int slots, int payload, long long job, double dur
     cdef iovec* outiov = <iovec*>calloc(batch, sizeof(iovec))
     cdef pollfd* pfds = <pollfd*>calloc(workers, sizeof(pollfd))
     cdef int* pending = <int*>calloc(window, sizeof(int))
-    if inmsg == NULL or iniov == NULL or outmsg == NULL or outiov == NULL or pfds == NULL or pending == NULL:
-        free(inmsg); free(iniov); free(outmsg); free(outiov); free(pfds); free(pending)
+    cdef int space = CMSG_SPACE(sizeof(uint16_t))
+    cdef uint8_t* cmsg = <uint8_t*>calloc(batch, space)
+    cdef int limit = max(1, min(64, 65000 // size, batch)) if gso else 1
+    if (inmsg == NULL or iniov == NULL or outmsg == NULL or outiov == NULL or pfds == NULL or pending == NULL
+            or cmsg == NULL):
+        free(inmsg); free(iniov); free(outmsg); free(outiov); free(pfds); free(pending); free(cmsg)
         raise MemoryError("cannot allocate the generator's buffers")
     cdef int w, s, j, k, got, npend, nsent, r, flags
     cdef long long sent = 0, received = 0, results = 0, retrans = 0, bad = 0, failed = 0
@@ -701,7 +789,7 @@ def generate(fds, int workers, int slots, int payload, long long job, double dur
         for w in range(workers):
             for s in range(window):
                 pending[s] = s
-            sent += _gen_send(fd[w], out, w, pending, window, size, outmsg, outiov, batch,
+            sent += _gen_send(fd[w], out, w, pending, window, size, outmsg, outiov, batch, cmsg, space, limit,
                               use, sent_at, start, CONTRIBUTION, &failed)
         while True:
             now = _now_ms()
@@ -730,7 +818,7 @@ def generate(fds, int workers, int slots, int payload, long long job, double dur
                     pending[npend] = s
                     npend += 1
                 if npend:
-                    sent += _gen_send(fd[w], out, w, pending, npend, size, outmsg, outiov, batch,
+                    sent += _gen_send(fd[w], out, w, pending, npend, size, outmsg, outiov, batch, cmsg, space, limit,
                                       use, sent_at, now, CONTRIBUTION, &failed)
             if now >= next_check:  # chunks whose result is overdue: send again
                 next_check = now + timeout_ms / 4
@@ -742,22 +830,25 @@ def generate(fds, int workers, int slots, int payload, long long job, double dur
                             npend += 1
                     if npend:
                         retrans += npend
-                        sent += _gen_send(fd[w], out, w, pending, npend, size, outmsg, outiov, batch,
+                        sent += _gen_send(fd[w], out, w, pending, npend, size, outmsg, outiov, batch, cmsg, space, limit,
                                           use, sent_at, now, CONTRIBUTION | RETRANSMISSION, &failed)
             if idle:
                 poll(pfds, workers, 1)
         now = _now_ms()
-    free(inmsg); free(iniov); free(outmsg); free(outiov); free(pfds); free(pending)
+    free(inmsg); free(iniov); free(outmsg); free(outiov); free(pfds); free(pending); free(cmsg)
     return {"sent": sent, "received": received, "results": results, "retransmissions": retrans,
             "bad": bad, "send_failed": failed, "seconds": (now - start) / 1e3}
 
 
 cdef long long _gen_send(int fd, uint8_t[:, :, ::1] out, int w, int* pending, int n, int size,
-                         mmsghdr* msg, iovec* iov, int batch, uint32_t[:, ::1] use,
-                         double[:, ::1] sent_at, double now, int flags, long long* failed) noexcept nogil:
-    """Stamp and ``sendmmsg`` worker ``w``'s datagrams for the ``n`` slots in ``pending``."""
-    cdef int j = 0, m, k, r, s
+                         mmsghdr* msg, iovec* iov, int batch, uint8_t* cmsg, int space, int limit,
+                         uint32_t[:, ::1] use, double[:, ::1] sent_at, double now, int flags,
+                         long long* failed) noexcept nogil:
+    """Stamp and send worker ``w``'s datagrams for the ``n`` slots in ``pending``: ``sendmmsg``
+    of messages of up to ``limit`` datagrams each (more than one: a ``UDP_SEGMENT`` message)."""
+    cdef int j = 0, m, k, r, s, nmsg, count
     cdef long long sent = 0
+    cdef cmsghdr* c
     while j < n:
         m = min(batch, n - j)
         for k in range(m):
@@ -767,16 +858,33 @@ cdef long long _gen_send(int fd, uint8_t[:, :, ::1] out, int w, int* pending, in
             sent_at[w, s] = now
             iov[k].iov_base = &out[w, s, 0]
             iov[k].iov_len = size
+        nmsg = 0
         k = 0
         while k < m:
-            r = sendmmsg(fd, msg + k, m - k, 0)
+            count = min(limit, m - k)
+            msg[nmsg].msg_hdr.msg_iov = &iov[k]
+            msg[nmsg].msg_hdr.msg_iovlen = count
+            if count > 1:
+                c = <cmsghdr*>(cmsg + nmsg * space)
+                c.cmsg_level, c.cmsg_type, c.cmsg_len = SOL_UDP, UDP_SEGMENT, CMSG_LEN(sizeof(uint16_t))
+                (<uint16_t*>CMSG_DATA(c))[0] = size
+                msg[nmsg].msg_hdr.msg_control, msg[nmsg].msg_hdr.msg_controllen = c, space
+            else:
+                msg[nmsg].msg_hdr.msg_control, msg[nmsg].msg_hdr.msg_controllen = NULL, 0
+            nmsg += 1
+            k += count
+        k = 0
+        while k < nmsg:
+            r = sendmmsg(fd, msg + k, nmsg - k, 0)
             if r > 0:
+                for s in range(r):
+                    sent += msg[k + s].msg_hdr.msg_iovlen
                 k += r
             elif r < 0 and errno == EINTR:
                 continue
             else:
-                failed[0] += m - k  # dropped: the retransmission timer sends it again
+                for s in range(k, nmsg):  # dropped: the retransmission timer sends them again
+                    failed[0] += msg[s].msg_hdr.msg_iovlen
                 break
-        sent += k
         j += m
     return sent

@@ -4,11 +4,13 @@ For each repetition, worker count W and ``--batch`` setting, the switch program 
 as a subprocess on loopback (``--port 0 --ready-file``, ``--parent-pid`` this process) and a
 load generator in this process (:func:`hpcdl._ext.switchloop.generate`: W emulated workers,
 each on its own UDP socket, a window of chunks in flight, the next chunk of a slot sent when
-its result arrives, ``sendmmsg``/``recvmmsg`` batches) drives it for ``--seconds``. The
+its result arrives, ``recvmmsg`` batches, each worker's contributions of one call sent as one
+UDP GSO message so that the load costs less CPU than the switch) drives it for ``--seconds``. The
 switch's own ``--stats-json`` gives its counters, packets per second in + out between its
 first and last datagram, and its CPU seconds (``getrusage`` user + sys since it listened).
 Figures are medians over ``--repeat`` interleaved repetitions; the reference beside each is
-the same switch with ``--batch 1`` (one datagram per system call), and, without sockets,
+the same switch with ``--batch 1`` (one datagram per system call) and with ``--no-gso`` (a
+``sendmmsg`` entry per datagram, no UDP segmentation offload), and, without sockets,
 :class:`~hpcdl.switch.SwitchState` (Python) and ``SwitchLoop.receive`` (Cython) in process.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import statistics
@@ -65,10 +68,10 @@ def _loop_class() -> Any:
 
 
 def _start_switch(
-    workers: int, slots: int, payload: int, batch: int, tmp: Path
+    workers: int, slots: int, payload: int, batch: int, gso: bool, tmp: Path
 ) -> tuple[subprocess.Popen, str, Path]:
     """Start the switch program; wait for its ready file. Returns (process, HOST:PORT, stats path)."""
-    ready, stats = tmp / f"ready-{workers}-{batch}", tmp / f"stats-{workers}-{batch}.json"
+    ready, stats = tmp / "ready", tmp / "stats.json"
     for f in (ready, stats):
         f.unlink(missing_ok=True)
     command = [
@@ -87,6 +90,7 @@ def _start_switch(
         str(JOB),
         "--batch",
         str(batch),
+        "--gso" if gso else "--no-gso",
         "--ready-file",
         str(ready),
         "--stats-json",
@@ -110,11 +114,11 @@ def _start_switch(
 
 
 def _one(
-    workers: int, slots: int, payload: int, batch: int, window: int, seconds: float, tmp: Path
+    workers: int, slots: int, payload: int, batch: int, gso: bool, window: int, seconds: float, tmp: Path
 ) -> dict[str, Any]:
     """One switch process under ``seconds`` of generated load: its stats and the generator's."""
     _, generate = _loop_class()
-    proc, address, stats_path = _start_switch(workers, slots, payload, batch, tmp)
+    proc, address, stats_path = _start_switch(workers, slots, payload, batch, gso, tmp)
     host, port = address.rsplit(":", 1)
     socks = []
     try:
@@ -124,9 +128,20 @@ def _one(
             s.connect((host, int(port)))
             s.setblocking(False)
             socks.append(s)
+        before = resource.getrusage(resource.RUSAGE_SELF)
         load = generate(
-            [s.fileno() for s in socks], workers, slots, payload, JOB, seconds * 1e3, window=window, batch=64
+            [s.fileno() for s in socks],
+            workers,
+            slots,
+            payload,
+            JOB,
+            seconds * 1e3,
+            window=window,
+            batch=64,
+            gso=True,
         )
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        load["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     finally:
         for s in socks:
             s.close()
@@ -174,12 +189,15 @@ def bench_switch(
     workers: list[int],
     batches: list[int],
     payload: int = 1024,
-    slots: int = 64,
-    window: int = 64,
+    slots: int = 256,
+    window: int = 256,
     seconds: float = 2.0,
     repeat: int = 3,
 ) -> list[dict[str, Any]]:
-    """Median packets/s (in + out) and CPU µs per packet of the switch per (W, batch).
+    """Median packets/s (in + out) and CPU µs per packet of the switch per (W, batch, GSO).
+
+    Each batch above 1 runs with GSO sends (the default) and without (``--no-gso``, plain
+    ``sendmmsg`` of one entry per datagram); batch 1 without (one datagram, nothing to coalesce).
 
     Args:
         workers: the W settings.
@@ -191,18 +209,21 @@ def bench_switch(
         repeat: interleaved repetitions (medians reported).
 
     Returns:
-        One row per (W, batch).
+        One row per (W, batch, GSO).
     """
-    samples: dict[tuple[int, int], list[dict[str, Any]]] = {(w, b): [] for w in workers for b in batches}
+    settings = [(b, g) for b in batches for g in ((True, False) if b > 1 else (False,))]
+    samples: dict[tuple[int, int, bool], list[dict[str, Any]]] = {
+        (w, b, g): [] for w in workers for b, g in settings
+    }
     with tempfile.TemporaryDirectory(prefix="hpcdl-bench-switch-") as tmp:
         for _ in range(repeat):
             for w in workers:
-                for b in batches:
-                    samples[w, b].append(_one(w, slots, payload, b, window, seconds, Path(tmp)))
+                for b, g in settings:
+                    samples[w, b, g].append(_one(w, slots, payload, b, g, window, seconds, Path(tmp)))
     reference = _in_process(min(workers), slots, payload, min(seconds, 1.0))
     machine = cpu_model()
     rows = []
-    for (w, b), runs in samples.items():
+    for (w, b, g), runs in samples.items():
         counters = [r["switch"]["counters"] for r in runs]
         total = [c["packets_in"] + c["packets_out"] for c in counters]
         pps = [r["switch"]["packets_per_s"] for r in runs]
@@ -211,6 +232,7 @@ def bench_switch(
             {
                 "workers": w,
                 "batch": b,
+                "gso": g,
                 "payload": payload,
                 "slots": slots,
                 "window": window,
@@ -224,6 +246,7 @@ def bench_switch(
                 "switch_cpu_share": statistics.median(
                     r["switch"]["serve_cpu_s"] / max(1e-9, r["switch"]["active_s"]) for r in runs
                 ),
+                "load_cpu_share": statistics.median(r["load"]["cpu_s"] / r["load"]["seconds"] for r in runs),
                 "retransmissions": statistics.median(r["load"]["retransmissions"] for r in runs),
                 "bad_results": sum(r["load"]["bad"] for r in runs),
                 "send_failed": sum(c["send_failed"] for c in counters),
@@ -250,15 +273,16 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         f"interleaved repetitions"
     )
     print(
-        f"{'workers':>7}{'batch':>6}{'pkt/s in+out':>14}{'in':>10}{'out':>10}{'CPU us/pkt':>11}"
-        f"{'recv batch':>11}{'switch CPU':>11}{'vs batch 1':>11}{'retrans':>8}"
+        f"{'workers':>7}{'batch':>6}{'gso':>5}{'pkt/s in+out':>14}{'in':>10}{'out':>10}{'CPU us/pkt':>11}"
+        f"{'recv batch':>11}{'switch CPU':>11}{'load CPU':>9}{'vs batch 1':>11}{'retrans':>8}"
     )
     for r in rows:
         gain = f"{r['gain_over_batch_1']:.2f}x" if r["gain_over_batch_1"] else "-"
+        gso = "on" if r["gso"] else "off"
         print(
-            f"{r['workers']:>7}{r['batch']:>6}{r['packets_per_s']:>14,.0f}{r['packets_per_s_in']:>10,.0f}"
+            f"{r['workers']:>7}{r['batch']:>6}{gso:>5}{r['packets_per_s']:>14,.0f}{r['packets_per_s_in']:>10,.0f}"
             f"{r['packets_per_s_out']:>10,.0f}{r['cpu_us_per_packet']:>11.2f}{r['recv_batch']:>11.1f}"
-            f"{r['switch_cpu_share']:>10.0%}{gain:>11}{r['retransmissions']:>8.0f}"
+            f"{r['switch_cpu_share']:>11.0%}{r['load_cpu_share']:>9.0%}{gain:>11}{r['retransmissions']:>8.0f}"
         )
     print(
         f"reference, in process without sockets ({min(r['workers'] for r in rows)} workers): "
@@ -270,7 +294,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     print(
         f"target {TARGET_PPS:,} packets/s in+out at 2 workers: {verdict} (best {best:,.0f}); "
         f"CPU us/pkt = switch user+sys CPU / packets in+out; machine: {r0['cpu']}, {r0['cores']} cores "
-        f"(the switch and the load generator share them)"
+        f"(the switch and the load generator share them; switch/load CPU: the share of one core each used)"
     )
     if any(r["bad_results"] for r in rows):
         print("warning: the load generator received results with wrong sums", file=sys.stderr)
@@ -303,7 +327,7 @@ def add_parser(sub: Any) -> None:
     q.add_argument(
         "--payload", type=int, choices=(256, 1024), default=1024, help="payload bytes (default 1024)"
     )
-    q.add_argument("--slots", type=positive_int, default=64, help="the switch's slots (default 64)")
+    q.add_argument("--slots", type=positive_int, default=256, help="the switch's slots (default 256)")
     q.add_argument(
         "--window",
         type=positive_int,

@@ -4,7 +4,8 @@ The program binds one UDP socket (loopback unless ``--bind`` says otherwise), pr
 ``listening on HOST:PORT`` line, optionally writes ``HOST:PORT`` into ``--ready-file``
 (atomically) for a launcher to wait on, and serves one job with
 :class:`hpcdl._ext.switchloop.SwitchLoop` — the slot rules of :class:`~hpcdl.switch.SwitchState`
-in C, ``recvmmsg``/``sendmmsg`` ``--batch`` datagrams per system call, without the GIL. The
+in C, ``recvmmsg``/``sendmmsg`` ``--batch`` datagrams per system call, without the GIL, a
+worker's results of one batch sent as one UDP GSO message (``--no-gso``: one entry each). The
 loop returns to Python every :data:`SERVE_MS` milliseconds (or at a signal) to handle
 SIGINT/SIGTERM (print the counters, write ``--stats-json``, exit 0), SIGUSR1 (print the
 counters, go on) and ``--parent-pid`` (exit once that process is gone). A usage error or a
@@ -30,9 +31,10 @@ from typing import Any, NoReturn
 __all__ = ["main", "build_parser", "DEFAULT_SLOTS", "SERVE_MS"]
 
 PROG = "python -m hpcdl.switch"
-#: slots by default: SwitchML's pool size per worker window (its ``ver`` sets double it); with
-#: a 1,024-byte payload it holds 64 KiB of chunks in flight per worker
-DEFAULT_SLOTS = 64
+#: slots by default: with 1,024-byte payloads, 256 KiB of chunks in flight per worker, about the
+#: bandwidth-delay product of 10 Gb/s at a 200 µs round trip (the switch holds 2 sets x 256 slots
+#: x 256 int64 sums = 1 MiB); fewer slots leave the loop's batches small
+DEFAULT_SLOTS = 256
 #: the longest the C loop serves before Python checks its signals and ``--parent-pid``
 SERVE_MS = 100.0
 #: how often ``--parent-pid`` is checked, seconds
@@ -118,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ranged(1, 1024),
         default=64,
         help="datagrams per recvmmsg call (default 64; 1: one per system call)",
+    )
+    parser.add_argument(
+        "--gso",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send each worker's results of one batch as one UDP_SEGMENT message (default on; "
+        "--no-gso: one sendmmsg entry per datagram)",
     )
     parser.add_argument(
         "--stats-json",
@@ -222,6 +231,7 @@ def stats(loop: Any, address: str, started: float, cpu0: tuple[float, float]) ->
         "payload": loop.payload,
         "job": loop.job,
         "batch": loop.batch,
+        "gso": bool(loop.gso),
         "elapsed_s": elapsed,
         "active_s": active,
         "packets_per_s_in": per_s(counters["packets_in"]),
@@ -249,7 +259,7 @@ def _print_counters(figures: dict[str, Any], why: str) -> None:
         f"  malformed {c['malformed']}"
         + (f" ({', '.join(f'{k[10:]} {v}' for k, v in dropped.items())})" if dropped else ""),
         f"  system calls: recv {c['recv_calls']}, send {c['send_calls']}; send failed {c['send_failed']}, "
-        f"no address {c['no_address']}",
+        f"no address {c['no_address']}; GSO messages {c['gso_messages']}",
     ]
     print("\n".join(lines), flush=True)
 
@@ -275,7 +285,7 @@ def _run(argv: list[str]) -> int:
         raise UsageError(
             "the switch's packet loop (hpcdl._ext.switchloop) is not built: run pip install -e ."
         ) from None
-    loop = SwitchLoop(args.workers, args.slots, args.payload, args.job, args.batch)
+    loop = SwitchLoop(args.workers, args.slots, args.payload, args.job, args.batch, args.gso)
     sock = _bind(args.bind, args.port)
     host, port = sock.getsockname()[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -294,7 +304,7 @@ def _run(argv: list[str]) -> int:
     was_parent = args.parent_pid is not None and os.getppid() == args.parent_pid
     print(
         f"hpcdl switch: listening on {address} (workers {args.workers}, slots {args.slots}, "
-        f"payload {args.payload}, job {args.job}, batch {args.batch})",
+        f"payload {args.payload}, job {args.job}, batch {args.batch}{', gso' if loop.gso else ''})",
         flush=True,
     )
     if args.ready_file is not None:

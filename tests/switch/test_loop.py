@@ -11,6 +11,7 @@ drop datagrams), malformed datagrams are counted, bad arguments exit 2 with one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -170,6 +171,59 @@ def test_overflow_and_mismatch_agree() -> None:
     twin.check()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("gso", [True, False])
+def test_serve_sends_what_switch_state_answers(gso: bool) -> None:
+    """serve() on a real socket: one recvmmsg batch in, every worker gets SwitchState's answers in order."""
+    n, slots, payload, job = 3, 16, 256, 2
+    elements = payload // 4
+    state, loop = SwitchState(n, slots, payload, job), SwitchLoop(n, slots, payload, job, batch=64, gso=gso)
+    rng = np.random.default_rng(5)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as switch:
+        switch.bind(("127.0.0.1", 0))
+        switch.setblocking(False)
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(n)]
+        expected: list[list[bytes]] = [[] for _ in range(n)]
+
+        def send_all(datagrams: list[tuple[int, bytes]]) -> None:
+            for w, data in datagrams:
+                socks[w].sendto(data, switch.getsockname())
+                for out in state.receive(data):
+                    for dest in range(n) if out.dest == -1 else [out.dest]:
+                        expected[dest].append(out.data)
+            loop.serve(switch.fileno(), 100.0)
+
+        def received(w: int) -> list[bytes]:
+            out = []
+            socks[w].setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    out.append(socks[w].recv(4096))
+            return out
+
+        try:
+            traffic = []
+            for w in range(n):
+                for s in range(slots):
+                    count = elements if s % 5 else 1 + s  # some short chunks: GSO runs break on size
+                    flags = p.CONTRIBUTION | (p.EXPONENT_ROUND if s == 7 else 0)
+                    count = 0 if s == 7 else count
+                    values = rng.integers(-1000, 1000, count).astype(np.int32)
+                    traffic.append((w, p.encode(p.Header(flags, job, w, s, 0, 0, count, w), values)))
+            send_all(traffic)
+            send_all([(1, traffic[slots + 13][1])])  # a lost result asked again: unicast to worker 1
+            assert expected[1][-1][3] & p.RETRANSMISSION
+            for w in range(n):
+                assert received(w) == expected[w]
+        finally:
+            for s in socks:
+                s.close()
+    counters = loop.counters()
+    assert {k: counters[k] for k in state.counters()} == state.counters()
+    assert counters["send_failed"] == counters["no_address"] == 0
+    assert (counters["gso_messages"] > 0) == gso
+
+
 # --- the program over UDP on loopback ---------------------------------------------------------
 
 
@@ -269,11 +323,13 @@ def _reduce_over_udp(address: tuple, workers: list[WorkerState], vectors: list, 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("drop", [0.0, 0.1])
-def test_program_sums_exactly_over_udp(program, drop: float) -> None:
+@pytest.mark.parametrize(("drop", "gso"), [(0.0, "--gso"), (0.1, "--gso"), (0.1, "--no-gso")])
+def test_program_sums_exactly_over_udp(program, drop: float, gso: str) -> None:
     """3 workers over loopback: exact int32 sums (a float reduction too), with and without drops."""
     n, slots, payload, job = 3, 8, 256, 9
-    prog = program("--workers", str(n), "--slots", str(slots), "--payload", str(payload), "--job", str(job))
+    prog = program(
+        "--workers", str(n), "--slots", str(slots), "--payload", str(payload), "--job", str(job), gso
+    )
     workers = [WorkerState(job, w, n, slots, payload, timeout=0.02) for w in range(n)]
     rng = np.random.default_rng(3)
     bound = INT32_LIMIT // n
@@ -301,6 +357,7 @@ def test_program_sums_exactly_over_udp(program, drop: float) -> None:
     else:
         assert c["retransmitted_results"] == c["duplicates"] == 0
     assert stats["workers"] == n and stats["batch"] == 64 and stats["cpu_user_s"] >= 0
+    assert stats["gso"] == (gso == "--gso") and c["send_failed"] == c["no_address"] == 0
 
 
 @pytest.mark.timeout(30)
