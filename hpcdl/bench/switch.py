@@ -47,14 +47,18 @@ _READY_TIMEOUT_S = 30.0
 
 
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
+    """The CPU from /proc/cpuinfo: model name, family/model/stepping and MHz (``platform`` elsewhere)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return platform.processor() or "unknown"
+    name = fields.get("model name", platform.processor() or "unknown")
+    ids = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
+    mhz = f", {float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else ""
+    return f"{name} (family/model/stepping {ids}{mhz})"
 
 
 def _loop_class() -> Any:
@@ -314,7 +318,7 @@ def add_parser(sub: Any) -> None:
         nargs="+",
         default=[2, 4],
         metavar="W",
-        help="worker counts to emulate (default 2 4)",
+        help="worker counts to emulate",
     )
     q.add_argument(
         "--batches",
@@ -322,20 +326,23 @@ def add_parser(sub: Any) -> None:
         nargs="+",
         default=[64, 1],
         metavar="B",
-        help="the switch's --batch settings (default 64 1; 1 is the one-per-call reference)",
+        help="the switch's --batch settings (1: one datagram per call, the reference; "
+        "above 1: with and without GSO)",
     )
     q.add_argument(
-        "--payload", type=int, choices=(256, 1024), default=1024, help="payload bytes (default 1024)"
+        "--payload", type=int, choices=(256, 1024), default=1024, help="payload bytes per datagram"
     )
-    q.add_argument("--slots", type=positive_int, default=256, help="the switch's slots (default 256)")
+    q.add_argument("--slots", type=positive_int, default=256, help="the switch's slots")
     q.add_argument(
         "--window",
         type=positive_int,
         default=None,
         help="chunks in flight per emulated worker (default: all slots)",
     )
-    q.add_argument("--seconds", type=positive_float, default=2.0, help="load per measurement (default 2)")
-    q.add_argument("--repeat", type=positive_int, default=3, help="interleaved repetitions (default 3)")
+    q.add_argument("--seconds", type=positive_float, default=2.0, help="seconds of load per measurement")
+    q.add_argument(
+        "--repeat", type=positive_int, default=3, help="interleaved repetitions; medians are reported"
+    )
 
 
 def run(args: Any) -> list[dict[str, Any]]:
