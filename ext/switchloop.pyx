@@ -95,59 +95,63 @@ cdef extern from "<time.h>" nogil:
 __all__ = ["SwitchLoop", "generate", "COUNTERS", "IO_COUNTERS"]
 
 # protocol.py and slots.py, restated for C (tests check they agree)
-DEF HEADER_SIZE = 24
-DEF MAGIC = 0x5348
-DEF VERSION = 1
-DEF CONTRIBUTION = 0x01
-DEF RESULT = 0x02
-DEF RETRANSMISSION = 0x04
-DEF EXPONENT_ROUND = 0x08
-DEF KNOWN_FLAGS = 0x0F
-DEF ALL_WORKERS = 0xFFFF
-DEF ZERO_EXPONENT = -32768
-DEF MULTICAST = -1
-DEF EMPTY = 0
-DEF FILLING = 1
-DEF COMPLETE = 2
-DEF INT32_MAX = 2147483647
-DEF INT32_MIN = -2147483648
-DEF SOCKADDR_SIZE = 128  # sizeof(struct sockaddr_storage)
+cdef enum:
+    HEADER_SIZE = 24
+    MAGIC = 0x5348
+    VERSION = 1
+    CONTRIBUTION = 0x01
+    RESULT = 0x02
+    RETRANSMISSION = 0x04
+    EXPONENT_ROUND = 0x08
+    KNOWN_FLAGS = 0x0F
+    ALL_WORKERS = 0xFFFF
+    ZERO_EXPONENT = -32768
+    MULTICAST = -1
+    EMPTY = 0
+    FILLING = 1
+    COMPLETE = 2
+    INT32_MAX = 2147483647
+    INT32_MIN = -2147483648
+    SOCKADDR_SIZE = 128  # sizeof(struct sockaddr_storage)
 
 # Counter (slots.py), in its order
-DEF PACKETS_IN = 0
-DEF BYTES_IN = 1
-DEF PACKETS_OUT = 2
-DEF BYTES_OUT = 3
-DEF SUMMED = 4
-DEF COMPLETED = 5
-DEF EXPONENT_ROUNDS = 6
-DEF DUPLICATES = 7
-DEF RETRANSMITTED_RESULTS = 8
-DEF STALE = 9
-DEF MISMATCH = 10
-DEF NOT_CONTRIBUTION = 11
-DEF OVERFLOW = 12
-DEF MALFORMED = 13
-DEF N_COUNTERS = 14
+cdef enum:
+    PACKETS_IN = 0
+    BYTES_IN = 1
+    PACKETS_OUT = 2
+    BYTES_OUT = 3
+    SUMMED = 4
+    COMPLETED = 5
+    EXPONENT_ROUNDS = 6
+    DUPLICATES = 7
+    RETRANSMITTED_RESULTS = 8
+    STALE = 9
+    MISMATCH = 10
+    NOT_CONTRIBUTION = 11
+    OVERFLOW = 12
+    MALFORMED = 13
+    N_COUNTERS = 14
 # Malformed (protocol.py), in its order
-DEF M_SHORT = 0
-DEF M_LENGTH = 1
-DEF M_MAGIC = 2
-DEF M_VERSION = 3
-DEF M_FLAGS = 4
-DEF M_JOB = 5
-DEF M_WORKER = 6
-DEF M_SLOT = 7
-DEF M_COUNT = 8
-DEF M_OFFSET = 9
-DEF N_MALFORMED = 10
+cdef enum:
+    M_SHORT = 0
+    M_LENGTH = 1
+    M_MAGIC = 2
+    M_VERSION = 3
+    M_FLAGS = 4
+    M_JOB = 5
+    M_WORKER = 6
+    M_SLOT = 7
+    M_COUNT = 8
+    M_OFFSET = 9
+    N_MALFORMED = 10
 # the socket loop's own counters (``SwitchLoop.io``)
-DEF RECV_CALLS = 0
-DEF SEND_CALLS = 1
-DEF SEND_FAILED = 2
-DEF NO_ADDRESS = 3
-DEF GSO_MESSAGES = 4
-DEF N_IO = 5
+cdef enum:
+    RECV_CALLS = 0
+    SEND_CALLS = 1
+    SEND_FAILED = 2
+    NO_ADDRESS = 3
+    GSO_MESSAGES = 4
+    N_IO = 5
 
 #: the names of ``SwitchLoop.count`` (``Counter``'s, lower case)
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "summed", "completed",
