@@ -157,7 +157,8 @@ cdef enum:
 COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "summed", "completed",
             "exponent_rounds", "duplicates", "retransmitted_results", "stale", "mismatch",
             "not_contribution", "overflow", "malformed")
-#: the names of ``SwitchLoop.io``: system calls, datagrams not sent (a failed or short
+#: the names of ``SwitchLoop.io``: ``recvmmsg`` calls that returned datagrams (an idle poll
+#: is not counted) and ``sendmmsg`` calls, datagrams not sent (a failed or short
 #: ``sendmmsg``, e.g. EAGAIN), results for a worker whose address is not known yet, messages
 #: of several datagrams sent with UDP GSO
 IO_COUNTERS = ("recv_calls", "send_calls", "send_failed", "no_address", "gso_messages")
@@ -660,7 +661,6 @@ cdef class SwitchLoop:
                 for j in range(vlen):
                     self._inmsg[j].msg_hdr.msg_namelen = SOCKADDR_SIZE
                 got = recvmmsg(fd, self._inmsg, vlen, MSG_DONTWAIT | MSG_TRUNC, NULL)
-                self._io[RECV_CALLS] += 1
                 if got <= 0:
                     if got < 0 and errno != EAGAIN and errno != EWOULDBLOCK:
                         if errno != EINTR:
@@ -676,6 +676,7 @@ cdef class SwitchLoop:
                             err = errno
                         break
                     continue
+                self._io[RECV_CALLS] += 1
                 now = _now_ms()
                 if self.first_ms == 0.0:
                     self.first_ms = now
