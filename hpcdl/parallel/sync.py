@@ -348,7 +348,7 @@ def exchange_for(
     Raises:
         ConfigError: compression asked of the flat allreduce exchange; a switch key it cannot honour.
     """
-    if cfg["exchange.name"] == "switch" and (comm.Get_size() > 1 or links is not None):
+    if cfg["exchange.name"] == "switch":  # one worker too: its sums are quantised as W workers' are
         return make_switch_exchange(cfg, comm, model.parameters(), links=links)
     options: dict[str, Any] = {}
     if cfg["exchange.name"] == "bucketed":

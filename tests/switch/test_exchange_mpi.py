@@ -37,6 +37,23 @@ def test_digits_mlp_through_the_udp_switch_is_the_int32_ring_bitwise(faults: lis
     assert np.array_equal(mine, comm.bcast(mine, root=0))  # every worker alike
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_the_switch_rank_at_n_plus_1_is_the_udp_switch_at_n_bitwise() -> None:
+    """N workers and the last rank as the switch, against the same N workers and a spawned UDP switch."""
+    comm = world()
+    ranked = run(load_config("digits-mlp", [*COMMON, "exchange.name=switch", "exchange.switch=rank"]), comm)
+    workers = comm.Split(0 if comm.Get_rank() < comm.Get_size() - 1 else 1, comm.Get_rank())
+    try:
+        if comm.Get_rank() < comm.Get_size() - 1:
+            spawned = [*COMMON, "exchange.name=switch", "exchange.switch=spawn"]
+            udp = run(load_config("digits-mlp", spawned), workers)
+            assert udp.steps == ranked.steps == 8
+            assert np.array_equal(_parameters(ranked), _parameters(udp))
+    finally:
+        workers.Free()
+
+
 def _exchange(comm: object, address: str, timeout_s: float) -> tuple[object, list[Parameter]]:
     cfg = load_config("digits-mlp", ["exchange.name=switch", f"exchange.switch='{address}'",
                                      f"switch.timeout_s={timeout_s}", "switch.timeout_ms=5"])  # fmt: skip
