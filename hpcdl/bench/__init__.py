@@ -16,7 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from hpcdl.atomic import check_writable, write_text_atomic
-from hpcdl.bench import allreduce, calibrate, ops, pack, pipeline, planner, step, switch, train
+from hpcdl.bench import allreduce, calibrate, exchange, ops, pack, pipeline, planner, step, switch, train
 from hpcdl.comm import on_root, world
 from hpcdl.driver.cli import ArgumentParser, parse_args
 
@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, ModuleType] = {
     "planner": planner,
     "ops": ops,
     "switch": switch,
+    "exchange": exchange,
 }
 
 #: the one-line description ``--help`` shows
