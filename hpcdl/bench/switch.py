@@ -16,6 +16,7 @@ the same switch with ``--batch 1`` (one datagram per system call) and with ``--n
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
@@ -27,14 +28,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.comm import world
 from hpcdl.driver.cli import positive_float, positive_int
 from hpcdl.errors import ConfigError
+from hpcdl.sim.network import PRESETS, load_network, network_toml, parse_network
 from hpcdl.switch import SwitchState
 from hpcdl.switch import protocol as p
 
@@ -232,6 +237,11 @@ def bench_switch(
         total = [c["packets_in"] + c["packets_out"] for c in counters]
         pps = [r["switch"]["packets_per_s"] for r in runs]
         cpu_us = [r["switch"]["serve_cpu_s"] / n * 1e6 if n else float("nan") for r, n in zip(runs, total)]
+        # per datagram received, the answers it causes included: what the simulator's [switch] charges
+        cpu_us_in = [
+            r["switch"]["serve_cpu_s"] / c["packets_in"] * 1e6 if c["packets_in"] else float("nan")
+            for r, c in zip(runs, counters)
+        ]
         rows.append(
             {
                 "workers": w,
@@ -246,6 +256,7 @@ def bench_switch(
                 "packets_per_s_in": statistics.median(r["switch"]["packets_per_s_in"] for r in runs),
                 "packets_per_s_out": statistics.median(r["switch"]["packets_per_s_out"] for r in runs),
                 "cpu_us_per_packet": statistics.median(cpu_us),
+                "cpu_us_per_packet_in": statistics.median(cpu_us_in),
                 "recv_batch": statistics.median(c["packets_in"] / max(1, c["recv_calls"]) for c in counters),
                 "switch_cpu_share": statistics.median(
                     r["switch"]["serve_cpu_s"] / max(1e-9, r["switch"]["active_s"]) for r in runs
@@ -343,6 +354,21 @@ def add_parser(sub: Any) -> None:
     q.add_argument(
         "--repeat", type=positive_int, default=3, help="interleaved repetitions; medians are reported"
     )
+    q.add_argument(
+        "--calibrate",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also write the simulator's network files DIR/<base>-switch.toml and DIR/<base>-host.toml: "
+        "--base with a [switch] section whose per_packet_us is the measured CPU per datagram received "
+        "(the batched loop's for the switch, the one-datagram loop's for the host)",
+    )
+    q.add_argument(
+        "--base",
+        default="eth40g",
+        metavar="PRESET|FILE",
+        help="with --calibrate: the network the switch rank is added to (default: eth40g)",
+    )
 
 
 def run(args: Any) -> list[dict[str, Any]]:
@@ -356,8 +382,64 @@ def run(args: Any) -> list[dict[str, Any]]:
         raise ConfigError(f"--window must be at most --slots ({window} > {args.slots})")
     if max(args.workers) >= 0xFFFF or max(args.batches) > 1024:
         raise ConfigError("--workers must be below 65535 and --batches at most 1024")
+    if args.calibrate is not None:
+        if 1 not in args.batches or max(args.batches) == 1:
+            raise ConfigError(
+                "--calibrate needs --batches with 1 (the host's loop) and one above 1 (the switch's)"
+            )
+        load_network(args.base)  # a bad base fails before measuring
+        check_writable(args.calibrate / "probe.toml", what="the network files")
     rows = bench_switch(
         args.workers, args.batches, args.payload, args.slots, window, args.seconds, args.repeat
     )
     print_rows(rows)
+    if args.calibrate is not None:
+        write_networks(rows, args.base, args.calibrate)
     return rows
+
+
+def write_networks(rows: list[dict[str, Any]], base: str, out: Path) -> list[Path]:
+    """The base network with a switch rank of the measured per-datagram cost, as a switch and as a host.
+
+    The switch file's cost is the batched loop's (the largest batch, GSO on) at the fewest workers
+    measured; the host file's the one-datagram-per-call loop's. Both are CPU microseconds of the
+    switch program per datagram received, the sends it answers with included: the simulator
+    charges its ``[switch]`` rank per message received; one core serves them (``serial``).
+    """
+    w = min(r["workers"] for r in rows)
+    mine = [r for r in rows if r["workers"] == w]
+    batched = max((r for r in mine if r["batch"] > 1), key=lambda r: (r["batch"], r["gso"]))
+    single = next(r for r in mine if r["batch"] == 1)
+    if base in PRESETS:
+        text = resources.files("hpcdl.sim").joinpath("networks", f"{base}.toml").read_text("utf-8")
+        name = base
+    else:
+        text, name = Path(base).read_text(encoding="utf-8"), Path(base).stem
+    data = tomllib.loads(text)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+    written = []
+    for mode, row in (("switch", batched), ("host", single)):
+        loop = f"batch {row['batch']}{', GSO' if row['gso'] else ''}"
+        section: dict[str, Any] = {
+            "rank": -1,
+            "mode": mode,
+            "per_packet_us": round(row["cpu_us_per_packet_in"], 4),
+        }
+        if mode == "switch":
+            section["processing"] = "serial"  # a software switch: one core serves every port
+        table = {**{k: v for k, v in data.items() if k != "switch"}, "switch": section}
+        table["name"] = f"{name}-{mode}"
+        table["source"] = (
+            f"{data.get('source', name)} [switch]: per_packet_us measured by python -m hpcdl.bench switch "
+            f"--calibrate on {date} ({row['cpu']}): the switch program's CPU per datagram received, "
+            f"{loop}, {w} workers, payload {row['payload']} B, median of {row['repeat']}"
+        )
+        path = out / f"{name}-{mode}.toml"
+        comments = [f"written by `python -m hpcdl.bench switch --calibrate {out}` on {date}; "
+                    f"load it with --network {path}"]  # fmt: skip
+        parse_network(table, path.stem, where=f"network file {path}")  # what we write must load
+        write_text_atomic(path, network_toml(table, comments), what="the network file")
+        load_network(path)
+        print(f"network written to {path}: [switch] mode {mode}, per_packet_us {section['per_packet_us']}")
+        written.append(path)
+    return written
