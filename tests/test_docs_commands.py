@@ -79,6 +79,8 @@ REDUCE: dict[str, str] = {
     "hpcdl.bench pack": "--repeat 1 --inner 1",
     "hpcdl.bench planner": "--ranks 8 --repeat 1",
     "hpcdl.bench ops": "--sizes 8 16 --repeat 1",
+    "hpcdl.bench switch": "--workers 2 --seconds 0.2 --repeat 1",
+    "hpcdl.bench exchange": "--repeat 1 --loss 0 0.1",
     # sizes far apart and a few repeats, so the fit sees times grow on a loaded machine too
     "hpcdl.bench calibrate": "--sizes 8 256K 4M --repeat 3 --min-time 0.002 --contention-repeat 1",
 }

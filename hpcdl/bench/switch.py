@@ -361,7 +361,7 @@ def add_parser(sub: Any) -> None:
         metavar="DIR",
         help="also write the simulator's network files DIR/<base>-switch.toml and DIR/<base>-host.toml: "
         "--base with a [switch] section whose per_packet_us is the measured CPU per datagram received "
-        "(the batched loop's for the switch, the one-datagram loop's for the host)",
+        "(the batched loop's for the switch, the one-datagram loop's for the host) (default: none written)",
     )
     q.add_argument(
         "--base",
