@@ -25,19 +25,27 @@ import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use
 from hpcdl.comm import world, wtime
-from hpcdl.driver.cli import nonnegative_float, positive_int
+from hpcdl.driver.cli import nonnegative_float, parse_size, positive_int
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
+from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.bucketed import BucketedExchange
 from hpcdl.parallel.exchange import AllreduceExchange
-from hpcdl.parallel.switched import SwitchExchange, spawn_switch, stop_switch
+from hpcdl.parallel.switched import SwitchExchange, spawn_switch, stop_switch, switch_state
 from hpcdl.rng import generator
+from hpcdl.switch.ranklink import CommLink, SwitchRank
 from hpcdl.switch.transport import FaultyLink, Link, UdpLink, parse_address
 
-__all__ = ["add_parser", "bench_exchange", "run"]
+__all__ = ["VARIANTS", "add_parser", "bench_exchange", "run"]
+
+#: what ``bench exchange`` times (module docstring)
+VARIANTS = ("mpi", "ring", "ring-int32", "switch", "switch-rank")
 
 
-def _model_params(model: str, seed: int) -> list[Any]:
+def _parameters(model: str, size: int, seed: int) -> list[Any]:
+    """The model's parameters, or (``size`` > 0) one float32 parameter of ``size`` bytes."""
+    if size > 0:
+        return [Parameter(np.zeros(size // 4, np.float32), name="vector")]
     shape: tuple[int, ...] = (1, 28, 28) if model.startswith("mlp") else (3, 32, 32)
     return build_model(model, shape, 10, rng=generator(seed, "init")).parameters()
 
@@ -51,70 +59,107 @@ def bench_exchange(
     payload: int = 1024,
     timeout_ms: float = 1.0,
     seed: int = 0,
+    variants: tuple[str, ...] = ("mpi", "ring", "ring-int32", "switch"),
+    size: int = 0,
 ) -> list[dict[str, Any]]:
-    """Median ms per exchange of ``model``'s gradients per variant (module docstring); collective."""
-    comm = world()
-    rank, size = comm.Get_rank(), comm.Get_size()
-    params = _model_params(model, seed)
-    noise = generator(seed, rank, "bench-grads")
-    grads = [noise.standard_normal(p.size).astype(p.dtype).reshape(p.shape) * 1e-2 for p in params]
-    variants: dict[str, Any] = {
-        "mpi": AllreduceExchange(comm, params),
-        "ring": BucketedExchange(comm, params, bucket_mb=bucket_mb, algorithm="ring"),
-        "ring-int32": BucketedExchange(
-            comm, params, bucket_mb=bucket_mb, algorithm="ring", compression="int32"
-        ),
-    }
+    """Median ms per exchange of ``model``'s gradients (or a vector of ``size`` bytes) per variant
+    (module docstring); collective. With ``switch-rank`` the last rank is the switch, and every
+    variant runs on the others."""
+    world_comm = world()
+    ranked = "switch-rank" in variants
+    if ranked and world_comm.Get_size() < 2:
+        raise ConfigError("the switch-rank variant needs 2 ranks or more: N - 1 workers and the switch")
+    links = world_comm.Dup()
+    last = world_comm.Get_size() - 1
+    serving = ranked and world_comm.Get_rank() == last
+    comm = world_comm.Split(1 if serving else 0, world_comm.Get_rank())
+    rank, workers = comm.Get_rank(), world_comm.Get_size() - int(ranked)
+    params = _parameters(model, size, seed)
+    built: dict[str, Any] = {}
+    switch_rank = None
     processes = []
     try:
-        for job, loss in enumerate(losses, start=1):
-            address = ""
-            if rank == 0:
-                process, address = spawn_switch(size, slots, payload, job)
-                processes.append(process)
-            address = comm.bcast(address, root=0)
-            link: Link = UdpLink(parse_address(address))
-            if loss > 0:
-                link = FaultyLink(link, np.random.default_rng([seed, rank, job]), loss=loss)
-            variants[f"switch loss {loss:g}"] = SwitchExchange(
-                comm, params, link=link, address=address, bucket_mb=bucket_mb, slots=slots,
-                payload=payload, job=job, timeout_ms=timeout_ms, timeout_s=60.0,
-            )  # fmt: skip
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        sent = dict.fromkeys(variants, 0)
-        retransmitted = dict.fromkeys(variants, 0)
+        if serving:
+            switch_rank = SwitchRank(links, switch_state(workers, slots, payload, 1), list(range(workers)))
+            built["switch-rank"] = None
+        else:
+            noise = generator(seed, rank, "bench-grads")
+            grads = [noise.standard_normal(p.size).astype(p.dtype).reshape(p.shape) * 1e-2 for p in params]
+            for name in variants:
+                if name == "mpi":
+                    built[name] = AllreduceExchange(comm, params)
+                elif name in ("ring", "ring-int32"):
+                    compression = "int32" if name == "ring-int32" else "none"
+                    built[name] = BucketedExchange(comm, params, bucket_mb=bucket_mb, algorithm="ring",
+                                                   compression=compression)  # fmt: skip
+                elif name == "switch-rank":
+                    link = CommLink(links, last, blocking=True)
+                    built[name] = SwitchExchange(
+                        comm, params, link=link, address=f"rank {last}", bucket_mb=bucket_mb, slots=slots,
+                        payload=payload, job=1, timeout_ms=timeout_ms, timeout_s=600.0, rank_link=link,
+                    )  # fmt: skip
+                else:  # the UDP switch, one program (job) per loss rate
+                    for job, loss in enumerate(losses, start=2):
+                        address = ""
+                        if rank == 0:
+                            process, address = spawn_switch(comm.Get_size(), slots, payload, job)
+                            processes.append(process)
+                        address = comm.bcast(address, root=0)
+                        udp: Link = UdpLink(parse_address(address))
+                        if loss > 0:
+                            udp = FaultyLink(udp, np.random.default_rng([seed, rank, job]), loss=loss)
+                        built[f"switch loss {loss:g}"] = SwitchExchange(
+                            comm, params, link=udp, address=address, bucket_mb=bucket_mb, slots=slots,
+                            payload=payload, job=job, timeout_ms=timeout_ms, timeout_s=60.0,
+                        )  # fmt: skip
+        names = world_comm.bcast(list(built), root=0)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        sent = dict.fromkeys(names, 0)
+        retransmitted = dict.fromkeys(names, 0)
         for _ in range(repeat + 1):  # the first repetition warms up, untimed
-            for name, ex in variants.items():
-                for p, g in zip(params, grads):
-                    p.grad[...] = g
+            for name in names:
+                ex = built.get(name)
+                if ex is not None:
+                    for p, g in zip(params, grads):
+                        p.grad[...] = g
                 client = getattr(ex, "client", None)
                 before = (client.datagrams_sent, client.state.retransmissions) if client else (0, 0)
-                comm.Barrier()
+                world_comm.Barrier()
                 t0 = wtime()
-                ex.exchange()
-                dt = comm.allreduce(wtime() - t0, op=ops.MAX)
+                if serving and name == "switch-rank":
+                    switch_rank.serve_step()
+                elif ex is not None:
+                    ex.exchange()
+                dt = world_comm.allreduce(0.0 if serving else wtime() - t0, op=ops.MAX)
                 times[name].append(dt)
                 if client:
                     sent[name] = client.datagrams_sent - before[0]
                     retransmitted[name] = client.state.retransmissions - before[1]
-        for ex in variants.values():
-            ex.free()
+        for ex in built.values():
+            if ex is not None:
+                ex.free()
     finally:
         for process in processes:
             stop_switch(process)
+    counts = world_comm.gather((sent, retransmitted), root=0)
+    comm.Free()
+    links.Free()
+    if world_comm.Get_rank() != 0:
+        return []
+    sent, retransmitted = counts[0]
     nbytes = sum(p.grad.nbytes for p in params)
-    reference = statistics.median(times["mpi"][1:])
-    clean = next((statistics.median(times[n][1:]) for n in variants if n == "switch loss 0"), float("nan"))
+    median = {name: statistics.median(times[name][1:]) for name in names}
+    reference = median.get("mpi", float("nan"))
+    clean = median.get("switch loss 0", float("nan"))
     rows = []
-    for name in variants:
-        ms = statistics.median(times[name][1:]) * 1e3
-        row = {
-            "model": model, "ranks": size, "variant": name, "bytes": nbytes, "ms": ms,
-            "vs_mpi": ms / (reference * 1e3), "repeat": repeat,
-        }  # fmt: skip
+    for name in names:
+        ms = median[name] * 1e3
+        what = model if size <= 0 else f"{size} B"
+        row = {"model": what, "ranks": world_comm.Get_size(), "workers": workers, "variant": name,
+               "bytes": nbytes, "ms": ms, "vs_mpi": median[name] / reference, "repeat": repeat}  # fmt: skip
         if name.startswith("switch"):
             row.update({"datagrams": sent[name], "retransmissions": retransmitted[name],
-                        "vs_no_loss": ms / (clean * 1e3)})  # fmt: skip
+                        "vs_no_loss": median[name] / clean})  # fmt: skip
         rows.append(row)
     return rows
 
@@ -153,6 +198,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slots", type=positive_int, default=64, help="switch.slots")
     p.add_argument("--payload", type=int, choices=(256, 1024), default=1024, help="switch.payload")
     p.add_argument("--timeout-ms", type=float, default=1.0, help="switch.timeout_ms")
+    p.add_argument("--variants", nargs="+", default=["mpi", "ring", "ring-int32", "switch"],
+                   choices=VARIANTS, metavar="NAME",
+                   help=f"what to time: {', '.join(VARIANTS)} (switch: the UDP program, once per --loss; "
+                   "switch-rank: the last rank is the switch, the others the workers of every variant; "
+                   "runs in the simulator)")  # fmt: skip
+    p.add_argument("--size", type=lambda t: parse_size(t, "--size"), default=0, metavar="BYTES",
+                   help="exchange one float32 vector of this many bytes instead of --model's gradients "
+                   "(0: the model's)")  # fmt: skip
 
 
 def run(args: Any) -> list[dict[str, Any]]:
@@ -164,7 +217,8 @@ def run(args: Any) -> list[dict[str, Any]]:
     if any(p >= 1 for p in args.loss) or args.timeout_ms <= 0:
         raise ConfigError("--loss must be below 1 and --timeout-ms positive")
     rows = bench_exchange(args.model, tuple(args.loss), args.repeat, args.bucket_mb, args.slots, args.payload,
-                          args.timeout_ms)  # fmt: skip
+                          args.timeout_ms, variants=tuple(dict.fromkeys(args.variants)),
+                          size=args.size)  # fmt: skip
     if world().Get_rank() == 0:
         print_rows(rows)
     return rows

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcdl._ext.switchloop import SwitchLoop
 from hpcdl.backend import synchronize
 from hpcdl.comm import Communicator, sleep, slow_down, wtime
 from hpcdl.comm.pack import INT32_NONFINITE_EXPONENT, int32_exponent, int32_pow2_scale
@@ -46,7 +47,7 @@ from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.bucketed import DEFAULT_BUCKET_MB, BucketedExchange
 from hpcdl.parallel.exchange import ExchangeError
 from hpcdl.parallel.memory import RankMemory
-from hpcdl.switch import SwitchState, WorkerState
+from hpcdl.switch import WorkerState
 from hpcdl.switch.client import Reduction, SwitchClient, SwitchUnreachable
 from hpcdl.switch.protocol import PAYLOADS
 from hpcdl.switch.ranklink import CommLink, SwitchRank
@@ -64,6 +65,7 @@ __all__ = [
     "switch_memory",
     "switch_note",
     "switch_ranks",
+    "switch_state",
 ]
 
 #: the role of the rank that runs the switch (``exchange.switch = "rank"``)
@@ -302,9 +304,14 @@ def switch_communicators(
     if rank not in aside:
         return links, split, None
     workers = [r for r in range(world.Get_size()) if r not in aside]
-    state = SwitchState(len(workers), cfg["switch.slots"], cfg["switch.payload"], cfg["switch.job"])
+    state = switch_state(len(workers), cfg["switch.slots"], cfg["switch.payload"], cfg["switch.job"])
     slow_down(0.0)  # in the simulator its compute is free: [switch]'s per_packet_us is its processing
     return links, split, SwitchRank(links, state, workers)
+
+
+def switch_state(workers: int, slots: int, payload: int, job: int) -> Any:
+    """The switch rank's slot logic: the compiled loop's (``SwitchState``'s rules, byte for byte, in C)."""
+    return SwitchLoop(workers, slots, payload, job)
 
 
 def make_switch_exchange(
