@@ -9,12 +9,13 @@ processing dominates at that bandwidth. Parts:
   the one-datagram-per-call loop's (the host's kernel-socket receive loop), written into
   network files for 10, 40 and 100 GbE (``eth10g``, ``eth40g``, and ``eth40g`` at 100 Gb/s).
 * ``sim``: the simulator, ``--compute none``, the last rank as the switch
-  (``bench exchange --variants ring switch-rank``): one aggregation of a ``SIM_BYTES`` vector
-  at W = 2 ... 64 workers, the switch rank as the software switch (one core: ``serial``), as
-  a host (``mode = "host"``), and as a hardware switch (a port each at 1 ns a packet:
-  ``parallel``), beside hpcdl's ring on the same workers; and the analytic times. mlp32's and
-  ResNet-50's gradients are scaled from it (every term is linear in the bytes but the
-  latencies: checked by simulating mlp32's own size at the smallest W).
+  (``bench exchange --variants ring switch-rank``, ``SIM_SLOTS`` slots): one aggregation of
+  a 1 MiB vector, and of 2 MiB, at W = 2 ... 64 workers, the switch rank as the software switch
+  (one core: ``serial``), as a host (``mode = "host"``), and as a hardware switch (a port
+  each at 1 ns a packet: ``parallel``), beside hpcdl's ring on the same workers; and the
+  analytic times. mlp32's and ResNet-50's gradients are on the line through the two sizes
+  (a constant of latencies plus a term linear in the bytes: checked by simulating mlp32's own
+  size at the smallest W), and training samples/s from them and a stated device's compute.
 * ``real``: on loopback, ``mpiexec -n W python -m hpcdl.bench exchange`` for W = 2 ... 4: the UDP
   switch at 0, 1 and 10 % loss against MPI's Allreduce and hpcdl's ring, mlp32's gradients.
 * ``accuracy``: digits-mlp trained through the UDP switch (int32, -n 2) against the float32
@@ -58,7 +59,18 @@ HEADER = 24
 ETH100G_GBPS = 11.5
 #: an ideal hardware switch: a packet a nanosecond on every port (a P4 pipeline at line rate)
 HW_PER_PACKET_US = 0.001
+#: slots per worker in the simulated runs: a window of 256 KiB covers 100 GbE's bandwidth-delay
+#: product (11.5 GB/s x 16 us = 184 KB), so the line, not the window, bounds a hardware switch
+SIM_SLOTS = 256
 SEEDS = (0, 1, 2)
+#: forward FLOPs per sample: mlp32's dense layers (2 per weight), ResNet-50 at 224x224 (3.8 G
+#: multiply-adds, He et al. 2016); a training step is 3 forwards' worth (forward + backward)
+FORWARD_FLOP = {"mlp32": 2 * 8_286_730, "resnet50": 2 * 3.8e9}
+#: the stated device for samples/s: 7 TFLOP/s sustained (a V100's 15.7 TFLOP/s FP32 peak at 45 %)
+DEVICE_FLOPS = 7e12
+#: samples per worker per step
+BATCH = 64
+MODES = ("switch", "host", "hardware", "ring")
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"parts": ["calibrate", "sim", "real", "accuracy"], "workers": [2, 4, 8], "bytes": MIB,
               "check_bytes": 4 * MIB, "real_ranks": [2], "repeat": 2, "seeds": (0,), "seconds": 0.5,
@@ -117,21 +129,52 @@ def analytic(nbytes: int, workers: int, net: dict[str, Any], c_switch: float, c_
     """Seconds to aggregate ``nbytes`` at W workers by the formulas of the README.
 
     n = ceil(S / P) datagrams of D = 24 + P bytes per worker; B the line rate, α the latency.
-    Switch (one core): 4α + max(n D / B, W n c); hardware switch: 4α + max(n D / B, n c_hw);
-    host: 4α + max(W n D / B, W n c_host); ring: 2 (W - 1) (α + S / (W B)). The 4α are the
-    exponent round's and the last chunk's round trips.
+    Switch (one core): 4α + max(n D / B, W n c, n 2α / K); hardware switch: 4α + max(n D / B,
+    n c_hw, n 2α / K); host: 4α + max(W n D / B, W n c_host); ring: 2 (W - 1) (α + S / (W B)).
+    The 4α are the exponent round's and the last chunk's round trips; n 2α / K is the window's
+    bound (K = ``SIM_SLOTS`` chunks in flight, one round trip each).
     """
     b = net["inter"]["bandwidth_GBps"] * 1e9
     alpha = net["inter"]["latency_us"] * 1e-6
     n = math.ceil(nbytes / PAYLOAD)
     wire = n * (HEADER + PAYLOAD) / b
     rounds = 4 * alpha  # the exponent round's and the last chunk's round trips
+    window = n * 2 * alpha / SIM_SLOTS
     return {
-        "switch": rounds + max(wire, workers * n * c_switch * 1e-6),
-        "hardware": rounds + max(wire, n * HW_PER_PACKET_US * 1e-6),
-        "host": rounds + max(workers * wire, workers * n * c_host * 1e-6),
+        "switch": rounds + max(wire, workers * n * c_switch * 1e-6, window),
+        "hardware": rounds + max(wire, n * HW_PER_PACKET_US * 1e-6, window),
+        "host": rounds + max(workers * wire, workers * n * c_host * 1e-6, window),
         "ring": 2 * (workers - 1) * (alpha + nbytes / (workers * b)),
     }
+
+
+def step_compute_s(model: str) -> float:
+    """Seconds of one worker's forward and backward of a ``BATCH`` on the stated device."""
+    return 3 * FORWARD_FLOP[model] * BATCH / DEVICE_FLOPS
+
+
+def at_size(r: dict[str, Any], mode: str, nbytes: int) -> float:
+    """A mode's simulated ms at ``nbytes``: the line through its times at ``bytes`` and twice
+    that (a constant of latencies and a term linear in the bytes; checked by ``linearity``)."""
+    t1, t2 = r[f"{mode}_ms"], r[f"{mode}_2x_ms"]
+    return t1 + (t2 - t1) * (nbytes / r["bytes"] - 1)
+
+
+def model_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per network, W and model: each mode's time to aggregate the model's gradients
+    (:func:`at_size`) and training samples/s with the step's compute and the aggregation one
+    after the other (no overlap)."""
+    out = []
+    for r in results["sim"]["rows"]:
+        for model, nbytes in MODEL_BYTES.items():
+            compute = step_compute_s(model)
+            row_ = {"network": r["network"], "workers": r["workers"], "model": model, "compute_ms": compute * 1e3}
+            for mode in MODES:
+                ms = at_size(r, mode, nbytes)
+                row_[f"{mode}_ms"] = ms
+                row_[f"{mode}_samples_per_s"] = r["workers"] * BATCH / (compute + ms / 1e3)
+            out.append(row_)
+    return out
 
 
 def simulate(work: Path, network: Path, workers: int, nbytes: int, variants: list[str]) -> dict[str, float]:
@@ -140,6 +183,7 @@ def simulate(work: Path, network: Path, workers: int, nbytes: int, variants: lis
     out.parent.mkdir(parents=True, exist_ok=True)
     sh([PYTHON, "-m", "hpcdl.simulate", "-n", str(workers + 1), "--network", str(network), "--compute", "none",
         "-m", "hpcdl.bench", "exchange", "--variants", *variants, "--size", str(nbytes), "--repeat", "1",
+        "--slots", str(SIM_SLOTS),
         "--json", str(out)], out.with_suffix(".log"))  # fmt: skip
     return {r["variant"]: r["ms"] for r in json.loads(out.read_text())}
 
@@ -163,21 +207,21 @@ def part_sim(work: Path, size: dict[str, Any], results: dict[str, Any]) -> dict[
     for name, by_mode in files.items():
         net = tomllib.loads(by_mode["switch"].read_text())
         for w in size["workers"]:
-            ms = simulate(work, by_mode["switch"], w, size["bytes"], ["ring", "switch-rank"])
-            ms_host = simulate(work, by_mode["host"], w, size["bytes"], ["switch-rank"])
-            ms_hw = simulate(work, by_mode["hardware"], w, size["bytes"], ["switch-rank"])
+            row_: dict[str, Any] = {"network": name, "workers": w, "bytes": size["bytes"]}
+            for suffix, nbytes in (("", size["bytes"]), ("_2x", 2 * size["bytes"])):
+                ms = simulate(work, by_mode["switch"], w, nbytes, ["ring", "switch-rank"])
+                row_[f"switch{suffix}_ms"], row_[f"ring{suffix}_ms"] = ms["switch-rank"], ms["ring"]
+                for mode in ("host", "hardware"):
+                    row_[f"{mode}{suffix}_ms"] = simulate(work, by_mode[mode], w, nbytes, ["switch-rank"])["switch-rank"]
             model = analytic(size["bytes"], w, net, costs["switch"], costs["host"])
-            rows.append({"network": name, "workers": w, "bytes": size["bytes"], "switch_ms": ms["switch-rank"],
-                         "host_ms": ms_host["switch-rank"], "hardware_ms": ms_hw["switch-rank"], "ring_ms": ms["ring"],
-                         **{f"analytic_{k}_ms": v * 1e3 for k, v in model.items()}})  # fmt: skip
-    # linearity: the smallest W at the check size, simulated, against the scaled figure
+            rows.append({**row_, **{f"analytic_{k}_ms": v * 1e3 for k, v in model.items()}})
+    # linearity: the smallest W at the check size, simulated, against the line through 1x and 2x
     w = min(size["workers"])
     check = simulate(work, files["eth40g"]["switch"], w, size["check_bytes"], ["ring", "switch-rank"])
     base = next(r for r in rows if r["network"] == "eth40g" and r["workers"] == w)
-    scale = size["check_bytes"] / size["bytes"]
     linearity = {"workers": w, "bytes": size["check_bytes"], "switch_ms": check["switch-rank"],
-                 "switch_scaled_ms": base["switch_ms"] * scale, "ring_ms": check["ring"],
-                 "ring_scaled_ms": base["ring_ms"] * scale}  # fmt: skip
+                 "switch_line_ms": at_size(base, "switch", size["check_bytes"]), "ring_ms": check["ring"],
+                 "ring_line_ms": at_size(base, "ring", size["check_bytes"])}  # fmt: skip
     return {"rows": rows, "linearity": linearity, "per_packet_us": costs}
 
 
@@ -227,6 +271,23 @@ def tables(results: dict[str, Any]) -> str:
                 f"{r['hardware_ms']:.3f} | {r['ring_ms']:.3f} | {r['analytic_ring_ms']:.3f} | "
                 f"{r['ring_ms'] / r['hardware_ms']:.2f} |"
             )
+        lin = results["sim"]["linearity"]
+        out.append("")
+        out.append(f"linearity at W = {lin['workers']}, {lin['bytes'] / MIB:.1f} MiB: switch {lin['switch_ms']:.2f} ms "
+                   f"simulated, {lin['switch_line_ms']:.2f} on the line; ring {lin['ring_ms']:.3f} and "
+                   f"{lin['ring_line_ms']:.3f}")  # fmt: skip
+        out.append("")
+        out.append("| network | model | W | compute ms | switch ms | host ms | hardware ms | ring ms | "
+                   "samples/s: switch | host | hardware | ring |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in model_rows(results):
+            out.append(
+                f"| {r['network']} | {r['model']} | {r['workers']} | {r['compute_ms']:.1f} | "
+                + " | ".join(f"{r[f'{m}_ms']:.1f}" for m in MODES)
+                + " | "
+                + " | ".join(f"{r[f'{m}_samples_per_s']:,.0f}" for m in MODES)
+                + " |"
+            )
     if "real" in results:
         out.append("| W | variant | ms | x MPI | retransmissions | x no loss |")
         out.append("|---|---|---|---|---|---|")
@@ -249,10 +310,16 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row("sim", "host / software switch time at 40 GbE, W = 2 ... 64",
                         ", ".join(f"{x:.2f}" for x in ratios), "2.2-2.5x (paper)",
                         any(2.2 <= x <= 2.5 for x in ratios), "some W in [2.2, 2.5]"))  # fmt: skip
-        big = max(at40, key=lambda r: r["workers"])
+        big = max((r for r in model_rows(results) if r["network"] == "eth40g" and r["model"] == "resnet50"),
+                  key=lambda r: r["workers"])  # fmt: skip
         ratio = big["ring_ms"] / big["hardware_ms"]
-        rows.append(row("sim", f"ring / hardware switch at W = {big['workers']}, 40 GbE", f"{ratio:.2f}",
-                        "-> 2 at large W", abs(ratio - 2) < 0.3, "within 0.3 of 2"))  # fmt: skip
+        rows.append(row("sim", f"ring / hardware switch, ResNet-50's gradients at W = {big['workers']}, 40 GbE",
+                        f"{ratio:.2f}", "-> 2 at large W", abs(ratio - 2) < 0.3, "within 0.3 of 2"))  # fmt: skip
+        lin = results["sim"]["linearity"]
+        for mode in ("switch", "ring"):
+            err = lin[f"{mode}_ms"] / lin[f"{mode}_line_ms"] - 1
+            rows.append(row("sim", f"{mode}: simulated at {lin['bytes'] / MIB:.1f} MiB / the line through 1 and 2 MiB",
+                            f"{1 + err:.4f}", "1", abs(err) < 0.02, "within 2 %"))  # fmt: skip
     if "real" in results:
         for r in results["real"]["rows"]:
             if r["variant"] == "switch loss 0.01":
@@ -296,6 +363,23 @@ def figures(results: dict[str, Any], out: Path) -> None:
         axes[0][0].legend(fontsize="small")
         fig.tight_layout()
         fig.savefig(out / "aggregation.png", dpi=110)
+        plt.close(fig)
+        models = model_rows(results)
+        fig, axes = plt.subplots(1, len(MODEL_BYTES), figsize=(5 * len(MODEL_BYTES), 4), squeeze=False)
+        for ax, model in zip(axes[0], MODEL_BYTES):
+            mine = [r for r in models if r["model"] == model and r["network"] == "eth40g"]
+            w = [r["workers"] for r in mine]
+            for mode, color in zip(MODES, ("C0", "C3", "C1", "C2")):
+                ax.plot(w, [r[f"{mode}_samples_per_s"] for r in mine], "o-", color=color, label=mode)
+            ax.plot(w, [x * BATCH / (mine[0]["compute_ms"] / 1e3) for x in w], ":", color="k", label="compute only")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("workers W")
+            ax.set_ylabel("training samples/s (no overlap)")
+            ax.set_title(f"{model}, 40 GbE, {BATCH} samples/worker at {DEVICE_FLOPS / 1e12:g} TFLOP/s")
+        axes[0][0].legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out / "samples.png", dpi=110)
         plt.close(fig)
     if "real" in results:
         rows = results["real"]["rows"]
