@@ -219,6 +219,17 @@ class SwitchExchange(BucketedExchange):
         self.bytes_sent += int(buf.nbytes)
         return buf
 
+    def _wait_all(self) -> None:
+        """The UDP client serves the buckets in order: wait on each in turn, blocking in its loop
+        (polling them all with ``Test`` would spin every worker and starve a switch sharing the
+        cores); the rank form keeps ``waitall`` (the simulator blocks it in virtual time)."""
+        if not isinstance(self.client, UdpSwitchClient):
+            super()._wait_all()
+            return
+        for req in self._reqs:
+            if req:
+                req.Wait()
+
     def exchange(self) -> None:
         """Finish every bucket through the switch and unpack the averages; tell a switch rank."""
         super().exchange()
