@@ -1,4 +1,4 @@
-"""The compiled worker loop: WorkerState's datagrams byte for byte, and its socket path against a real switch."""
+"""The compiled worker loop: WorkerState's bytes exactly, and its socket path through a real switch."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 pytest.importorskip("hypothesis", reason="hypothesis is in the test extra: pip install -e '.[test]'")
+from hpcdl._ext.workerloop import WorkerLoop  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from hpcdl._ext import workerloop  # noqa: E402
-from hpcdl._ext.workerloop import WorkerLoop  # noqa: E402
 from hpcdl.parallel.switched import spawn_switch, stop_switch  # noqa: E402
 from hpcdl.switch import SwitchState, WorkerState  # noqa: E402
 from hpcdl.switch import protocol as p  # noqa: E402
@@ -109,7 +109,8 @@ def test_scripted_traffic_gives_the_same_bytes_counters_and_backoff() -> None:
 
 
 def test_refuses_misuse_as_the_python_worker_does() -> None:
-    for kwargs, match in (({"window": 3}, "window"), ({"worker": 2}, "worker"), ({"timeout_s": 0.0}, "timeout")):
+    bad = (({"window": 3}, "window"), ({"worker": 2}, "worker"), ({"timeout_s": 0.0}, "timeout"))
+    for kwargs, match in bad:
         args = {"job": JOB, "worker": 0, "workers": 2, "slots": 2, "payload": 256, "timeout_s": 1.0, **kwargs}
         with pytest.raises(ValueError, match=match):
             WorkerLoop(**args)
@@ -134,9 +135,10 @@ def test_refuses_misuse_as_the_python_worker_does() -> None:
     late=st.sampled_from([0.0, 0.05]),
     garbage=st.lists(DATAGRAM, max_size=8),
 )
-def test_c_and_python_workers_agree_under_any_traffic(seed: int, workers: int, window: int, lengths: list[int],
-                                                      loss: float, duplicate: float, jitter: float, late: float,
-                                                      garbage: list[bytes]) -> None:  # fmt: skip
+def test_c_and_python_workers_agree_under_any_traffic(
+    seed: int, workers: int, window: int, lengths: list[int], loss: float, duplicate: float, jitter: float,
+    late: float, garbage: list[bytes],
+) -> None:  # fmt: skip
     """Every worker is a twin; the switch is the Python SwitchState; the network loses, duplicates,
     reorders and delivers late; garbage is fed to the workers between reductions."""
     payload, slots = 256, 4
@@ -144,7 +146,7 @@ def test_c_and_python_workers_agree_under_any_traffic(seed: int, workers: int, w
     net = Network(SwitchState(workers, slots, payload, JOB), twins, np.random.default_rng(seed), loss=loss,
                   duplicate=duplicate, jitter=jitter, late=late, late_delay=5e-3)  # fmt: skip
     rng = np.random.default_rng(seed + 1)
-    for i, n in enumerate(lengths):
+    for n in lengths:
         for k, data in enumerate(garbage):
             net.send(k % workers, data)
         net.reduce([int(e) for e in rng.integers(-40, 40, workers)], quantised=False)  # exponent rounds
