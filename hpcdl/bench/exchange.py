@@ -31,10 +31,17 @@ from hpcdl.models import MODELS, build_model
 from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.bucketed import BucketedExchange
 from hpcdl.parallel.exchange import AllreduceExchange
-from hpcdl.parallel.switched import SwitchExchange, spawn_switch, stop_switch, switch_state
+from hpcdl.parallel.switched import (
+    DEFAULT_TIMEOUT_MS,
+    SwitchExchange,
+    fault_seed,
+    spawn_switch,
+    stop_switch,
+    switch_state,
+)
 from hpcdl.rng import generator
 from hpcdl.switch.ranklink import CommLink, SwitchRank
-from hpcdl.switch.transport import FaultyLink, Link, UdpLink, parse_address
+from hpcdl.switch.udp import UdpSwitchClient
 
 __all__ = ["VARIANTS", "add_parser", "bench_exchange", "run"]
 
@@ -57,7 +64,7 @@ def bench_exchange(
     bucket_mb: float = 25.0,
     slots: int = 64,
     payload: int = 1024,
-    timeout_ms: float = 1.0,
+    timeout_ms: float = DEFAULT_TIMEOUT_MS,
     seed: int = 0,
     variants: tuple[str, ...] = ("mpi", "ring", "ring-int32", "switch"),
     size: int = 0,
@@ -105,11 +112,11 @@ def bench_exchange(
                             process, address = spawn_switch(comm.Get_size(), slots, payload, job)
                             processes.append(process)
                         address = comm.bcast(address, root=0)
-                        udp: Link = UdpLink(parse_address(address))
-                        if loss > 0:
-                            udp = FaultyLink(udp, np.random.default_rng([seed, rank, job]), loss=loss)
+                        client = UdpSwitchClient(address, job, rank, comm.Get_size(), slots, payload,
+                                                 timeout_ms / 1000.0, 60.0, loss=loss,
+                                                 seed=fault_seed(seed, rank, job))  # fmt: skip
                         built[f"switch loss {loss:g}"] = SwitchExchange(
-                            comm, params, link=udp, address=address, bucket_mb=bucket_mb, slots=slots,
+                            comm, params, client=client, address=address, bucket_mb=bucket_mb, slots=slots,
                             payload=payload, job=job, timeout_ms=timeout_ms, timeout_s=60.0,
                         )  # fmt: skip
         names = world_comm.bcast(list(built), root=0)
@@ -197,7 +204,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--bucket-mb", type=nonnegative_float, default=25.0, help="bucket size in MiB")
     p.add_argument("--slots", type=positive_int, default=64, help="switch.slots")
     p.add_argument("--payload", type=int, choices=(256, 1024), default=1024, help="switch.payload")
-    p.add_argument("--timeout-ms", type=float, default=1.0, help="switch.timeout_ms")
+    p.add_argument("--timeout-ms", type=float, default=DEFAULT_TIMEOUT_MS, help="switch.timeout_ms")
     p.add_argument("--variants", nargs="+", default=["mpi", "ring", "ring-int32", "switch"],
                    choices=VARIANTS, metavar="NAME",
                    help=f"what to time: {', '.join(VARIANTS)} (switch: the UDP program, once per --loss; "

@@ -176,6 +176,10 @@ class BucketedExchange(LocalExchange):
         )
 
     # -- after backward ------------------------------------------------------------------
+    def _wait_all(self) -> None:
+        """Complete every bucket's request (``waitall``; a subclass may wait otherwise)."""
+        waitall(self._reqs)
+
     def exchange(self) -> None:
         """Finish every bucket's allreduce and unpack the averages into ``.grad``."""
         if self.debug:
@@ -187,7 +191,7 @@ class BucketedExchange(LocalExchange):
                 for b in self.buckets.mark_ready(i):
                     self._start(b)
         t_wait = wtime()
-        waitall(self._reqs)
+        self._wait_all()
         t_unpack = wtime()
         scale = self._average_scale()
         self._accumulated = 0

@@ -19,8 +19,10 @@ Where the switch is (``exchange.switch``):
 Buckets go through the switch in bucket order on every worker (a bucket's data round right
 after its exponent round), as the protocol's per-slot use numbers need; while backward runs,
 each layer's end progresses what is in flight, as the bucketed exchange does with its
-collectives. Loss, duplication and reordering (``switch.loss``, ``switch.duplicate``,
-``switch.reorder``) are injected in each worker's link, seeded from ``seed`` and the rank.
+collectives. Over UDP (``HOST:PORT``, ``spawn``) each worker's datagrams go through the
+compiled loop (:class:`~hpcdl.switch.udp.UdpSwitchClient`); the rank form keeps the Python state
+machine. Loss, duplication and reordering (``switch.loss``, ``switch.duplicate``,
+``switch.reorder``) are injected in each worker's loop or link, seeded from ``seed`` and the rank.
 A switch that stops answering fails every worker within ``switch.timeout_s``, naming its
 address and the chunks outstanding.
 """
@@ -51,13 +53,16 @@ from hpcdl.switch import WorkerState
 from hpcdl.switch.client import Reduction, SwitchClient, SwitchUnreachable
 from hpcdl.switch.protocol import PAYLOADS
 from hpcdl.switch.ranklink import CommLink, SwitchRank
-from hpcdl.switch.transport import FaultyLink, Link, UdpLink, parse_address
+from hpcdl.switch.transport import FaultyLink, Link, parse_address
+from hpcdl.switch.udp import UdpSwitchClient
 
 __all__ = [
     "DECLARES",
+    "DEFAULT_TIMEOUT_MS",
     "SWITCH_ROLE",
     "SwitchExchange",
     "SwitchSpawnError",
+    "fault_seed",
     "make_switch_exchange",
     "spawn_switch",
     "stop_switch",
@@ -70,6 +75,9 @@ __all__ = [
 
 #: the role of the rank that runs the switch (``exchange.switch = "rank"``)
 SWITCH_ROLE = "switch"
+
+#: ``switch.timeout_ms``'s default (docs/switch.md: measured with the compiled worker loop)
+DEFAULT_TIMEOUT_MS = 1.0
 
 #: the ``[switch]`` section: the protocol's sizes, its timeouts, and injected faults
 DECLARES = Declares(
@@ -88,7 +96,10 @@ DECLARES = Declares(
             int, 1, "switch exchange: the job id (a running switch's --job)", minimum=0, below=2**32
         ),
         "switch.timeout_ms": Key(
-            float, 1.0, "switch exchange: a chunk without result is sent again after this many ms", above=0.0
+            float,
+            DEFAULT_TIMEOUT_MS,
+            "switch exchange: a chunk without result is sent again after this many ms",
+            above=0.0,
         ),
         "switch.timeout_s": Key(
             float,
@@ -137,13 +148,16 @@ class SwitchExchange(BucketedExchange):
         comm: the workers (rank = worker id, size = W).
         params: the parameters whose gradients are exchanged.
         debug: check buffer sizes and finite gradients across ranks first (``exchange.debug``).
-        link: this worker's link to the switch (faults already wrapped around it).
+        link: this worker's link to the switch (faults already wrapped around it), driven by
+            the Python state machine; or None with ``client``.
         address: the switch's address, for messages.
         bucket_mb: bucket size in MiB (``exchange.bucket_mb``).
         slots, payload, job, timeout_ms, timeout_s: the ``switch.*`` keys.
         process: the switch program this rank spawned (stopped by :meth:`free`), or None.
         rank_link: the link to a switch rank (told after each exchange that this worker is
             done), or None.
+        client: the worker's client, built by the caller (a
+            :class:`~hpcdl.switch.udp.UdpSwitchClient`), instead of ``link``.
     """
 
     def __init__(
@@ -152,22 +166,27 @@ class SwitchExchange(BucketedExchange):
         params: Sequence[Parameter],
         debug: bool = False,
         *,
-        link: Link,
+        link: Link | None = None,
         address: str,
         bucket_mb: float = DEFAULT_BUCKET_MB,
         slots: int = 64,
         payload: int = 1024,
         job: int = 1,
-        timeout_ms: float = 1.0,
+        timeout_ms: float = DEFAULT_TIMEOUT_MS,
         timeout_s: float = 10.0,
         process: subprocess.Popen | None = None,
         rank_link: CommLink | None = None,
+        client: SwitchClient | None = None,
     ) -> None:
+        if (link is None) == (client is None):
+            raise ValueError("SwitchExchange takes either a link (the Python state machine) or a client")
         super().__init__(
             comm, params, debug, bucket_mb=bucket_mb, algorithm="mpi", compression="int32", int32_scale="pow2"
         )
-        state = WorkerState(job, comm.Get_rank(), comm.Get_size(), slots, payload, timeout_ms / 1000.0)
-        self.client = SwitchClient(state, link, wtime, timeout_s, address)
+        if client is None:
+            state = WorkerState(job, comm.Get_rank(), comm.Get_size(), slots, payload, timeout_ms / 1000.0)
+            client = SwitchClient(state, link, wtime, timeout_s, address)
+        self.client = client
         self.address = address
         self.process = process
         self.rank_link = rank_link
@@ -199,6 +218,17 @@ class SwitchExchange(BucketedExchange):
         synchronize(buf)
         self.bytes_sent += int(buf.nbytes)
         return buf
+
+    def _wait_all(self) -> None:
+        """The UDP client serves the buckets in order: wait on each in turn, blocking in its loop
+        (polling them all with ``Test`` would spin every worker and starve a switch sharing the
+        cores); the rank form keeps ``waitall`` (the simulator blocks it in virtual time)."""
+        if not isinstance(self.client, UdpSwitchClient):
+            super()._wait_all()
+            return
+        for req in self._reqs:
+            if req:
+                req.Wait()
 
     def exchange(self) -> None:
         """Finish every bucket through the switch and unpack the averages; tell a switch rank."""
@@ -339,13 +369,18 @@ def make_switch_exchange(
     rates = (cfg["switch.loss"], cfg["switch.duplicate"], cfg["switch.reorder"])
     rank = comm.Get_rank()
     rank_link = None
+    link: Link | None = None
+    client: SwitchClient | None = None
     if where == "rank":
         if links is None:
             raise ConfigError("exchange.switch = 'rank' needs the switch rank the placement sets aside")
         switch = links.Get_size() - 1
         text = f"rank {switch}"
         rank_link = CommLink(links, switch, blocking=not any(rates), quantum=cfg["switch.timeout_ms"] / 4000)
-        link: Link = rank_link
+        link = rank_link
+        if any(rates):
+            rng = np.random.default_rng([cfg["seed"], rank, 0x5357])  # this worker's fault stream
+            link = FaultyLink(link, rng, *rates)
     elif where == "spawn":
         text, process, error = "", None, ""
         if comm.Get_rank() == 0:
@@ -362,13 +397,14 @@ def make_switch_exchange(
         text = where
     if rank_link is None:
         try:
-            host, port = parse_address(text)
+            parse_address(text)
         except ValueError as e:
             raise ConfigError(f"exchange.switch: {e}; or 'spawn' or 'rank'") from None
-        link = UdpLink((host, port))
-    if any(rates):
-        rng = np.random.default_rng([cfg["seed"], rank, 0x5357])  # this worker's fault stream
-        link = FaultyLink(link, rng, *rates)
+        client = UdpSwitchClient(
+            text, cfg["switch.job"], rank, comm.Get_size(), cfg["switch.slots"], cfg["switch.payload"],
+            cfg["switch.timeout_ms"] / 1000.0, cfg["switch.timeout_s"], loss=rates[0], duplicate=rates[1],
+            reorder=rates[2], seed=fault_seed(cfg["seed"], rank, 0x5357),
+        )  # fmt: skip
     return SwitchExchange(
         comm,
         params,
@@ -383,7 +419,13 @@ def make_switch_exchange(
         timeout_s=cfg["switch.timeout_s"],
         process=process,
         rank_link=rank_link,
+        client=client,
     )
+
+
+def fault_seed(*key: int) -> int:
+    """A worker's u64 fault seed for the compiled loop from its key (the run's seed, the rank, ...)."""
+    return int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0])
 
 
 def spawn_switch(workers: int, slots: int, payload: int, job: int) -> tuple[subprocess.Popen, str]:

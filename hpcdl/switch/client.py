@@ -139,12 +139,17 @@ class SwitchClient:
         while self.current is None and self.queue:
             r = self.queue.popleft()
             self.current, self._heard = r, now
-            if r.exponent is not None:
-                self._send(self.state.start_exponent(r.exponent, now))
-            else:
-                assert r.values is not None
-                self._send(self.state.start_quantised(r.values, now))
+            self._start(r, now)
             self._finish_if_done()
+
+    def _start(self, r: Reduction, now: float) -> None:
+        """Begin ``r`` in the state machine and send its first datagrams (a subclass that owns
+        its socket I/O, :class:`~hpcdl.switch.udp.UdpSwitchClient`, hands it to its loop)."""
+        if r.exponent is not None:
+            self._send(self.state.start_exponent(r.exponent, now))
+        else:
+            assert r.values is not None
+            self._send(self.state.start_quantised(r.values, now))
 
     def _finish_if_done(self) -> None:
         r = self.current
@@ -154,7 +159,8 @@ class SwitchClient:
             r.exponent = int(self.state.max_exponent)
         else:
             assert r.values is not None
-            r.values[...] = self.state.result
+            if r.values is not self.state.result:  # a loop that sums in place already wrote it
+                r.values[...] = self.state.result
         r.done = True
         self.current = None
         if r.then is not None:  # its follow-up goes first, on every worker alike
