@@ -260,7 +260,8 @@ cdef class WorkerLoop:
     cdef readonly int worker, workers, slots, window, payload, elements, batch, fd
     cdef readonly double timeout, loss, duplicate, reorder
     cdef readonly bint gso
-    cdef readonly long long results, retransmissions, ignored
+    cdef readonly long long results, retransmissions, ignored, early
+    cdef readonly int fast
     cdef readonly int max_exponent
     cdef readonly object malformed, io
     cdef int _phase
@@ -276,6 +277,9 @@ cdef class WorkerLoop:
     cdef int64_t* _chunk
     cdef double* _deadline
     cdef int64_t* _attempts
+    cdef uint8_t* _hurried
+    cdef int64_t* _sent
+    cdef int64_t _sends
     cdef int* _size
     cdef uint8_t* _bufs
     cdef int _dgsize, _insize
@@ -303,6 +307,8 @@ cdef class WorkerLoop:
         self._chunk = NULL
         self._deadline = NULL
         self._attempts = NULL
+        self._hurried = NULL
+        self._sent = NULL
         self._size = NULL
         self._bufs = self._stage = self._inbuf = self._cmsg = self._held_out = self._held_in = NULL
         self._stage_size = NULL
@@ -312,8 +318,10 @@ cdef class WorkerLoop:
 
     def __init__(self, long long job, int worker, int workers, int slots, int payload, double timeout_s,
                  window=None, *, int batch=64, bint gso=True, double loss=0.0, double duplicate=0.0,
-                 double reorder=0.0, unsigned long long seed=0):
+                 double reorder=0.0, unsigned long long seed=0, int fast=0):
         cdef int w = slots if window is None else window
+        if fast < 0:
+            raise ValueError(f"fast must be 0 (off) or positive (got {fast})")
         if not 0 <= job <= 0xFFFFFFFF:
             raise ValueError(f"job must be a u32 (got {job})")
         if not 1 <= workers < ALL_WORKERS:
@@ -342,7 +350,8 @@ cdef class WorkerLoop:
         cdef int i
         for i in range(4):
             self._rng[i] = _splitmix64(&x)
-        self.results = self.retransmissions = self.ignored = 0
+        self.results = self.retransmissions = self.ignored = self.early = 0
+        self.fast = fast
         self.max_exponent = ZERO_EXPONENT
         self.malformed = np.zeros(N_MALFORMED, np.int64)
         self.io = np.zeros(N_IO, np.int64)
@@ -364,6 +373,9 @@ cdef class WorkerLoop:
         self._chunk = <int64_t*>calloc(w, sizeof(int64_t))
         self._deadline = <double*>calloc(w, sizeof(double))
         self._attempts = <int64_t*>calloc(w, sizeof(int64_t))
+        self._hurried = <uint8_t*>calloc(w, sizeof(uint8_t))
+        self._sent = <int64_t*>calloc(w, sizeof(int64_t))
+        self._sends = 0
         self._size = <int*>calloc(w, sizeof(int))
         self._bufs = <uint8_t*>calloc(w, self._dgsize)
         self._stage = <uint8_t*>calloc(self._stage_cap, self._dgsize)
@@ -377,7 +389,7 @@ cdef class WorkerLoop:
         self._held_out = <uint8_t*>calloc(1, self._insize)
         self._held_in = <uint8_t*>calloc(1, self._insize)
         if (self._use == NULL or self._chunk == NULL or self._deadline == NULL or self._attempts == NULL
-                or self._size == NULL or self._bufs == NULL or self._stage == NULL or self._stage_size == NULL
+                or self._hurried == NULL or self._sent == NULL or self._size == NULL or self._bufs == NULL or self._stage == NULL or self._stage_size == NULL
                 or self._inbuf == NULL or self._inmsg == NULL or self._iniov == NULL or self._outmsg == NULL
                 or self._outiov == NULL or self._cmsg == NULL or self._held_out == NULL
                 or self._held_in == NULL):
@@ -397,6 +409,8 @@ cdef class WorkerLoop:
         free(self._chunk)
         free(self._deadline)
         free(self._attempts)
+        free(self._hurried)
+        free(self._sent)
         free(self._size)
         free(self._bufs)
         free(self._stage)
@@ -447,7 +461,8 @@ cdef class WorkerLoop:
         """The counters by name: results, retransmissions, ignored, ``malformed_<reason>`` and
         :data:`IO_COUNTERS`."""
         reasons = ("short", "length", "magic", "version", "flags", "job", "worker", "slot", "count", "offset")
-        named = {"results": self.results, "retransmissions": self.retransmissions, "ignored": self.ignored}
+        named = {"results": self.results, "retransmissions": self.retransmissions, "early": self.early,
+                 "ignored": self.ignored}
         named.update({f"malformed_{name}": int(self.malformed[i]) for i, name in enumerate(reasons)})
         named.update({name: int(self.io[i]) for i, name in enumerate(IO_COUNTERS)})
         return named
@@ -631,6 +646,9 @@ cdef class WorkerLoop:
         self._chunk[s] = chunk
         self._deadline[s] = now + self.timeout
         self._attempts[s] = 0
+        self._hurried[s] = 0
+        self._sent[s] = self._sends
+        self._sends += 1
         self._emit(self._bufs + s * self._dgsize, self._size[s])
 
     cdef void _send_chunk(self, int s, int64_t chunk, double now) noexcept nogil:
@@ -650,15 +668,18 @@ cdef class WorkerLoop:
 
     cdef void _tick(self, double now) noexcept nogil:
         cdef int s
-        cdef uint8_t* d
         for s in range(self.window):
             if self._deadline[s] <= now:
-                d = self._bufs + s * self._dgsize
-                d[3] |= RETRANSMISSION
-                self._attempts[s] += 1
-                self._deadline[s] = now + self.timeout * ldexp(1.0, <int>min(self._attempts[s], <int64_t>MAX_BACKOFF))
-                self.retransmissions += 1
-                self._emit(d, self._size[s])
+                self._resend(s, now)
+
+    cdef void _resend(self, int s, double now) noexcept nogil:
+        """Slot ``s``'s datagram again, flagged RETRANSMISSION; its timer backed off."""
+        cdef uint8_t* d = self._bufs + s * self._dgsize
+        d[3] |= RETRANSMISSION
+        self._attempts[s] += 1
+        self._deadline[s] = now + self.timeout * ldexp(1.0, <int>min(self._attempts[s], <int64_t>MAX_BACKOFF))
+        self.retransmissions += 1
+        self._emit(d, self._size[s])
 
     cdef int _parse(self, const uint8_t* d, Py_ssize_t size) noexcept nogil:
         """-1 when the datagram is well formed, else its Malformed reason (``protocol.parse``
@@ -705,7 +726,8 @@ cdef class WorkerLoop:
         cdef uint16_t to
         cdef uint32_t offset
         cdef int count
-        cdef int64_t c, nxt
+        cdef int64_t c, nxt, sent
+        cdef int t
         cdef bint exp_round
         if reason >= 0:
             self._mal[reason] += 1
@@ -733,13 +755,20 @@ cdef class WorkerLoop:
         memcpy(self._rp + offset, d + HEADER_SIZE, 4 * count)
         self._done_chunks += 1
         nxt = c + self.window
+        sent = self._sent[s]
         if nxt < self._chunks:
             self._send_chunk(s, nxt, now)
-            return
-        self._chunk[s] = NOTHING
-        self._deadline[s] = INFINITY
-        if self._done_chunks == self._chunks:
-            self._phase = IDLE
+        else:
+            self._chunk[s] = NOTHING
+            self._deadline[s] = INFINITY
+            if self._done_chunks == self._chunks:
+                self._phase = IDLE
+        if self.fast:  # WorkerState's early retransmission: chunks sent ``fast`` or more sends before
+            for t in range(self.window):
+                if self._chunk[t] >= 0 and self._sent[t] <= sent - self.fast and not self._hurried[t]:
+                    self._hurried[t] = 1
+                    self.early += 1
+                    self._resend(t, now)
 
     # ---- the stage, faults and the socket ----------------------------------------------------
 

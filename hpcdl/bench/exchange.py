@@ -42,6 +42,7 @@ from hpcdl.parallel.switched import (
 from hpcdl.rng import generator
 from hpcdl.switch.ranklink import CommLink, SwitchRank
 from hpcdl.switch.udp import UdpSwitchClient
+from hpcdl.switch.worker import FAST_RETRANSMIT
 
 __all__ = ["VARIANTS", "add_parser", "bench_exchange", "run"]
 
@@ -66,6 +67,7 @@ def bench_exchange(
     payload: int = 1024,
     timeout_ms: float = DEFAULT_TIMEOUT_MS,
     seed: int = 0,
+    fast: int = FAST_RETRANSMIT,
     variants: tuple[str, ...] = ("mpi", "ring", "ring-int32", "switch"),
     size: int = 0,
 ) -> list[dict[str, Any]]:
@@ -114,7 +116,7 @@ def bench_exchange(
                         address = comm.bcast(address, root=0)
                         client = UdpSwitchClient(address, job, rank, comm.Get_size(), slots, payload,
                                                  timeout_ms / 1000.0, 60.0, loss=loss,
-                                                 seed=fault_seed(seed, rank, job))  # fmt: skip
+                                                 seed=fault_seed(seed, rank, job), fast=fast)  # fmt: skip
                         built[f"switch loss {loss:g}"] = SwitchExchange(
                             comm, params, client=client, address=address, bucket_mb=bucket_mb, slots=slots,
                             payload=payload, job=job, timeout_ms=timeout_ms, timeout_s=60.0,
@@ -205,6 +207,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--slots", type=positive_int, default=64, help="switch.slots")
     p.add_argument("--payload", type=int, choices=(256, 1024), default=1024, help="switch.payload")
     p.add_argument("--timeout-ms", type=float, default=DEFAULT_TIMEOUT_MS, help="switch.timeout_ms")
+    p.add_argument("--fast", type=int, default=FAST_RETRANSMIT, metavar="K",
+                   help="switch.fast_retransmit (0: retransmit after timeouts only)")  # fmt: skip
     p.add_argument("--variants", nargs="+", default=["mpi", "ring", "ring-int32", "switch"],
                    choices=VARIANTS, metavar="NAME",
                    help=f"what to time: {', '.join(VARIANTS)} (switch: the UDP program, once per --loss; "
@@ -221,10 +225,10 @@ def run(args: Any) -> list[dict[str, Any]]:
         raise ConfigError(
             "bench exchange compares exchanges between ranks: run it under mpiexec -n 2 or more"
         )
-    if any(p >= 1 for p in args.loss) or args.timeout_ms <= 0:
-        raise ConfigError("--loss must be below 1 and --timeout-ms positive")
+    if any(p >= 1 for p in args.loss) or args.timeout_ms <= 0 or args.fast < 0:
+        raise ConfigError("--loss must be below 1, --timeout-ms positive and --fast at least 0")
     rows = bench_exchange(args.model, tuple(args.loss), args.repeat, args.bucket_mb, args.slots, args.payload,
-                          args.timeout_ms, variants=tuple(dict.fromkeys(args.variants)),
+                          args.timeout_ms, fast=args.fast, variants=tuple(dict.fromkeys(args.variants)),
                           size=args.size)  # fmt: skip
     if world().Get_rank() == 0:
         print_rows(rows)

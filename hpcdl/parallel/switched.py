@@ -55,6 +55,7 @@ from hpcdl.switch.protocol import PAYLOADS
 from hpcdl.switch.ranklink import CommLink, SwitchRank
 from hpcdl.switch.transport import FaultyLink, Link, parse_address
 from hpcdl.switch.udp import UdpSwitchClient
+from hpcdl.switch.worker import FAST_RETRANSMIT
 
 __all__ = [
     "DECLARES",
@@ -100,6 +101,13 @@ DECLARES = Declares(
             DEFAULT_TIMEOUT_MS,
             "switch exchange: a chunk without result is sent again after this many ms",
             above=0.0,
+        ),
+        "switch.fast_retransmit": Key(
+            int,
+            FAST_RETRANSMIT,
+            "switch exchange: a chunk still without result when the chunk this many after it has its "
+            "result is sent again at once (0: only after switch.timeout_ms)",
+            minimum=0,
         ),
         "switch.timeout_s": Key(
             float,
@@ -152,7 +160,8 @@ class SwitchExchange(BucketedExchange):
             the Python state machine; or None with ``client``.
         address: the switch's address, for messages.
         bucket_mb: bucket size in MiB (``exchange.bucket_mb``).
-        slots, payload, job, timeout_ms, timeout_s: the ``switch.*`` keys.
+        slots, payload, job, timeout_ms, timeout_s, fast: the ``switch.*`` keys (``fast``:
+            ``switch.fast_retransmit``).
         process: the switch program this rank spawned (stopped by :meth:`free`), or None.
         rank_link: the link to a switch rank (told after each exchange that this worker is
             done), or None.
@@ -174,6 +183,7 @@ class SwitchExchange(BucketedExchange):
         job: int = 1,
         timeout_ms: float = DEFAULT_TIMEOUT_MS,
         timeout_s: float = 10.0,
+        fast: int = 0,
         process: subprocess.Popen | None = None,
         rank_link: CommLink | None = None,
         client: SwitchClient | None = None,
@@ -184,7 +194,8 @@ class SwitchExchange(BucketedExchange):
             comm, params, debug, bucket_mb=bucket_mb, algorithm="mpi", compression="int32", int32_scale="pow2"
         )
         if client is None:
-            state = WorkerState(job, comm.Get_rank(), comm.Get_size(), slots, payload, timeout_ms / 1000.0)
+            state = WorkerState(job, comm.Get_rank(), comm.Get_size(), slots, payload, timeout_ms / 1000.0,
+                                fast=fast)  # fmt: skip
             client = SwitchClient(state, link, wtime, timeout_s, address)
         self.client = client
         self.address = address
@@ -403,7 +414,7 @@ def make_switch_exchange(
         client = UdpSwitchClient(
             text, cfg["switch.job"], rank, comm.Get_size(), cfg["switch.slots"], cfg["switch.payload"],
             cfg["switch.timeout_ms"] / 1000.0, cfg["switch.timeout_s"], loss=rates[0], duplicate=rates[1],
-            reorder=rates[2], seed=fault_seed(cfg["seed"], rank, 0x5357),
+            reorder=rates[2], seed=fault_seed(cfg["seed"], rank, 0x5357), fast=cfg["switch.fast_retransmit"],
         )  # fmt: skip
     return SwitchExchange(
         comm,
@@ -417,6 +428,7 @@ def make_switch_exchange(
         job=cfg["switch.job"],
         timeout_ms=cfg["switch.timeout_ms"],
         timeout_s=cfg["switch.timeout_s"],
+        fast=cfg["switch.fast_retransmit"] if any(rates) else 0,  # the rank form: MPI loses nothing else
         process=process,
         rank_link=rank_link,
         client=client,

@@ -35,6 +35,7 @@ class UdpSwitchClient(SwitchClient):
         window: chunks in flight (default: all the slots).
         loss, duplicate, reorder: injected fault rates, each direction, in the loop.
         seed: this worker's fault stream (u64).
+        fast: early retransmission (``WorkerState``'s ``fast``; 0: off).
         clock: seconds, for ``give_up`` (the loop times its retransmissions on its own clock).
 
     Raises:
@@ -44,10 +45,10 @@ class UdpSwitchClient(SwitchClient):
 
     def __init__(self, address: str, job: int, worker: int, workers: int, slots: int, payload: int,
                  timeout: float, give_up: float, window: int | None = None, *, loss: float = 0.0,
-                 duplicate: float = 0.0, reorder: float = 0.0, seed: int = 0,
+                 duplicate: float = 0.0, reorder: float = 0.0, seed: int = 0, fast: int = 0,
                  clock: Callable[[], float] = wtime) -> None:  # fmt: skip
         loop = WorkerLoop(job, worker, workers, slots, payload, timeout, window, loss=loss,
-                          duplicate=duplicate, reorder=reorder, seed=seed)  # fmt: skip
+                          duplicate=duplicate, reorder=reorder, seed=seed, fast=fast)  # fmt: skip
         link = UdpLink(parse_address(address))
         loop.attach(link.sock.fileno())
         super().__init__(loop, link, clock, give_up, address)  # type: ignore[arg-type]

@@ -12,6 +12,16 @@ timer is SwitchML's, whose switch runs at line rate; a software switch that fall
 would otherwise be flooded with retransmissions of every chunk in flight each period, and fall
 further behind (congestion collapse: W workers x the window every ``timeout``).
 
+**Early retransmission** (``fast``, TCP's fast retransmit in the protocol's terms): the switch
+answers in about the order the chunks were sent, so when the result of a chunk arrives while a
+chunk sent ``fast`` or more sends before it is still without its result, that one's datagram
+or its result was most likely lost: it is sent again at once, once per chunk, instead of after
+its timeout. The order is the order of sending, not of chunk indices: a slot that waited for a
+lost result stays behind the others for the rest of the reduction. A timeout waits about two
+rounds of the window, so each loss otherwise leaves its slot idle that long; ``fast`` sends of
+slack absorb reordering (the switch completes a chunk when the last worker's contribution
+arrives). A wrong guess costs one datagram, which the switch counts as a duplicate.
+
 One reduction (:meth:`WorkerState.start`) of a float vector g:
 
 1. the exponent round: one datagram on slot 0 carrying e = ``frexp(max|g|)[1]``
@@ -32,10 +42,12 @@ import numpy as np
 
 from hpcdl.switch import protocol as p
 
-__all__ = ["MAX_BACKOFF", "WorkerState", "exponent_of"]
+__all__ = ["FAST_RETRANSMIT", "MAX_BACKOFF", "WorkerState", "exponent_of"]
 
 #: a chunk's k-th retransmission waits ``timeout * 2**min(k, MAX_BACKOFF)``
 MAX_BACKOFF = 6
+#: the default ``fast``: a chunk 16 behind one whose result arrived is sent again at once
+FAST_RETRANSMIT = 16
 
 IDLE, EXPONENT, DATA = 0, 1, 2
 #: ``WorkerState.chunk`` of a slot with nothing in flight, and of the slot carrying the exponent round
@@ -67,18 +79,24 @@ class WorkerState:
         payload: payload bytes per datagram (``switch.payload``).
         timeout: seconds after which a chunk without result is sent again (``switch.timeout_ms``/1000).
         window: chunks in flight, the slots 0 .. window-1 used (default: all); the same on every worker.
+        fast: a chunk still without result when the result of a chunk ``fast`` or more after it
+            arrives is sent again at once (once per chunk; 0: only after timeouts). A link that
+            loses nothing (MPI without injected faults) has no use for it.
 
     Attributes:
         result: the last reduction's int32 sum (complete when :attr:`done`).
         scale_exponent: k of the last float reduction (``result * 2**-k`` is the float sum).
-        retransmissions: datagrams sent again after a timeout.
+        retransmissions: datagrams sent again (after a timeout, or early).
+        early: of them, sent again early (``fast``).
         ignored: results that were stale, duplicated or not for a chunk in flight.
         malformed: drops by reason, indexed by ``protocol.Malformed``.
     """
 
     def __init__(self, job: int, worker: int, workers: int, slots: int, payload: int,
-                 timeout: float, window: int | None = None) -> None:  # fmt: skip
+                 timeout: float, window: int | None = None, fast: int = 0) -> None:  # fmt: skip
         window = slots if window is None else window
+        if fast < 0:
+            raise ValueError(f"fast must be 0 (off) or positive (got {fast})")
         if not 0 <= worker < workers:
             raise ValueError(f"worker must be in 0 .. {workers - 1} (got {worker})")
         if not 1 <= window <= slots:
@@ -87,11 +105,14 @@ class WorkerState:
             raise ValueError(f"timeout must be positive (got {timeout} s)")
         self.job, self.worker, self.workers, self.slots = job, worker, workers, slots
         self.elements = payload // 4
-        self.timeout, self.window = timeout, window
+        self.timeout, self.window, self.fast = timeout, window, fast
         self.use = np.zeros(window, np.uint32)  # each slot's next use; lives across reductions
         self.chunk = np.full(window, NOTHING, np.int64)  # the chunk in flight on each slot
         self.deadline = np.full(window, np.inf)
         self.attempts = np.zeros(window, np.int64)  # retransmissions of the chunk in flight
+        self.hurried = np.zeros(window, bool)  # the chunk in flight was sent again early
+        self.sent = np.zeros(window, np.int64)  # the send number of the chunk in flight
+        self._sends = 0  # chunks sent (first sends), the order early retransmission compares
         self.size = np.zeros(window, np.int64)  # bytes of the datagram in flight
         self.buffers = [bytearray(p.HEADER_SIZE + 4 * self.elements) for _ in range(window)]
         self.phase = IDLE
@@ -101,6 +122,7 @@ class WorkerState:
         self.max_exponent = p.ZERO_EXPONENT
         self.results = 0  # results taken, of every reduction (a caller sees progress by it)
         self.retransmissions = 0
+        self.early = 0
         self.ignored = 0
         self.malformed = np.zeros(len(p.Malformed), np.int64)
         self._grad: np.ndarray | None = None
@@ -218,14 +240,23 @@ class WorkerState:
             return self._first_chunks(now)
         self.result[header.offset : header.offset + header.count] = payload
         self._done_chunks += 1
-        nxt = int(self.chunk[s]) + self.window
+        nxt = c + self.window
+        sent = int(self.sent[s])
+        out = []
         if nxt < self._chunks:
-            return [self._send_chunk(s, nxt, now)]
-        self.chunk[s] = NOTHING
-        self.deadline[s] = np.inf
-        if self._done_chunks == self._chunks:
-            self.phase = IDLE
-        return []
+            out.append(self._send_chunk(s, nxt, now))
+        else:
+            self.chunk[s] = NOTHING
+            self.deadline[s] = np.inf
+            if self._done_chunks == self._chunks:
+                self.phase = IDLE
+        if self.fast:
+            late = (self.chunk >= 0) & (self.sent <= sent - self.fast) & ~self.hurried
+            for t in np.flatnonzero(late):
+                self.hurried[t] = True
+                out.append(self._resend(t, now))
+            self.early += int(late.sum())
+        return out
 
     def tick(self, now: float) -> list[bytes]:
         """The retransmissions due at ``now``: every datagram in flight past its deadline.
@@ -233,16 +264,16 @@ class WorkerState:
         Args:
             now: the caller's clock, seconds (the same clock as the other calls).
         """
-        due = np.flatnonzero(self.deadline <= now)
-        out = []
-        for s in due:
-            buf = self.buffers[s]
-            buf[3] |= p.RETRANSMISSION  # the flags byte
-            out.append(bytes(buf[: self.size[s]]))
-            self.attempts[s] += 1
-            self.deadline[s] = now + self.timeout * 2.0 ** min(int(self.attempts[s]), MAX_BACKOFF)
-        self.retransmissions += len(out)
-        return out
+        return [self._resend(s, now) for s in np.flatnonzero(self.deadline <= now)]
+
+    def _resend(self, s: int, now: float) -> bytes:
+        """Slot ``s``'s datagram again, flagged RETRANSMISSION; its timer backed off."""
+        buf = self.buffers[s]
+        buf[3] |= p.RETRANSMISSION  # the flags byte
+        self.attempts[s] += 1
+        self.deadline[s] = now + self.timeout * 2.0 ** min(int(self.attempts[s]), MAX_BACKOFF)
+        self.retransmissions += 1
+        return bytes(buf[: self.size[s]])
 
     def next_deadline(self) -> float:
         """When :meth:`tick` next has something to send (``inf`` when nothing is in flight)."""
@@ -282,4 +313,7 @@ class WorkerState:
         self.size[s] = p.encode_into(self.buffers[s], header, payload)
         self.deadline[s] = now + self.timeout
         self.attempts[s] = 0
+        self.hurried[s] = False
+        self.sent[s] = self._sends
+        self._sends += 1
         return bytes(self.buffers[s][: self.size[s]])

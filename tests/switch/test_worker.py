@@ -115,3 +115,39 @@ def test_an_exponent_round_result_beyond_every_float64_is_ignored_not_raised() -
     assert w.ignored == 1
     sent = headers(w.receive(answer(h, exponent=2), now=0.0))  # the true maximum still completes the round
     assert w.scale_exponent == p.pow2_scale_exponent(2, 2) and sent and not sent[0].flags & p.EXPONENT_ROUND
+
+
+def test_early_retransmission_follows_the_order_of_sending_once_per_chunk() -> None:
+    """With ``fast = 2``: a chunk whose result is missing while the results of chunks sent two or
+    more sends later arrive is sent again at once (once), the others only after their timeouts;
+    a slot that fell behind is compared by when its chunk was sent, not by the chunk's index."""
+    limits = p.Limits(job=7, workers=2, slots=4, elements=64)
+    w = WorkerState(job=7, worker=0, workers=2, slots=4, payload=256, timeout=1.0, fast=2)
+    first = [p.parse(d, limits)[0] for d in w.start_quantised(np.arange(64 * 12, dtype=np.int32), now=0.0)]
+    assert [h.offset // 64 for h in first] == [0, 1, 2, 3]
+    # chunk 0's result is lost; chunk 1's (one send later) is not enough to call it lost
+    nxt = w.receive(answer(first[1], np.ones(64)), now=0.1)
+    assert [p.parse(d, limits)[0].offset // 64 for d in nxt] == [5] and w.early == 0
+    # chunk 2's result (two sends later): chunk 0 goes again, flagged, right after chunk 6
+    out = [p.parse(d, limits)[0] for d in w.receive(answer(first[2], np.ones(64)), now=0.2)]
+    assert [(h.offset // 64, bool(h.flags & p.RETRANSMISSION)) for h in out] == [(6, False), (0, True)]
+    assert w.early == 1 == w.retransmissions and w.next_deadline() == 1.0  # chunk 3, sent at 0
+    assert w.deadline[0] == 0.2 + 2.0  # backed off as after a timeout
+    # chunk 3's result: chunk 0 is not sent early twice
+    out = [p.parse(d, limits)[0] for d in w.receive(answer(first[3], np.ones(64)), now=0.3)]
+    assert [h.offset // 64 for h in out] == [7] and w.early == 1
+    # chunk 0 completes late; its next chunk (4) is the newest send, not "behind" chunks 5-7
+    out = [p.parse(d, limits)[0] for d in w.receive(answer(first[0], np.ones(64)), now=0.4)]
+    assert [h.offset // 64 for h in out] == [4] and w.early == 1
+    assert w.tick(0.9) == []  # nothing else is due before the timeouts
+
+
+def test_without_fast_only_timeouts_retransmit() -> None:
+    limits = p.Limits(job=7, workers=2, slots=4, elements=64)
+    w = WorkerState(job=7, worker=0, workers=2, slots=4, payload=256, timeout=1.0)
+    first = [p.parse(d, limits)[0] for d in w.start_quantised(np.arange(64 * 12, dtype=np.int32), now=0.0)]
+    for h in first[1:]:
+        assert len(w.receive(answer(h, np.ones(64)), now=0.1)) == 1
+    assert w.early == 0 == w.retransmissions
+    with pytest.raises(ValueError, match="fast"):
+        WorkerState(job=7, worker=0, workers=2, slots=4, payload=256, timeout=1.0, fast=-1)

@@ -39,6 +39,7 @@ class Twin:
         assert a == b
         py, c = self.py, self.c
         assert (py.results, py.retransmissions, py.ignored) == (c.results, c.retransmissions, c.ignored)
+        assert py.early == c.early
         assert np.array_equal(py.malformed, c.malformed) and np.array_equal(py.use, c.use)
         assert py.done == c.done and py.next_deadline() == c.next_deadline()
         assert py.outstanding() == c.outstanding() and py.max_exponent == c.max_exponent
@@ -134,15 +135,16 @@ def test_refuses_misuse_as_the_python_worker_does() -> None:
     jitter=st.sampled_from([0.0, 3.0]),
     late=st.sampled_from([0.0, 0.05]),
     garbage=st.lists(DATAGRAM, max_size=8),
+    fast=st.sampled_from([0, 1, 2]),
 )
 def test_c_and_python_workers_agree_under_any_traffic(
     seed: int, workers: int, window: int, lengths: list[int], loss: float, duplicate: float, jitter: float,
-    late: float, garbage: list[bytes],
+    late: float, garbage: list[bytes], fast: int,
 ) -> None:  # fmt: skip
     """Every worker is a twin; the switch is the Python SwitchState; the network loses, duplicates,
     reorders and delivers late; garbage is fed to the workers between reductions."""
     payload, slots = 256, 4
-    twins = [Twin(JOB, w, workers, slots, payload, 1e-3, window) for w in range(workers)]
+    twins = [Twin(JOB, w, workers, slots, payload, 1e-3, window, fast=fast) for w in range(workers)]
     net = Network(SwitchState(workers, slots, payload, JOB), twins, np.random.default_rng(seed), loss=loss,
                   duplicate=duplicate, jitter=jitter, late=late, late_delay=5e-3)  # fmt: skip
     rng = np.random.default_rng(seed + 1)
@@ -192,8 +194,8 @@ def test_the_fast_path_through_a_spawned_switch_gives_the_exact_int32_sum(faults
     slots, payload, job = 16, 1024, 3
     process, address = spawn_switch(workers, slots, payload, job)
     try:
-        clients = [UdpSwitchClient(address, job, w, workers, slots, payload, 2e-3, 20.0, seed=w, **faults)
-                   for w in range(workers)]  # fmt: skip
+        clients = [UdpSwitchClient(address, job, w, workers, slots, payload, 2e-3, 20.0, seed=w, fast=4,
+                                   **faults) for w in range(workers)]  # fmt: skip
         rng = np.random.default_rng(workers)
         sizes = (70_000, 1, 300)
         vectors = [[rng.integers(-(2**20), 2**20, n, dtype=np.int32) for n in sizes] for _ in range(workers)]
