@@ -15,7 +15,8 @@ extensions = [
         include_dirs=[numpy.get_include(), "ext"],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         extra_compile_args=["-O3"],
-        depends=[str(h) for h in sorted(Path("ext").glob("*.h"))],  # rebuild when a header changes
+        # rebuild when a header or a shared declaration file changes
+        depends=[str(h) for h in sorted([*Path("ext").glob("*.h"), *Path("ext").glob("*.pxd")])],
     )
     for pyx in sorted(Path("ext").glob("*.pyx"))
 ]

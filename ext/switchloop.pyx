@@ -24,88 +24,12 @@ from libc.string cimport memcpy, memset
 
 import numpy as np
 
-cdef extern from "<sys/uio.h>" nogil:
-    struct iovec:
-        void* iov_base
-        size_t iov_len
-
-cdef extern from "<sys/socket.h>" nogil:
-    ctypedef unsigned int socklen_t
-    struct sockaddr:
-        pass
-    struct sockaddr_storage:
-        pass
-    struct msghdr:
-        void* msg_name
-        socklen_t msg_namelen
-        iovec* msg_iov
-        size_t msg_iovlen
-        void* msg_control
-        size_t msg_controllen
-        int msg_flags
-    struct mmsghdr:
-        msghdr msg_hdr
-        unsigned int msg_len
-    int recvmmsg(int fd, mmsghdr* msgvec, unsigned int vlen, int flags, void* timeout)
-    int sendmmsg(int fd, mmsghdr* msgvec, unsigned int vlen, int flags)
-    int MSG_DONTWAIT
-    int MSG_TRUNC
-
-cdef extern from "<sys/socket.h>" nogil:
-    struct cmsghdr:
-        size_t cmsg_len
-        int cmsg_level
-        int cmsg_type
-    size_t CMSG_SPACE(size_t length)
-    size_t CMSG_LEN(size_t length)
-    unsigned char* CMSG_DATA(cmsghdr* c)
-
-cdef extern from *:
-    """
-    #include <netinet/udp.h>
-    #ifndef UDP_SEGMENT
-    #define UDP_SEGMENT 103
-    #endif
-    #ifndef SOL_UDP
-    #define SOL_UDP 17
-    #endif
-    """
-    int UDP_SEGMENT
-    int SOL_UDP
-
-cdef extern from "<errno.h>" nogil:
-    int EWOULDBLOCK
-
-cdef extern from "<poll.h>" nogil:
-    struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd* fds, unsigned long nfds, int timeout)
-    short POLLIN
-    short POLLOUT
-
-cdef extern from "<time.h>" nogil:
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    int clock_gettime(int clk, timespec* ts)
-    int CLOCK_MONOTONIC
+from wire cimport *
 
 __all__ = ["SwitchLoop", "generate", "COUNTERS", "IO_COUNTERS"]
 
-# protocol.py and slots.py, restated for C (tests check they agree)
+# slots.py, restated for C (tests check they agree; the protocol's constants are in wire.pxd)
 cdef enum:
-    HEADER_SIZE = 24
-    MAGIC = 0x5348
-    VERSION = 1
-    CONTRIBUTION = 0x01
-    RESULT = 0x02
-    RETRANSMISSION = 0x04
-    EXPONENT_ROUND = 0x08
-    KNOWN_FLAGS = 0x0F
-    ALL_WORKERS = 0xFFFF
-    ZERO_EXPONENT = -32768
     MULTICAST = -1
     EMPTY = 0
     FILLING = 1
@@ -131,19 +55,6 @@ cdef enum:
     OVERFLOW = 12
     MALFORMED = 13
     N_COUNTERS = 14
-# Malformed (protocol.py), in its order
-cdef enum:
-    M_SHORT = 0
-    M_LENGTH = 1
-    M_MAGIC = 2
-    M_VERSION = 3
-    M_FLAGS = 4
-    M_JOB = 5
-    M_WORKER = 6
-    M_SLOT = 7
-    M_COUNT = 8
-    M_OFFSET = 9
-    N_MALFORMED = 10
 # the socket loop's own counters (``SwitchLoop.io``)
 cdef enum:
     RECV_CALLS = 0
@@ -163,26 +74,6 @@ COUNTERS = ("packets_in", "bytes_in", "packets_out", "bytes_out", "summed", "com
 #: of several datagrams sent with UDP GSO
 IO_COUNTERS = ("recv_calls", "send_calls", "send_failed", "no_address", "gso_messages")
 _MALFORMED = ("short", "length", "magic", "version", "flags", "job", "worker", "slot", "count", "offset")
-
-
-cdef inline uint16_t _u16(const uint8_t* d) noexcept nogil:
-    return <uint16_t>(d[0] | (<uint16_t>d[1] << 8))
-
-
-cdef inline uint32_t _u32(const uint8_t* d) noexcept nogil:
-    return d[0] | (<uint32_t>d[1] << 8) | (<uint32_t>d[2] << 16) | (<uint32_t>d[3] << 24)
-
-
-cdef inline void _put16(uint8_t* d, uint16_t x) noexcept nogil:
-    d[0] = x & 0xFF
-    d[1] = x >> 8
-
-
-cdef inline void _put32(uint8_t* d, uint32_t x) noexcept nogil:
-    d[0] = x & 0xFF
-    d[1] = (x >> 8) & 0xFF
-    d[2] = (x >> 16) & 0xFF
-    d[3] = x >> 24
 
 
 cdef inline bint _newer(uint32_t a, uint32_t b) noexcept nogil:
@@ -397,37 +288,7 @@ cdef class SwitchLoop:
 
     cdef int _parse(self, const uint8_t* d, Py_ssize_t size) noexcept nogil:
         """-1 when the datagram is well formed, else its Malformed reason (``protocol.parse``)."""
-        cdef uint8_t flags
-        cdef uint16_t worker, count
-        if size < HEADER_SIZE:
-            return M_SHORT
-        if _u16(d) != MAGIC:
-            return M_MAGIC
-        if d[2] != VERSION:
-            return M_VERSION
-        flags = d[3]
-        if flags & ~KNOWN_FLAGS or ((flags & CONTRIBUTION) != 0) == ((flags & RESULT) != 0):
-            return M_FLAGS
-        if _u32(d + 4) != self.job:
-            return M_JOB
-        worker = _u16(d + 8)
-        if worker >= self.workers and not (flags & RESULT and worker == ALL_WORKERS):
-            return M_WORKER
-        if _u16(d + 10) >= self.slots:
-            return M_SLOT
-        count = _u16(d + 20)
-        if flags & EXPONENT_ROUND:
-            if count != 0:
-                return M_COUNT
-        elif not 1 <= count <= self.elements:
-            return M_COUNT
-        if _u32(d + 16) % <uint32_t>self.elements:
-            return M_OFFSET
-        if size < HEADER_SIZE + 4 * <Py_ssize_t>count:
-            return M_SHORT
-        if size > HEADER_SIZE + 4 * <Py_ssize_t>count:
-            return M_LENGTH
-        return -1
+        return parse(d, size, self.job, self.workers, self.slots, self.elements, -1)
 
     cdef int _process(self, const uint8_t* d, Py_ssize_t size, uint8_t* out, int* dest) noexcept nogil:
         """``SwitchState.receive``: the answer's size in ``out`` (0: none) and its ``dest``."""
@@ -587,19 +448,12 @@ cdef class SwitchLoop:
     cdef inline int _message(self, int nout, int niov, int count, int size, int w) noexcept nogil:
         """Make message ``nout``: the ``count`` datagrams at ``_outiov[niov:]`` to worker ``w``."""
         cdef msghdr* m = &self._outmsg[nout].msg_hdr
-        cdef cmsghdr* c
         m.msg_iov = &self._outiov[niov]
         m.msg_iovlen = count
         m.msg_name = self._addr + w * SOCKADDR_SIZE
         m.msg_namelen = self._addrlen[w]
-        if count > 1:  # one UDP_SEGMENT message: the kernel cuts it into datagrams of ``size``
-            c = <cmsghdr*>(self._cmsg + nout * self._cmsg_space)
-            c.cmsg_level, c.cmsg_type, c.cmsg_len = SOL_UDP, UDP_SEGMENT, CMSG_LEN(sizeof(uint16_t))
-            (<uint16_t*>CMSG_DATA(c))[0] = size
-            m.msg_control, m.msg_controllen = c, self._cmsg_space
+        if set_segments(m, self._cmsg + nout * self._cmsg_space, self._cmsg_space, count, size):
             self._io[GSO_MESSAGES] += 1
-        else:
-            m.msg_control, m.msg_controllen = NULL, 0
         return nout + 1
 
     cdef void _send_results(self, int fd, int nres) noexcept nogil:
@@ -853,7 +707,6 @@ cdef long long _gen_send(int fd, uint8_t[:, :, ::1] out, int w, int* pending, in
     of messages of up to ``limit`` datagrams each (more than one: a ``UDP_SEGMENT`` message)."""
     cdef int j = 0, m, k, r, s, nmsg, count
     cdef long long sent = 0
-    cdef cmsghdr* c
     while j < n:
         m = min(batch, n - j)
         for k in range(m):
@@ -869,13 +722,7 @@ cdef long long _gen_send(int fd, uint8_t[:, :, ::1] out, int w, int* pending, in
             count = min(limit, m - k)
             msg[nmsg].msg_hdr.msg_iov = &iov[k]
             msg[nmsg].msg_hdr.msg_iovlen = count
-            if count > 1:
-                c = <cmsghdr*>(cmsg + nmsg * space)
-                c.cmsg_level, c.cmsg_type, c.cmsg_len = SOL_UDP, UDP_SEGMENT, CMSG_LEN(sizeof(uint16_t))
-                (<uint16_t*>CMSG_DATA(c))[0] = size
-                msg[nmsg].msg_hdr.msg_control, msg[nmsg].msg_hdr.msg_controllen = c, space
-            else:
-                msg[nmsg].msg_hdr.msg_control, msg[nmsg].msg_hdr.msg_controllen = NULL, 0
+            set_segments(&msg[nmsg].msg_hdr, cmsg + nmsg * space, space, count, size)
             nmsg += 1
             k += count
         k = 0

@@ -41,104 +41,21 @@ from libc.stdint cimport int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy
 
+from wire cimport *
+
 if sys.byteorder != "little":  # payloads are copied as host int32: the protocol is little-endian
     raise ImportError("hpcdl._ext.workerloop assumes a little-endian host")
 
-cdef extern from "<sys/uio.h>" nogil:
-    struct iovec:
-        void* iov_base
-        size_t iov_len
-
-cdef extern from "<sys/socket.h>" nogil:
-    ctypedef unsigned int socklen_t
-    struct msghdr:
-        void* msg_name
-        socklen_t msg_namelen
-        iovec* msg_iov
-        size_t msg_iovlen
-        void* msg_control
-        size_t msg_controllen
-        int msg_flags
-    struct mmsghdr:
-        msghdr msg_hdr
-        unsigned int msg_len
-    struct cmsghdr:
-        size_t cmsg_len
-        int cmsg_level
-        int cmsg_type
-    int recvmmsg(int fd, mmsghdr* msgvec, unsigned int vlen, int flags, void* timeout)
-    int sendmmsg(int fd, mmsghdr* msgvec, unsigned int vlen, int flags)
-    size_t CMSG_SPACE(size_t length)
-    size_t CMSG_LEN(size_t length)
-    unsigned char* CMSG_DATA(cmsghdr* c)
-    int MSG_DONTWAIT
-    int MSG_TRUNC
-
-cdef extern from *:
-    """
-    #include <netinet/udp.h>
-    #ifndef UDP_SEGMENT
-    #define UDP_SEGMENT 103
-    #endif
-    #ifndef SOL_UDP
-    #define SOL_UDP 17
-    #endif
-    """
-    int UDP_SEGMENT
-    int SOL_UDP
-
-cdef extern from "<errno.h>" nogil:
-    int EWOULDBLOCK
-    int ECONNREFUSED
-
-cdef extern from "<time.h>" nogil:
-    struct timespec:
-        long tv_sec
-        long tv_nsec
-    int clock_gettime(int clk, timespec* ts)
-    int CLOCK_MONOTONIC
-
-cdef extern from "<poll.h>" nogil:
-    struct pollfd:
-        int fd
-        short events
-        short revents
-    int ppoll(pollfd* fds, unsigned long nfds, const timespec* tmo, const void* sigmask)
-    short POLLIN
-
 __all__ = ["DONE", "INTERRUPTED", "IO_COUNTERS", "TIME", "WorkerLoop"]
 
-# protocol.py and worker.py, restated for C (tests check they agree)
+# worker.py, restated for C (tests check they agree; the protocol's constants are in wire.pxd)
 cdef enum:
-    HEADER_SIZE = 24
-    MAGIC = 0x5348
-    VERSION = 1
-    CONTRIBUTION = 0x01
-    RESULT = 0x02
-    RETRANSMISSION = 0x04
-    EXPONENT_ROUND = 0x08
-    KNOWN_FLAGS = 0x0F
-    ALL_WORKERS = 0xFFFF
-    ZERO_EXPONENT = -32768
     MAX_BACKOFF = 6
     IDLE = 0
     EXPONENT = 1
     DATA = 2
     NOTHING = -1
     EXPONENT_CHUNK = -2
-# Malformed (protocol.py), in its order
-cdef enum:
-    M_SHORT = 0
-    M_LENGTH = 1
-    M_MAGIC = 2
-    M_VERSION = 3
-    M_FLAGS = 4
-    M_JOB = 5
-    M_WORKER = 6
-    M_SLOT = 7
-    M_COUNT = 8
-    M_OFFSET = 9
-    N_MALFORMED = 10
 # the socket loop's counters (``WorkerLoop.io``, named by IO_COUNTERS)
 cdef enum:
     SENT = 0
@@ -175,26 +92,6 @@ cdef double _SLICE_S = SLICE_S
 IO_COUNTERS = ("datagrams_sent", "bytes_sent", "lost_out", "duplicated_out", "reordered_out", "lost_in",
                "duplicated_in", "reordered_in", "received", "recv_calls", "send_calls", "send_failed",
                "refused", "gso_messages")
-
-
-cdef inline uint16_t _u16(const uint8_t* d) noexcept nogil:
-    return <uint16_t>(d[0] | (<uint16_t>d[1] << 8))
-
-
-cdef inline uint32_t _u32(const uint8_t* d) noexcept nogil:
-    return d[0] | (<uint32_t>d[1] << 8) | (<uint32_t>d[2] << 16) | (<uint32_t>d[3] << 24)
-
-
-cdef inline void _put16(uint8_t* d, uint16_t x) noexcept nogil:
-    d[0] = x & 0xFF
-    d[1] = x >> 8
-
-
-cdef inline void _put32(uint8_t* d, uint32_t x) noexcept nogil:
-    d[0] = x & 0xFF
-    d[1] = (x >> 8) & 0xFF
-    d[2] = (x >> 16) & 0xFF
-    d[3] = x >> 24
 
 
 cdef inline double _now_s() noexcept nogil:
@@ -684,39 +581,8 @@ cdef class WorkerLoop:
     cdef int _parse(self, const uint8_t* d, Py_ssize_t size) noexcept nogil:
         """-1 when the datagram is well formed, else its Malformed reason (``protocol.parse``
         with the worker's limits: the vector's length once a reduction was begun)."""
-        cdef uint8_t flags
-        cdef uint16_t worker, count
-        cdef uint32_t offset
-        if size < HEADER_SIZE:
-            return M_SHORT
-        if _u16(d) != MAGIC:
-            return M_MAGIC
-        if d[2] != VERSION:
-            return M_VERSION
-        flags = d[3]
-        if flags & ~KNOWN_FLAGS or ((flags & CONTRIBUTION) != 0) == ((flags & RESULT) != 0):
-            return M_FLAGS
-        if _u32(d + 4) != self.job:
-            return M_JOB
-        worker = _u16(d + 8)
-        if worker >= self.workers and not (flags & RESULT and worker == ALL_WORKERS):
-            return M_WORKER
-        if _u16(d + 10) >= self.slots:
-            return M_SLOT
-        count = _u16(d + 20)
-        if flags & EXPONENT_ROUND:
-            if count != 0:
-                return M_COUNT
-        elif not 1 <= count <= self.elements:
-            return M_COUNT
-        offset = _u32(d + 16)
-        if offset % <uint32_t>self.elements or (self._has_length and <int64_t>offset + count > self._length):
-            return M_OFFSET
-        if size < HEADER_SIZE + 4 * <Py_ssize_t>count:
-            return M_SHORT
-        if size > HEADER_SIZE + 4 * <Py_ssize_t>count:
-            return M_LENGTH
-        return -1
+        return parse(d, size, self.job, self.workers, self.slots, self.elements,
+                     self._length if self._has_length else -1)
 
     cdef void _receive(self, const uint8_t* d, Py_ssize_t size, double now) noexcept nogil:
         """``WorkerState.receive``: the datagrams it answers are staged."""
@@ -854,7 +720,6 @@ cdef class WorkerLoop:
         cdef int n = self._nstaged, i = 0, j, count, size, nmsg = 0, sent = 0, r
         cdef int limit = self._seg_limit if self.gso else 1
         cdef msghdr* m
-        cdef cmsghdr* c
         if self.fd < 0 or n == 0:
             self._nstaged = 0
             return
@@ -870,14 +735,8 @@ cdef class WorkerLoop:
             m.msg_name, m.msg_namelen = NULL, 0
             m.msg_iov, m.msg_iovlen = &self._outiov[i], count
             m.msg_flags = 0
-            if count > 1:  # the kernel cuts it into ``count`` datagrams of ``size``
-                c = <cmsghdr*>(self._cmsg + nmsg * self._cmsg_space)
-                c.cmsg_level, c.cmsg_type, c.cmsg_len = SOL_UDP, UDP_SEGMENT, CMSG_LEN(sizeof(uint16_t))
-                (<uint16_t*>CMSG_DATA(c))[0] = size
-                m.msg_control, m.msg_controllen = c, self._cmsg_space
+            if set_segments(m, self._cmsg + nmsg * self._cmsg_space, self._cmsg_space, count, size):
                 self._io[GSO_MESSAGES] += 1
-            else:
-                m.msg_control, m.msg_controllen = NULL, 0
             nmsg += 1
             i += count
         while sent < nmsg:
