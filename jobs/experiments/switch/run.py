@@ -73,10 +73,10 @@ BATCH = 64
 MODES = ("switch", "host", "hardware", "ring")
 SIZES: dict[str, dict[str, Any]] = {
     "small": {"parts": ["calibrate", "sim", "real", "accuracy"], "workers": [2, 4, 8], "bytes": MIB,
-              "check_bytes": 4 * MIB, "real_ranks": [2], "repeat": 2, "seeds": (0,), "seconds": 0.5,
+              "check_bytes": 4 * MIB, "real_ranks": [2], "repeat": 2, "runs": 1, "seeds": (0,), "seconds": 0.5,
               "networks": ["eth40g"], "steps": 60},  # fmt: skip
     "full": {"parts": list(PARTS), "workers": [2, 4, 8, 16, 32, 64], "bytes": MIB,
-             "check_bytes": MODEL_BYTES["mlp32"], "real_ranks": [2, 3, 4], "repeat": 5, "seeds": SEEDS,
+             "check_bytes": MODEL_BYTES["mlp32"], "real_ranks": [2, 3, 4], "repeat": 5, "runs": 3, "seeds": SEEDS,
              "seconds": 2.0, "networks": ["eth10g", "eth40g", "eth100g"], "steps": 0},  # fmt: skip
 }
 
@@ -226,13 +226,35 @@ def part_sim(work: Path, size: dict[str, Any], results: dict[str, Any]) -> dict[
 
 
 def part_real(work: Path, size: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
-    rows = []
-    for n in size["real_ranks"]:
-        out = work / f"real-n{n}.json"
-        sh([MPIEXEC, "-n", str(n), PYTHON, "-m", "hpcdl.bench", "exchange", "--model", "mlp32", "--loss", "0",
-            "0.01", "0.1", "--repeat", str(size["repeat"]), "--json", str(out)], work / f"real-n{n}.log")  # fmt: skip
-        rows += json.loads(out.read_text())
-    return {"rows": rows}
+    """``bench exchange`` at each W, ``runs`` times in turn; the rows are the medians over the runs."""
+    runs: list[list[dict[str, Any]]] = []
+    for k in range(size["runs"]):
+        rows = []
+        for n in size["real_ranks"]:
+            out = work / f"real-n{n}-{k}.json"
+            sh([MPIEXEC, "-n", str(n), PYTHON, "-m", "hpcdl.bench", "exchange", "--model", "mlp32", "--loss", "0",
+                "0.01", "0.1", "--repeat", str(size["repeat"]), "--json", str(out)], out.with_suffix(".log"))  # fmt: skip
+            rows += json.loads(out.read_text())
+        runs.append(rows)
+    return {"rows": median_rows(runs), "runs": runs}
+
+
+def median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per (W, variant): the median over the runs of ms, the ratios and retransmissions, each
+    ratio the median of the runs' ratios (a ratio is of one run's interleaved figures)."""
+    out = []
+    for first in runs[0]:
+        same = [next(r for r in rows if (r["workers"], r["variant"]) == (first["workers"], first["variant"]))
+                for rows in runs]  # fmt: skip
+        merged = dict(first)
+        for key in ("ms", "vs_mpi", "vs_no_loss", "retransmissions", "datagrams"):
+            if key in first:
+                merged[key] = statistics.median(r[key] for r in same)
+        merged["runs_ms"] = [r["ms"] for r in same]
+        if "vs_no_loss" in first:
+            merged["runs_vs_no_loss"] = [r["vs_no_loss"] for r in same]
+        out.append(merged)
+    return out
 
 
 def part_accuracy(work: Path, size: dict[str, Any], results: dict[str, Any]) -> dict[str, Any]:
@@ -289,11 +311,16 @@ def tables(results: dict[str, Any]) -> str:
                 + " |"
             )
     if "real" in results:
-        out.append("| W | variant | ms | x MPI | retransmissions | x no loss |")
+        out.append("| W | variant | ms (median; runs) | x MPI | retransmissions per exchange per worker | "
+                   "x no loss (runs) |")  # fmt: skip
         out.append("|---|---|---|---|---|---|")
         for r in results["real"]["rows"]:
-            extra = f"{r['retransmissions']} | {r['vs_no_loss']:.3f}" if "datagrams" in r else " | "
-            out.append(f"| {r['workers']} | {r['variant']} | {r['ms']:.1f} | {r['vs_mpi']:.2f} | {extra} |")
+            runs = ", ".join(f"{x:.1f}" for x in r.get("runs_ms", [r["ms"]]))
+            extra = " | "
+            if "datagrams" in r:
+                ratios = ", ".join(f"{x:.3f}" for x in r.get("runs_vs_no_loss", [r["vs_no_loss"]]))
+                extra = f"{r['retransmissions']:,.0f} | {r['vs_no_loss']:.3f} ({ratios})"
+            out.append(f"| {r['workers']} | {r['variant']} | {r['ms']:.1f} ({runs}) | {r['vs_mpi']:.2f} | {extra} |")
     if "accuracy" in results:
         for name in ("float32", "switch int32"):
             accs = [r["test_accuracy"] for r in results["accuracy"]["rows"] if r["exchange"] == name]
