@@ -9,6 +9,8 @@ import pytest
 
 from hpcdl.bench import main
 from hpcdl.bench.train import KFAC_PARTS
+from hpcdl.comm import world
+from hpcdl.comm.machine import describe
 from hpcdl.errors import ConfigError
 
 KEYS = {"impl", "model", "batch", "samples_per_s", "step_s"}
@@ -24,7 +26,10 @@ def test_step_writes_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert [r["impl"] for r in rows] == ["hpcdl"]
     assert KEYS <= set(rows[0]) and rows[0]["batch"] == 8 and rows[0]["model"] == "mlp"
     assert rows[0]["samples_per_s"] == pytest.approx(8 / rows[0]["step_s"])
-    assert "samples/s" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "samples/s" in captured.out
+    where = rows[0]["machine"]  # every row names where it ran, and stderr says it once
+    assert where == describe(world(), 1) and where["cpu"] in captured.err
 
 
 def test_step_with_kfac_splits_kfacs_time_beside_sgd(

@@ -4,7 +4,9 @@ Benchmarks are not tests: each prints its figures beside a reference measured in
 same run (MPI's own collective, a memcpy, PyTorch), as medians of interleaved
 repetitions. Each subcommand is a module here with ``add_parser(subparsers)`` and
 ``run(args) -> rows``; every one accepts ``--json PATH``, which rank 0 writes
-atomically (checked for writability before the benchmark starts).
+atomically (checked for writability before the benchmark starts). Every row written names the
+machine it ran on (``"machine"``: :func:`hpcdl.comm.machine.describe`: CPU, cores, BLAS and its
+kernel, MPI library, ranks and ranks per node), and rank 0 prints it on stderr.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import allreduce, calibrate, exchange, ops, pack, pipeline, planner, step, switch, train
-from hpcdl.comm import on_root, world
+from hpcdl.comm import host_ranks, on_root, world
+from hpcdl.comm.machine import describe, machine_line
 from hpcdl.driver.cli import ArgumentParser, parse_args
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "DESCRIPTION"]
@@ -80,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         on_root(comm, lambda: check_writable(args.json, what=_JSON_WHAT))
     rows: list[dict[str, Any]] = SUBCOMMANDS[args.command].run(args)
+    where = describe(comm, len(host_ranks(comm)))  # collective: every rank is here
+    on_root(comm, lambda: print(f"machine: {machine_line(where)}", file=sys.stderr))
     if args.json is not None:
+        rows = [{**r, "machine": where} for r in rows]
 
         def write() -> None:
             write_text_atomic(args.json, json.dumps(rows, indent=1) + "\n", what=_JSON_WHAT)

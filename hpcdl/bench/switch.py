@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import resource
 import signal
 import socket
@@ -37,33 +36,19 @@ import numpy as np
 
 from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.comm import world
+from hpcdl.comm.machine import cpu_model
 from hpcdl.driver.cli import positive_float, positive_int
 from hpcdl.errors import ConfigError
 from hpcdl.sim.network import PRESETS, load_network, network_toml, parse_network
 from hpcdl.switch import SwitchState
 from hpcdl.switch import protocol as p
 
-__all__ = ["add_parser", "bench_switch", "cpu_model", "run"]
+__all__ = ["add_parser", "bench_switch", "run"]
 
 #: the issue's target: packets per second in + out at 2 workers
 TARGET_PPS = 500_000
 JOB = 1
 _READY_TIMEOUT_S = 30.0
-
-
-def cpu_model() -> str:
-    """The CPU from /proc/cpuinfo: model name, family/model/stepping and MHz (``platform`` elsewhere)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())  # the first processor's
-    except OSError:
-        return platform.processor() or "unknown"
-    name = fields.get("model name", platform.processor() or "unknown")
-    ids = "/".join(fields.get(k, "?") for k in ("cpu family", "model", "stepping"))
-    mhz = f", {float(fields['cpu MHz']):.0f} MHz" if "cpu MHz" in fields else ""
-    return f"{name} (family/model/stepping {ids}{mhz})"
 
 
 def _loop_class() -> Any:

@@ -39,6 +39,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hpcdl.comm.machine import describe
+
 HERE = Path(__file__).resolve().parent
 SIZES = ("small", "full")
 VERDICTS = ("holds", "does not hold", "not comparable")
@@ -80,12 +82,6 @@ def write_summary(work: Path, experiment: str, size: str, rows: list[dict[str, A
     return path
 
 
-def cpu_model() -> str:
-    """This machine's CPU model (``/proc/cpuinfo``), for an experiment's ``results.json``."""
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
-
-
 def experiment_parser(
     doc: str, parts: list[str], default: list[str], sizes: list[str]
 ) -> argparse.ArgumentParser:
@@ -123,7 +119,7 @@ def run_parts(names: list[str], results: dict[str, Any], path: Path, part: Any) 
         t0 = time.monotonic()
         results[name] = part(name)
         results.setdefault("wall_s", {})[name] = round(time.monotonic() - t0, 1)
-        results["machine"] = {"cpu": cpu_model(), "cores": os.cpu_count()}
+        results["machine"] = describe()
         path.write_text(json.dumps(results, indent=1) + "\n")
         print(f"{name}: {results['wall_s'][name]} s", flush=True)
 

@@ -64,6 +64,8 @@ def test_simulated_bench_writes_the_same_rows_as_a_real_one(tmp_path: Path) -> N
     rows = json.loads(out.read_text())
     assert {r["algorithm"] for r in rows} == {"ring", "doubling", "rabenseifner", "mpi", "auto"}
     assert all(r["ranks"] == 3 and r["time_s"] > 0 and "busbw_GBps" in r for r in rows)
+    where = rows[0]["machine"]  # the simulator is the "MPI library", its ranks one process's
+    assert where["mpi"] == "hpcdl.sim (virtual ranks)" and where["ranks"] == where["ranks_per_node"] == 3
 
 
 def test_a_user_error_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
