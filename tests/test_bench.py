@@ -28,8 +28,8 @@ def test_step_writes_json_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rows[0]["samples_per_s"] == pytest.approx(8 / rows[0]["step_s"])
     captured = capsys.readouterr()
     assert "samples/s" in captured.out
-    where = rows[0]["machine"]  # every row names where it ran, and stderr says it once
-    assert where == describe(world(), 1) and where["cpu"] in captured.err
+    where = rows[0]["machine"]  # every row names where it ran, and the output says it once
+    assert where == describe(world(), 1) and f"machine: {where['cpu']}" in captured.out
 
 
 def test_step_with_kfac_splits_kfacs_time_beside_sgd(

@@ -6,7 +6,7 @@ repetitions. Each subcommand is a module here with ``add_parser(subparsers)`` an
 ``run(args) -> rows``; every one accepts ``--json PATH``, which rank 0 writes
 atomically (checked for writability before the benchmark starts). Every row written names the
 machine it ran on (``"machine"``: :func:`hpcdl.comm.machine.describe`: CPU, cores, BLAS and its
-kernel, MPI library, ranks and ranks per node), and rank 0 prints it on stderr.
+kernel, MPI library, ranks and ranks per node), and rank 0 prints it under the table.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         on_root(comm, lambda: check_writable(args.json, what=_JSON_WHAT))
     rows: list[dict[str, Any]] = SUBCOMMANDS[args.command].run(args)
     where = describe(comm, len(host_ranks(comm)))  # collective: every rank is here
-    on_root(comm, lambda: print(f"machine: {machine_line(where)}", file=sys.stderr))
+    on_root(comm, lambda: print(f"machine: {machine_line(where)}"))
     if args.json is not None:
         rows = [{**r, "machine": where} for r in rows]
 

@@ -102,7 +102,7 @@ def machine_line(info: dict[str, Any]) -> str:
     """A :func:`describe` dict in one line, for a benchmark's output."""
     kernel = f" {info['blas_kernel']}" if info["blas_kernel"] else ""
     threads = info["blas_threads"]
-    where = f", {info['ranks']} ranks" if "ranks" in info else ""
+    where = f", {info['ranks']} rank{'s' * (info['ranks'] != 1)}" if "ranks" in info else ""
     node = f" ({info['ranks_per_node']} per node)" if "ranks_per_node" in info else ""
     return (
         f"{info['cpu']}, {info['cores']} cores; {info['blas']} {info['blas_version']}{kernel} "
