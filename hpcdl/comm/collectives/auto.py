@@ -268,7 +268,7 @@ def winners(rows: Iterable[Mapping[str, Any]], tolerance: float = TOLERANCE) -> 
     algorithms). Rows of ``auto`` are ignored.
 
     Args:
-        rows: :func:`hpcdl.bench.allreduce.bench_allreduce` rows of one rank count.
+        rows: :func:`~hpcdl.comm.collectives.timing.time_algorithms` rows of one rank count.
         tolerance: fraction by which the previous winner's score may exceed the lowest.
 
     Returns:

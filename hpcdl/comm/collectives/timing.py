@@ -1,0 +1,107 @@
+"""Timing the allreduce algorithms against each other: what ``auto``'s table is made from.
+
+:func:`time_algorithms` is the measurement behind ``python -m hpcdl.bench allreduce`` (and its
+``--calibrate``); it lives with the collectives so that a run can time the sizes of its own
+buckets on the machine it runs on, in MPI and in the simulator alike (collective, no threads,
+the world's clock).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+import numpy as np
+
+from hpcdl.comm import MAX, wtime
+from hpcdl.comm.collectives.api import ALGORITHMS, Collectives
+from hpcdl.comm.collectives.auto import AutoTable
+from hpcdl.comm.contract import Communicator
+
+__all__ = ["time_algorithms", "time_per_call"]
+
+
+def _caller(coll: Collectives, send: Any, recv: Any, algorithm: str) -> Any:
+    return lambda: coll.Allreduce(send, recv, algorithm=algorithm)
+
+
+def time_per_call(comm: Communicator, call: Any, iters: int) -> float:
+    """Seconds per call of ``call`` over ``iters`` calls after a barrier, the max over ranks."""
+    comm.Barrier()
+    t0 = wtime()
+    for _ in range(iters):
+        call()
+    return comm.allreduce((wtime() - t0) / iters, op=MAX)
+
+
+def time_algorithms(
+    comm: Communicator,
+    sizes: tuple[int, ...],
+    algorithms: tuple[str, ...] = (*ALGORITHMS, "auto"),
+    repeat: int = 5,
+    min_time: float = 0.02,
+    dtype: str = "float32",
+    auto: AutoTable | None = None,
+) -> list[dict[str, Any]]:
+    """Allreduce time of each algorithm at each of ``sizes`` (bytes), as medians of interleaved
+    repetitions; collective.
+
+    For each size, each algorithm is run once to warm up, then timed over 1, 4, 16, ...
+    calls until that takes a quarter of ``min_time``, which sets its ``iters`` (so that a
+    measurement takes about ``min_time``); then each repetition times
+    ``iters`` calls of every algorithm in turn, after a barrier, taking the slowest rank's
+    time. Buffers are out of place (``sendbuf`` is not ``recvbuf``).
+
+    Args:
+        auto: the table ``auto`` picks from (``None``: the packaged default); the same on
+            every rank.
+
+    Returns:
+        One row per (size, algorithm): ``algorithm``, ``picked`` (the algorithm that ran:
+        ``auto``'s choice, else ``algorithm``), ``size_bytes``, ``ranks``, ``time_s``
+        (median), ``iqr_s``, ``algbw_GBps`` (size / time), ``busbw_GBps`` (algbw
+        · 2 (n - 1) / n, nccl-tests' definition), ``time_vs_mpi``, ``iters``, ``repeat``.
+    """
+    size_n = comm.Get_size()
+    item = np.dtype(dtype).itemsize
+    rows: list[dict[str, Any]] = []
+    with Collectives(comm, auto=auto) as coll:
+        for nbytes in sizes:
+            n = max(nbytes // item, 1)
+            send = np.random.default_rng([0, comm.Get_rank()]).standard_normal(n).astype(dtype)
+            recv = np.empty_like(send)
+            calls = {a: _caller(coll, send, recv, a) for a in algorithms}
+            iters = {}
+            for name, call in calls.items():
+                call()
+                k = 1
+                while (t := time_per_call(comm, call, k)) * k < min_time / 4:  # same t on every rank
+                    k *= 4
+                iters[name] = max(1, math.ceil(min_time / t))
+            times: dict[str, list[float]] = {a: [] for a in algorithms}
+            for _ in range(repeat):
+                for name, call in calls.items():
+                    times[name].append(time_per_call(comm, call, iters[name]))
+            for name, ts in times.items():
+                t = statistics.median(ts)
+                q1, q3 = np.percentile(ts, [25, 75])
+                algbw = n * item / t / 1e9
+                rows.append(
+                    {
+                        "algorithm": name,
+                        "picked": coll.auto.choose(n * item, size_n) if name == "auto" else name,
+                        "size_bytes": n * item,
+                        "ranks": size_n,
+                        "time_s": t,
+                        "iqr_s": float(q3 - q1),
+                        "algbw_GBps": algbw,
+                        "busbw_GBps": algbw * 2 * (size_n - 1) / size_n,
+                        "iters": iters[name],
+                        "repeat": repeat,
+                    }
+                )
+            ref = statistics.median(times["mpi"]) if "mpi" in times else None
+            for row in rows[-len(times) :]:
+                row["time_vs_mpi"] = row["time_s"] / ref if ref else None
+    return rows
