@@ -32,26 +32,13 @@ from hpcdl.comm.contract import Communicator
 from hpcdl.driver.cli import nonnegative_float, parse_size, positive_float, positive_int
 from hpcdl.errors import ConfigError, file_error
 
-__all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "bench_allreduce", "calibrate", "run"]
+__all__ = ["CALIBRATION_SIZES", "DEFAULT_SIZES", "add_parser", "calibrate", "run"]
 
 #: 4 KB to 64 MB, powers of 4
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(8))
 #: 4 KB to 64 MB, powers of 2: ``--calibrate`` without ``--sizes``
 CALIBRATION_SIZES = tuple(4096 * 2**k for k in range(15))
 _TABLE_WHAT = "the auto table"
-
-
-def bench_allreduce(
-    comm: Communicator,
-    sizes: tuple[int, ...] = DEFAULT_SIZES,
-    algorithms: tuple[str, ...] = (*ALGORITHMS, "auto"),
-    repeat: int = 5,
-    min_time: float = 0.02,
-    dtype: str = "float32",
-    auto: AutoTable | None = None,
-) -> list[dict[str, Any]]:
-    """:func:`~hpcdl.comm.collectives.timing.time_algorithms` at the benchmark's default sizes."""
-    return time_algorithms(comm, sizes, algorithms, repeat, min_time, dtype, auto)
 
 
 def _fmt_size(nbytes: int) -> str:
@@ -109,7 +96,8 @@ def calibrate(
     segments and the file written on rank 0.
 
     Returns:
-        The rows of :func:`bench_allreduce` and the merged table (the same on every rank).
+        The rows of :func:`~hpcdl.comm.collectives.timing.time_algorithms` and the merged table
+        (the same on every rank).
 
     Raises:
         ConfigError: one rank, or a damaged table file.
@@ -126,7 +114,7 @@ def calibrate(
     on_root(comm, lambda: check_writable(table_path, what=_TABLE_WHAT))
     rows: list[dict[str, Any]] = []
     for run in range(runs):  # passes over every size at different times: the machine drifts
-        for row in bench_allreduce(comm, sizes, algorithms, repeat, min_time, dtype):
+        for row in time_algorithms(comm, sizes, algorithms, repeat, min_time, dtype):
             rows.append({**row, "run": run})
     earlier = [{**r, "run": runs + int(r.get("run", 0))} for r in also if r.get("ranks") == ranks]
     segments = table_from_rows([*rows, *earlier], tolerance)
@@ -262,7 +250,7 @@ def run(args: Any) -> list[dict[str, Any]]:
         return rows
     table = load_table_bcast(comm, args.table)  # every rank the same, before any timing
     sizes = tuple(args.sizes or DEFAULT_SIZES)
-    rows = bench_allreduce(comm, sizes, algorithms, args.repeat, args.min_time, args.dtype, table)
+    rows = time_algorithms(comm, sizes, algorithms, args.repeat, args.min_time, args.dtype, table)
     if comm.Get_rank() == 0:
         print_rows(rows)
     return rows

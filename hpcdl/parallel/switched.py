@@ -49,6 +49,7 @@ from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.bucketed import DEFAULT_BUCKET_MB, BucketedExchange
 from hpcdl.parallel.exchange import ExchangeError
 from hpcdl.parallel.memory import RankMemory
+from hpcdl.rng import generator
 from hpcdl.switch import WorkerState
 from hpcdl.switch.client import Reduction, SwitchClient, SwitchUnreachable
 from hpcdl.switch.protocol import PAYLOADS
@@ -105,8 +106,8 @@ DECLARES = Declares(
         "switch.fast_retransmit": Key(
             int,
             FAST_RETRANSMIT,
-            "switch exchange: a chunk still without result when the chunk this many after it has its "
-            "result is sent again at once (0: only after switch.timeout_ms)",
+            "switch exchange: a chunk still without result when the result of a chunk sent this many "
+            "sends after it arrives is sent again at once (0: only after switch.timeout_ms)",
             minimum=0,
         ),
         "switch.timeout_s": Key(
@@ -414,7 +415,7 @@ def make_switch_exchange(
         client = UdpSwitchClient(
             text, cfg["switch.job"], rank, comm.Get_size(), cfg["switch.slots"], cfg["switch.payload"],
             cfg["switch.timeout_ms"] / 1000.0, cfg["switch.timeout_s"], loss=rates[0], duplicate=rates[1],
-            reorder=rates[2], seed=fault_seed(cfg["seed"], rank, 0x5357), fast=cfg["switch.fast_retransmit"],
+            reorder=rates[2], seed=fault_seed(cfg["seed"], rank), fast=cfg["switch.fast_retransmit"],
         )  # fmt: skip
     return SwitchExchange(
         comm,
@@ -435,9 +436,10 @@ def make_switch_exchange(
     )
 
 
-def fault_seed(*key: int) -> int:
-    """A worker's u64 fault seed for the compiled loop from its key (the run's seed, the rank, ...)."""
-    return int(np.random.SeedSequence(list(key)).generate_state(1, np.uint64)[0])
+def fault_seed(seed: int, *key: int) -> int:
+    """A worker's u64 fault seed for the compiled loop: the first draw of the run's seeded stream
+    for ``key`` (the rank, ...; :func:`hpcdl.rng.generator`)."""
+    return int(generator(seed, "switch-faults", *key).integers(2**64, dtype=np.uint64))
 
 
 def spawn_switch(workers: int, slots: int, payload: int, job: int) -> tuple[subprocess.Popen, str]:
