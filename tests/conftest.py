@@ -10,6 +10,15 @@ import pytest
 import hpcdl.comm as hc
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _auto_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``auto``'s calibration cache (``$XDG_CACHE_HOME/hpcdl``) in a directory of the session's:
+    runs calibrate as a user's first run does, and the user's own cache is left alone."""
+    import os
+
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+
+
 @pytest.fixture
 def comm() -> hc.Communicator:
     """The current world, ``hpcdl.comm.world()`` (MPI's COMM_WORLD outside the simulator)."""

@@ -211,7 +211,10 @@ class WorldHooks(Protocol):
       advance it until it ends, used by ``CollRequest.Wait``
       (:mod:`hpcdl.comm.collectives.schedule`) instead of its own loop;
     * ``host_ranks()``: the ranks that share this rank's memory, used by
-      :func:`hpcdl.comm.host_ranks` (a simulated world: all of them, one process).
+      :func:`hpcdl.comm.host_ranks` (a simulated world: all of them, one process);
+    * ``alpha_beta(ranks) -> (alpha, beta)``: a modelled network's latency (s) and inverse
+      bandwidth (s/byte), used by ``auto`` in place of timing the algorithms
+      (:func:`hpcdl.comm.collectives.tune.tuned_table`; the simulator's communicators).
     """
 
     def wtime(self) -> float:

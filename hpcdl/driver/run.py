@@ -113,6 +113,8 @@ def build(cfg: Config, comm: Communicator, stored: dict[str, Any] | None = None)
     if comm.Get_rank() == 0:
         for line in cls.advice(cfg, ctx.placement):
             print(f"hpcdl.train: ! {line}", file=sys.stderr, flush=True)
+        for line in strategy.remarks():
+            print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
     return ctx, strategy
 
 

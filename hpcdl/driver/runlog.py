@@ -353,7 +353,8 @@ def _open_on_root(
             shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
             print(f"hpcdl.train: {run_path} continues with changed settings: {shown}", file=sys.stderr)
     else:
-        runfile = RunFile.create(run_path, _run_attrs(cfg, comm, placement), ranks, *_declared_rows(cfg))
+        attrs = {**_run_attrs(cfg, comm, placement), **(strategy.run_attrs() if strategy is not None else {})}
+        runfile = RunFile.create(run_path, attrs, ranks, *_declared_rows(cfg))
     _remove_orphans(run_path)
     return ckpt, runfile
 

@@ -94,8 +94,6 @@ class BucketedExchange(LocalExchange):
         self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place (max rule)
         self._exponent = np.zeros(1, np.int32)  # ... of the pow2 rule
         self.coll = Collectives(comm, algorithm, auto=auto)
-        #: the table ``algorithm="auto"`` chooses from (recorded in checkpoints)
-        self.auto: AutoTable = self.coll.auto
         self.exposed_time = 0.0
         self._grads = [p.grad for p in self.params]
         self._layer_params: dict[int, list[int]] = {}
@@ -104,6 +102,16 @@ class BucketedExchange(LocalExchange):
         #: ``tracer(kind, start, end, bucket)``: timeline events (``log.trace``); None: none
         self.tracer: Callable[..., None] | None = None
         notes()["buckets"] = _InFlight(self)  # read by stall reports only: no cost per step
+
+    @property
+    def auto(self) -> AutoTable:
+        """The table ``algorithm="auto"`` chooses from (recorded in the run file and in checkpoints;
+        a resume sets it back to the one its run started with)."""
+        return self.coll.auto
+
+    @auto.setter
+    def auto(self, table: AutoTable) -> None:
+        self.coll.auto = table
 
     def broadcast_parameters(self, root: int = 0) -> None:
         broadcast_parameters(self.comm, self.params, root)

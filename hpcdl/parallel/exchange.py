@@ -54,7 +54,20 @@ DECLARES = Declares(
             str,
             "",
             "auto: the table of algorithms by size and rank count (bench allreduce --calibrate); "
-            "'': packaged",
+            "'': calibrated where the run is (exchange.auto_calibrate), else packaged",
+        ),
+        "exchange.auto_calibrate": Key(
+            str,
+            "first",
+            "auto: time the algorithms at the run's bucket sizes where it runs and cache the result, "
+            "first (on a cache miss), always (time again), never (the packaged or named table)",
+            choices=("first", "always", "never"),
+        ),
+        "exchange.auto_cache": Key(
+            str,
+            "",
+            "auto: the calibration cache file ('': $XDG_CACHE_HOME/hpcdl/auto-tables.json, else under "
+            "~/.cache)",
         ),
         "exchange.auto_threshold_kb": Key(
             float,

@@ -80,7 +80,7 @@ from hpcdl.parallel.strategy import (
     RunContext,
     StepStats,
 )
-from hpcdl.parallel.sync import auto_table
+from hpcdl.parallel.sync import auto_attrs, auto_remarks, auto_table, keep_auto_table
 
 __all__ = ["DECLARES", "LocalAveraging", "mean_of_replicas"]
 
@@ -136,6 +136,8 @@ class LocalAveraging(LockstepStrategy):
         "exchange.algorithm",
         "exchange.auto_table",
         "exchange.auto_threshold_kb",
+        "exchange.auto_calibrate",
+        "exchange.auto_cache",
     )
     faults = True
     declares = DECLARES
@@ -238,7 +240,10 @@ class LocalAveraging(LockstepStrategy):
         self.buckets = Buckets(self.arrays, self.bucket_bytes)
         self._factor_buckets: Buckets | None = None
         self.algorithm: str = cfg["exchange.algorithm"]  # sync's choice of allreduce, for the rounds
-        self.auto = auto_table(cfg, self.comm) if self.world > 1 and self.algorithm == "auto" else None
+        rounds = tuple(sorted({self.buckets.plan.nbytes(b) for b in range(len(self.buckets))}))
+        #: the table ``auto`` picks each round's algorithm from (calibrated at the rounds' sizes on all
+        #: the ranks; a smaller online set takes it too), None without auto
+        self.auto = None if self.world < 2 or self.algorithm != "auto" else auto_table(cfg, self.comm, rounds)
         #: online set -> (its communicator, hpcdl's collectives over it), made at its first round
         self.groups: dict[tuple[int, ...], tuple[Communicator, Collectives]] = {}
         self.rounds = 0  # rounds this rank attended
@@ -377,6 +382,14 @@ class LocalAveraging(LockstepStrategy):
             packer.unpack(own, self.arrays)
 
     # -- checkpoints -------------------------------------------------------------------------
+    def run_attrs(self) -> dict[str, Any]:
+        """The ``auto`` table the rounds pick their algorithms from (``auto_table``, JSON)."""
+        return auto_attrs(self)
+
+    def remarks(self) -> list[str]:
+        """How the rounds' ``auto`` table was made (calibrated, from the cache)."""
+        return auto_remarks(self)
+
     def serialize(self, s: Serializer) -> None:
         """This rank's replica and optimizer state (a piece of its own), its BatchNorm statistics,
         sampler position, random streams and counters."""
@@ -385,6 +398,7 @@ class LocalAveraging(LockstepStrategy):
         s.own_buffers(self.model)
         s.random(self.ctx)
         s.stateful("sampler", self.sampler)
+        keep_auto_table(s, self, self.ctx.cfg, self.comm)
         counters = s.value(
             "local", {"rounds": self.rounds, "bytes_sent": self.bytes_sent, "steps": self.done}
         )

@@ -85,7 +85,7 @@ from hpcdl.parallel.strategy import (
     StepStats,
     elementwise_only,
 )
-from hpcdl.parallel.sync import exchange_for
+from hpcdl.parallel.sync import auto_attrs, auto_remarks, exchange_for, keep_auto_table
 
 # the planning inputs (pipe_profile) and the executor's constants (pipe_exec) are still named here
 __all__ = [
@@ -174,7 +174,8 @@ class Pipeline(LockstepStrategy):
     rank_series = ("bubble", "busy_time", "activation_bytes", "in_flight")
     # replicated stages sum their gradients with the config's exchange: its keys are read too
     keys = ("pipeline.", "exchange.name", "exchange.algorithm", "exchange.bucket_mb", "exchange.auto_table",
-            "exchange.auto_threshold_kb", "exchange.debug")  # fmt: skip
+            "exchange.auto_threshold_kb", "exchange.auto_calibrate", "exchange.auto_cache",
+            "exchange.debug")  # fmt: skip
     declares = DECLARES
     conformance = Conformance(
         {
@@ -507,6 +508,14 @@ class Pipeline(LockstepStrategy):
         return float(acc), float(loss)
 
     # -- checkpoints -------------------------------------------------------------------------
+    def run_attrs(self) -> dict[str, Any]:
+        """Rank 0's replicated stage: the ``auto`` table its exchange picks from (``auto_table``)."""
+        return auto_attrs(self.chunks[0].exchange)
+
+    def remarks(self) -> list[str]:
+        """How rank 0's replicated stage's ``auto`` table was made (calibrated, from the cache)."""
+        return auto_remarks(self.chunks[0].exchange)
+
     def serialize(self, s: Serializer) -> None:
         """This stage's slice and optimizer state (its piece, with the cut it was made under),
         BatchNorm statistics, the sampler's position, the random streams, bytes sent."""
@@ -516,6 +525,8 @@ class Pipeline(LockstepStrategy):
         s.random(self.ctx)
         s.stateful("sampler", self.sampler)
         self.bytes_sent = int(s.value("pipeline", {"bytes_sent": self.bytes_sent})["bytes_sent"])
+        for c in self.chunks:  # a replicated stage's tables: a resume sums in its run's order
+            keep_auto_table(s, c.exchange, self.ctx.cfg, self.replicas, key=f"auto_table {c.index}")
         if s.loading:
             self.batches.restart()
 

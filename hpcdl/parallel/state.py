@@ -24,7 +24,10 @@ from hpcdl.backend import get_array_module, to_numpy
 from hpcdl.errors import ConfigError
 from hpcdl.parallel.strategy import RankState, differing_parameters
 
-__all__ = ["Checker", "Loader", "Saver", "Serializer"]
+__all__ = ["REQUIRED", "Checker", "Loader", "Saver", "Serializer"]
+
+#: :meth:`Serializer.value`'s ``missing`` when the checkpoint must hold the key
+REQUIRED: Any = object()
 
 
 def _optimizer_parts(optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
@@ -105,8 +108,9 @@ class Serializer:
         """The rank's random streams (``ctx.random_state()`` / ``ctx.load_random_state``)."""
         raise NotImplementedError
 
-    def value(self, key: str, value: Any) -> Any:
-        """A small JSON-compatible value under ``key``: returns it (saving) or the saved one (loading)."""
+    def value(self, key: str, value: Any, *, missing: Any = REQUIRED) -> Any:
+        """A small JSON-compatible value under ``key``: returns it (saving) or the saved one (loading;
+        ``missing`` when a checkpoint from before the key holds none, else a KeyError)."""
         raise NotImplementedError
 
 
@@ -141,7 +145,7 @@ class Saver(Serializer):
     def random(self, ctx: Any) -> None:
         self.state.meta["random"] = ctx.random_state()
 
-    def value(self, key: str, value: Any) -> Any:
+    def value(self, key: str, value: Any, *, missing: Any = REQUIRED) -> Any:
         self.state.meta[key] = value
         return value
 
@@ -175,7 +179,9 @@ class Loader(Serializer):
     def random(self, ctx: Any) -> None:
         ctx.load_random_state(self.state.meta["random"])
 
-    def value(self, key: str, value: Any) -> Any:
+    def value(self, key: str, value: Any, *, missing: Any = REQUIRED) -> Any:
+        if missing is not REQUIRED and key not in self.state.meta:
+            return missing
         return self.state.meta[key]
 
 
@@ -225,5 +231,5 @@ class Checker(Serializer):
     def random(self, ctx: Any) -> None:
         return None
 
-    def value(self, key: str, value: Any) -> Any:
+    def value(self, key: str, value: Any, *, missing: Any = REQUIRED) -> Any:
         return value

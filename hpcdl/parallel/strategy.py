@@ -455,6 +455,16 @@ class Strategy:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
 
+    def run_attrs(self) -> dict[str, Any]:
+        """What rank 0's strategy records in a new run file's root attributes beside the driver's
+        (strings and numbers), decided when it was built: sync's ``auto`` table; {}: nothing."""
+        return {}
+
+    def remarks(self) -> list[str]:
+        """What rank 0's strategy has to tell its user about how it was built (sync: how its
+        ``auto`` table was calibrated), printed once by the driver on rank 0; []: nothing."""
+        return []
+
     @classmethod
     def memory(
         cls, cfg: Any, placement: Placement, probe: Any, test_size: int, eval_batch: int

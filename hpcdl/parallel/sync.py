@@ -15,6 +15,7 @@ is not. ``ranks/online`` and ``ranks/held_s`` record the schedule and the holds.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -22,10 +23,13 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm import Communicator, notes
+from hpcdl.comm.buckets import plan_buckets
 from hpcdl.comm.collectives.auto import AutoTable, load_table_bcast
+from hpcdl.comm.collectives.tune import tuned_table
 from hpcdl.comm.pack import wire_dtype
 from hpcdl.errors import ConfigError
 from hpcdl.nn import Sequential, SoftmaxCrossEntropy, observe
+from hpcdl.nn.parameter import Parameter
 from hpcdl.optim.kfac import KfacLayer, covered_layers
 from hpcdl.parallel import GradientExchange, make_exchange
 from hpcdl.parallel.common import forward_backward, mean_over_contributors
@@ -269,6 +273,14 @@ class SyncDataParallel(LockstepStrategy):
             series=series,
         )
 
+    def run_attrs(self) -> dict[str, Any]:
+        """The ``auto`` table the exchange picks its algorithms from (``auto_table``, JSON)."""
+        return auto_attrs(self.exchange) if self.switch is None else {}
+
+    def remarks(self) -> list[str]:
+        """How the exchange's ``auto`` table was made (calibrated, from the cache)."""
+        return auto_remarks(self.exchange) if self.switch is None else []
+
     # -- meetings ----------------------------------------------------------------------------
     def agree(self, stats: Sequence[StepStats], stop: bool) -> Agreement:
         """The step's mean loss and batch accuracy over the ranks, and the stop votes: one allreduce."""
@@ -297,6 +309,7 @@ class SyncDataParallel(LockstepStrategy):
         s.random(self.ctx)
         s.stateful("sampler", self.sampler)
         ex = self.exchange
+        keep_auto_table(s, ex, self.ctx.cfg, self.comm)
         counters = s.value("exchange", {"bytes_sent": ex.bytes_sent, "comm_time": ex.comm_time,
                                         "exposed_time": ex.exposed_time})  # fmt: skip
         ex.bytes_sent, ex.comm_time = int(counters["bytes_sent"]), float(counters["comm_time"])
@@ -352,10 +365,12 @@ def exchange_for(
         return make_switch_exchange(cfg, comm, model.parameters(), links=links)
     options: dict[str, Any] = {}
     if cfg["exchange.name"] == "bucketed":
+        narrow = cfg["exchange.compression"] in ("float16", "bfloat16")  # summed by widening: no auto
+        sizes = () if narrow else bucket_sizes(model.parameters(), cfg["exchange.bucket_mb"], _wire_mode(cfg))
         options = {
             "bucket_mb": cfg["exchange.bucket_mb"],
             "algorithm": cfg["exchange.algorithm"],
-            "auto": auto_table(cfg, comm),
+            "auto": auto_table(cfg, comm, sizes if cfg["exchange.algorithm"] == "auto" else ()),
             "compression": cfg["exchange.compression"],
             "int32_scale": cfg["exchange.int32_scale"],
         }
@@ -376,11 +391,55 @@ def _wire_mode(cfg: Any) -> str:
     return "plain" if cfg["exchange.compression"] == "none" else cfg["exchange.compression"]
 
 
-def auto_table(cfg: Any, comm: Communicator) -> AutoTable:
-    """The table ``exchange.algorithm = "auto"`` chooses from: the threshold rule, a file, or packaged.
+def bucket_sizes(params: Sequence[Parameter], bucket_mb: float, mode: str) -> tuple[int, ...]:
+    """The distinct sizes in bytes of the buckets ``params``' gradients fill (in ``mode``'s wire
+    format): the messages a bucketed exchange sends."""
+    if not params:
+        return ()
+    itemsize = wire_dtype(mode, np.dtype(params[0].dtype)).itemsize
+    plan = plan_buckets([p.size for p in params], round(bucket_mb * 2**20) or None, itemsize)
+    return tuple(sorted({plan.nbytes(b) for b in range(len(plan))}))
 
-    Rank 0 reads the file and broadcasts it (collective), so every rank chooses alike.
+
+def auto_table(cfg: Any, comm: Communicator, sizes: Sequence[int] = ()) -> AutoTable:
+    """The table ``exchange.algorithm = "auto"`` chooses from (collective; every rank the same):
+    the threshold rule; a named file (rank 0 reads it); at 2 ranks or more, the run's own
+    calibration at ``sizes`` (``exchange.auto_calibrate``: :mod:`hpcdl.comm.collectives.tune`;
+    what it has to say is in the table's ``meta["notes"]``: :func:`auto_remarks`); else the
+    packaged table.
     """
     if cfg["exchange.auto_threshold_kb"] > 0:
         return AutoTable.threshold(round(cfg["exchange.auto_threshold_kb"] * 1024))
-    return load_table_bcast(comm, cfg["exchange.auto_table"] or None)
+    mode = cfg["exchange.auto_calibrate"]
+    if cfg["exchange.auto_table"] or mode == "never" or not sizes or comm.Get_size() < 2:
+        return load_table_bcast(comm, cfg["exchange.auto_table"] or None)
+    return tuned_table(comm, sizes, mode=mode, cache=cfg["exchange.auto_cache"] or None).table
+
+
+def keep_auto_table(
+    s: Serializer, exchange: Any, cfg: Any, comm: Communicator, key: str = "auto_table"
+) -> None:
+    """The exchange's ``auto`` table in each checkpoint; a resume puts back the one its run started
+    with (another algorithm would sum in another order). A checkpoint from before tables were
+    recorded gets what such runs used: the config's table, uncalibrated (collective then)."""
+    table = getattr(exchange, "auto", None)
+    if table is None:
+        return
+    saved = s.value(key, table.to_dict(), missing=None)
+    if s.loading:
+        exchange.auto = AutoTable.from_dict(saved) if saved is not None else auto_table(cfg, comm)
+
+
+def auto_remarks(exchange: Any) -> list[str]:
+    """What the calibration of the exchange's ``auto`` table has to say (:meth:`Strategy.remarks`):
+    a cache ignored, the choice, the time it took; [] for a table that was not calibrated."""
+    table = getattr(exchange, "auto", None)
+    if table is None:
+        return []
+    return [str(line) for meta in table.meta.values() for line in meta.get("notes", ())]
+
+
+def auto_attrs(exchange: Any) -> dict[str, Any]:
+    """What a run file records of the exchange's ``auto`` table (:meth:`Strategy.run_attrs`)."""
+    table = getattr(exchange, "auto", None)
+    return {} if table is None else {"auto_table": json.dumps(table.to_dict())}

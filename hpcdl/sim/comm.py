@@ -108,6 +108,12 @@ class SimComm(CommBase):
         """Every rank: the virtual ranks all run in this one process, sharing its memory."""
         return list(range(self._size))
 
+    def alpha_beta(self, ranks: int) -> tuple[float, float]:
+        """The simulated network's α (s) and β (s/byte) between two of ``ranks`` ranks
+        (:meth:`~hpcdl.sim.network.Network.alpha_beta`): what ``auto`` picks from here, in place
+        of a calibration (:mod:`hpcdl.comm.collectives.tune`)."""
+        return self._engine.network.alpha_beta(ranks)
+
     # -- collectives on buffers -------------------------------------------------------------------
 
     def _schedule(self, schedule: Any) -> None:

@@ -95,8 +95,17 @@ class Collectives:
 
     @property
     def auto(self) -> AutoTable:
-        """The table ``"auto"`` chooses from (fixed at construction, like the rank count)."""
+        """The table ``"auto"`` chooses from; every rank sets the same, between operations (a
+        resume puts back the table its run started with)."""
         return self._auto
+
+    @auto.setter
+    def auto(self, table: AutoTable) -> None:
+        if not isinstance(table, AutoTable):
+            raise TypeError(f"auto must be an AutoTable (got {type(table).__name__})")
+        if self._comm is None:
+            raise CollectivesFreedError("these collectives were freed: their auto table is of no use")
+        self._auto, self._auto_choose = table, table.chooser(self._comm.Get_size())
 
     # -- lifetime ---------------------------------------------------------------------------
 
