@@ -29,6 +29,10 @@ from hpcdl.rng import generator
 __all__ = ["add_parser", "bench_step", "run"]
 
 LR, MOMENTUM = 0.01, 0.9
+#: one sample of each model's own data: MNIST-sized for the MLPs, the digits for ``cnn`` (the
+#: ``digits-cnn`` preset's network); the models not named here take CIFAR-sized images
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {"mlp": (1, 28, 28), "mlp32": (1, 28, 28), "cnn": (1, 8, 8)}
+CIFAR_SHAPE = (3, 32, 32)
 
 
 def _hpcdl_stepper(
@@ -57,7 +61,7 @@ def _hpcdl_stepper(
 
 
 def _torch_stepper(model: Any, batch: int, shape: tuple[int, ...], classes: int, seed: int, threads: int):
-    """The same network in PyTorch, initialised with hpcdl's weights (Linear layers only)."""
+    """The same network in PyTorch (:func:`~hpcdl.bench.torchref.torch_twin`), from hpcdl's weights."""
     import torch
 
     torch.set_num_threads(threads)
@@ -99,9 +103,10 @@ def bench_step(
     with ``optimizer = "kfac"`` K-FAC's step beside it (module docstring).
 
     Repetitions alternate between the implementations (hpcdl, torch, hpcdl, …)
-    so that drifts of the machine hit both alike; each figure is the median.
+    so that drifts of the machine hit both alike; each figure is the median. Each model
+    takes samples of its own data's shape (:data:`INPUT_SHAPES`).
     """
-    shape: tuple[int, ...] = (1, 28, 28) if model.startswith("mlp") else (3, 32, 32)
+    shape = INPUT_SHAPES.get(model, CIFAR_SHAPE)
     classes = 10
     net, hp_step, _ = _hpcdl_stepper(model, batch, shape, classes, seed)
     impls: dict[str, Callable[[], None]] = {"hpcdl": hp_step}
@@ -180,14 +185,20 @@ def add_parser(sub: Any) -> None:
         help="forward + backward + update samples/s of one process",
         description="Forward + backward + SGD update samples/s of one process, optionally beside PyTorch.",
     )
-    p.add_argument("--model", default="mlp32", choices=MODELS, help="the network to time")
+    p.add_argument(
+        "--model",
+        default="mlp32",
+        choices=MODELS,
+        help="the network to time, on samples of its data's shape: 1x28x28 for mlp and mlp32, the "
+        "digits' 1x8x8 for cnn, 3x32x32 for the others",
+    )
     p.add_argument("--batch", type=int, default=128, help="samples per step")
     p.add_argument(
         "--vs",
         choices=("torch",),
         default=None,
-        help="also time the same network, with the same initial weights, in PyTorch (needs torch; "
-        "default: hpcdl only)",
+        help="also time the same network (every model), with the same initial weights, in PyTorch "
+        "(needs torch; default: hpcdl only)",
     )
     p.add_argument(
         "--optimizer",

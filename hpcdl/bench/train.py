@@ -73,7 +73,7 @@ def _torch_ddp_stepper(model: Sequential, batch: Any, comm: Communicator, cfg: A
     net = torch.nn.parallel.DistributedDataParallel(torch_twin(model, "--vs torch-ddp"))
     opt = torch.optim.SGD(net.parameters(), lr=cfg["optimizer.lr"], momentum=cfg["optimizer.momentum"])
     loss_fn = torch.nn.CrossEntropyLoss()
-    x = torch.from_numpy(np.ascontiguousarray(batch[0], dtype=np.float32))
+    x = torch.from_numpy(np.ascontiguousarray(batch[0], dtype=cfg["dtype"]))  # the twin's dtype
     y = torch.from_numpy(np.asarray(batch[1], dtype=np.int64))
 
     def step() -> dict[str, float]:
