@@ -57,3 +57,28 @@ def test_kfac_row_splits_its_share_beside_its_sgd_twin(tmp_path: Path, workers: 
     assert kfac["bytes_factors_per_step"] > 0
     assert (kfac["bytes_eigen_per_step"] > 0) == (k > 1)
     assert (kfac["bytes_grads_per_step"] > 0) == (k < n)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_sgd_row_says_its_fraction_of_perfect_scaling_and_where_the_rest_goes(tmp_path: Path) -> None:
+    """The one-rank row (every rank alone, at once) is the step perfect scaling keeps; the exchange's
+    kinds are disjoint intervals inside its time (one repetition: no medians to mix)."""
+    comm = world()
+    n = comm.Get_size()
+    out = Path(comm.bcast(str(tmp_path / "train.json"), root=0))
+    args = ["train", "--config", "digits-mlp", "--set", "exchange.bucket_mb=0.05", "--repeat", "1",
+            "--steps", "3", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    if comm.Get_rank() != 0:
+        return
+    rows = {r["impl"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"hpcdl", "hpcdl-1rank"}
+    one, many = rows["hpcdl-1rank"], rows["hpcdl"]
+    assert one["ranks"] == 1 and one["samples_per_s"] == pytest.approx(one["batch_per_rank"] / one["step_s"])
+    assert one["comm_s"] == 0 and all(one[f"{k}_s"] == 0 for k in ("pack", "progress", "wait"))
+    assert many["width"] == n
+    assert many["scaling"] == pytest.approx(many["samples_per_s"] / (n * one["samples_per_s"]))
+    kinds = [many[f"{k}_s"] for k in ("pack", "progress", "wait")]
+    assert all(k > 0 for k in kinds) and sum(kinds) <= many["comm_s"] * (1 + 1e-9)
+    assert many["wait_s"] <= many["exposed_comm_s"] * (1 + 1e-9)  # the wait is after backward
+    assert many["gap_s"] == pytest.approx(many["step_s"] - one["step_s"])

@@ -35,6 +35,11 @@ __all__ = ["add_parser", "run", "bench_train", "KFAC_PARTS"]
 KFAC_PARTS = ("factors", "exchange", "fold", "decompose", "broadcast_eigen", "precondition",
               "broadcast_grads", "update", "other")  # fmt: skip
 _COUNTERS = ("bytes_factors", "bytes_eigen", "bytes_grads", "steps", "inversions")
+#: the bucketed exchange's time by kind (``BucketedExchange.times``): what a step spends beyond
+#: the one-rank step, with the rest (compute slower beside other ranks, Python between layers)
+BREAKDOWN = ("pack", "progress", "wait")
+#: the row of the config's step on one rank, each rank alone at once (``--solo``)
+SOLO = "hpcdl-1rank"
 
 
 def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Strategy, Callable[[], dict[str, float]], Any]:
@@ -51,13 +56,17 @@ def _hpcdl_stepper(cfg: Any, comm: Communicator) -> tuple[Strategy, Callable[[],
         )
     ctx, strategy = build(cfg, comm)
     done = [0]
+    times = getattr(getattr(strategy, "exchange", None), "times", {})  # the bucketed exchange's kinds
 
     def step() -> dict[str, float]:
+        before = dict(times)
         t0 = wtime()
         stats = strategy.step(done[0])
         wall = wtime() - t0
         done[0] += 1
-        return {"compute_s": wall - stats.comm_s, "comm_s": stats.comm_s, "exposed_comm_s": stats.exposed_s}
+        kinds = {f"{k}_s": times.get(k, 0.0) - before.get(k, 0.0) for k in BREAKDOWN}
+        return {"compute_s": wall - stats.comm_s, "comm_s": stats.comm_s, "exposed_comm_s": stats.exposed_s,
+                **kinds}  # fmt: skip
 
     member = ctx.placement.ranks[comm.Get_rank()].member
     batch = ctx.batch(ctx.sampler(max(member, 0)).indices(0, 0))  # the batch PyTorch's twin trains on
@@ -93,7 +102,8 @@ def _measure(comm: Communicator, step: Callable[[], dict], steps: int) -> dict[s
     parts: list[dict[str, float]] = [step() for _ in range(steps)]
     own = wtime() - t0
     elapsed = comm.allreduce(own, op=ops.MAX) / steps
-    mean = {k: float(np.mean([p[k] for p in parts])) for k in ("compute_s", "comm_s", "exposed_comm_s")}
+    mean = {k: float(np.mean([p.get(k, np.nan) for p in parts]))
+            for k in ("compute_s", "comm_s", "exposed_comm_s", *(f"{b}_s" for b in BREAKDOWN))}  # fmt: skip
     return {"step_s": elapsed, "own_s": own, **mean}
 
 
@@ -139,6 +149,7 @@ def bench_train(
     steps: int,
     compressions: list[str] | None = None,
     watchdog: str = "config",
+    solo: bool = True,
 ) -> list[dict[str, Any]]:
     """Global samples/s of hpcdl (and PyTorch DDP) on the same network and batch, interleaved.
 
@@ -153,13 +164,18 @@ def bench_train(
         watchdog: ``config``: hpcdl's steps run under the stall watchdog as ``train`` runs
             them (``debug.stall_s``; 0: off); ``off``: without it; ``both``: each hpcdl
             row also without it, named ``...-nowatch``, interleaved (the watchdog's cost).
+        solo: on 2 ranks or more, also the config's step on one rank (:data:`SOLO`: every
+            rank alone, at the same time, on its own one-rank communicator), interleaved: the
+            step perfect scaling would keep. The ``hpcdl`` row then says how far from it it is
+            (``scaling``) and where the difference goes (``gap_*_s``: :data:`BREAKDOWN`, and
+            ``other``: compute slowed beside the other ranks, Python between layers).
 
     Returns:
         One row per implementation, as the module describes.
     """
     cfg = load_config(config, sets)
     with watch(cfg["debug.stall_s"] if watchdog != "off" else 0.0) as comm:
-        return _bench_train(comm, config, cfg, sets, vs, repeat, steps, compressions, watchdog)
+        return _bench_train(comm, config, cfg, sets, vs, repeat, steps, compressions, watchdog, solo)
 
 
 def _bench_train(
@@ -172,6 +188,7 @@ def _bench_train(
     steps: int,
     compressions: list[str] | None,
     watchdog: str,
+    solo: bool = True,
 ) -> list[dict[str, Any]]:
     """:func:`bench_train` inside the world ``comm`` (watched or not)."""
     impls: dict[str, Callable[[], dict]] = {}
@@ -200,6 +217,10 @@ def _bench_train(
                 variants[unwatched], worlds[unwatched] = variant, None
             if model is None:
                 model, batch = strategies[name].model, b
+    alone = comm.Split(comm.Get_rank(), 0) if solo and comm.Get_size() > 1 and not kfac else None
+    if alone is not None:  # the same step on one rank: each rank alone, all at once
+        strategies[SOLO], impls[SOLO], _ = _hpcdl_stepper(cfg, alone)
+        variants[SOLO], worlds[SOLO] = cfg, alone
     if vs == "torch-ddp":
         try:
             import torch  # noqa: F401
@@ -216,6 +237,7 @@ def _bench_train(
     for _ in range(repeat):
         for name, step in impls.items():
             before = _kfac_snapshot(updates[name]) if name in updates else None
+            comm.Barrier()  # the one-rank rows too: the ranks measure together
             with use_world(worlds[name]) as here:
                 results[name].append(_measure(here, step, steps))
             if before is not None:
@@ -228,6 +250,8 @@ def _bench_train(
     for name, strategy in strategies.items():  # free what they hold, in the world each ran in
         with use_world(worlds[name]):
             strategy.close()
+    if alone is not None:
+        alone.Free()
     size, batch_size = comm.Get_size(), cfg["data.batch_size"]
     rows = []
     for name, reps in results.items():
@@ -247,6 +271,7 @@ def _bench_train(
                 "compute_s": statistics.median(r["compute_s"] for r in reps),
                 "comm_s": statistics.median(r["comm_s"] for r in reps),
                 "exposed_comm_s": statistics.median(r["exposed_comm_s"] for r in reps),
+                **{f"{b}_s": statistics.median(r[f"{b}_s"] for r in reps) for b in BREAKDOWN},
                 "compression": variants[name]["exchange.compression"] if name != "torch-ddp" else "none",
                 "exchange": cfg["exchange.name"] if name != "torch-ddp" else "ddp",
                 "stall_s": cfg["debug.stall_s"] if worlds[name] is not None and watchdog != "off" else 0.0,
@@ -254,11 +279,30 @@ def _bench_train(
                 **splits.get(name, {}),
             }
         )
+    one = next((r for r in rows if r["impl"] == SOLO), None)
+    if one is not None:  # hpcdl against N x its one-rank step, and where the difference goes
+        one["samples_per_s"] = batch_size / one["step_s"]  # one rank's batch
+        one["ranks"] = 1
+        for r in rows:
+            if r["impl"].startswith("hpcdl") and r["impl"] != SOLO:
+                _scaling(r, one)
     for r in rows:  # K-FAC's step against its SGD twin's
         twin = next((t for t in rows if t["impl"] == r["impl"].replace("-kfac", "", 1)), None)
         if "kfac_s" in r and twin is not None and twin is not r:
             r["sgd_step_s"], r["vs_sgd"] = twin["step_s"], r["step_s"] / twin["step_s"]
     return rows
+
+
+def _scaling(r: dict[str, Any], one: dict[str, Any]) -> None:
+    """``r``'s samples/s as a fraction of its width times ``one``'s (perfect scaling), and the
+    extra time per step by kind: the exchange's (:data:`BREAKDOWN`), the rest as ``other``."""
+    width = round(r["samples_per_s"] * r["step_s"] / r["batch_per_rank"])  # data-parallel ranks
+    r["width"], r["one_rank_samples_per_s"] = width, one["samples_per_s"]
+    r["scaling"] = r["samples_per_s"] / (width * one["samples_per_s"])
+    r["gap_s"] = r["step_s"] - one["step_s"]
+    for b in BREAKDOWN:
+        r[f"gap_{b}_s"] = r[f"{b}_s"] - one[f"{b}_s"]
+    r["gap_other_s"] = r["gap_s"] - sum(r[f"gap_{b}_s"] for b in BREAKDOWN)
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
@@ -277,6 +321,12 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         }
         print(f"{r['impl']:<16}{r['samples_per_s']:>11.0f}{1e3 * r['step_s']:>9.2f}{ms['compute_s']:>12}"
               f"{ms['comm_s']:>9}{ms['exposed_comm_s']:>9}{ratio:>8}")  # fmt: skip
+    for r in rows:
+        if "scaling" in r:
+            parts = ", ".join(f"{b} {1e3 * r[f'gap_{b}_s']:.2f}" for b in (*BREAKDOWN, "other"))
+            print(f"{r['impl']}: {100 * r['scaling']:.1f}% of perfect scaling ({r['samples_per_s']:.0f} "
+                  f"against {r['width']} x {r['one_rank_samples_per_s']:.0f} samples/s, {SOLO}: every rank "
+                  f"alone at once); {1e3 * r['gap_s']:.2f} ms more per step: {parts}")  # fmt: skip
     for r in rows:
         if "kfac_s" in r:
             print_split(r)
@@ -321,6 +371,13 @@ def add_parser(sub: Any) -> None:
         help="run hpcdl's steps under the stall watchdog as train does (config: debug.stall_s), without "
         "it (off), or both, interleaved, to measure its cost (rows ...-nowatch)",
     )
+    p.add_argument(
+        "--solo",
+        choices=("yes", "no"),
+        default="yes",
+        help=f"also time the step on one rank ({SOLO}: every rank alone, at once), for the fraction of "
+        "perfect scaling and where the rest goes (default: yes; not with K-FAC)",
+    )
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     p.add_argument("--steps", type=int, default=10, help="steps per repetition")
     p.add_argument(
@@ -339,7 +396,14 @@ def run(args: Any) -> list[dict[str, Any]]:
     if args.repeat < 1 or args.steps < 1:
         raise ConfigError("--repeat and --steps must be positive integers")
     rows = bench_train(
-        args.config, args.sets, args.vs, args.repeat, args.steps, args.compression, args.watchdog
+        args.config,
+        args.sets,
+        args.vs,
+        args.repeat,
+        args.steps,
+        args.compression,
+        args.watchdog,
+        args.solo == "yes",
     )
     if world().Get_rank() == 0:
         print_rows(rows)

@@ -95,6 +95,10 @@ class BucketedExchange(LocalExchange):
         self._exponent = np.zeros(1, np.int32)  # ... of the pow2 rule
         self.coll = Collectives(comm, algorithm, auto=auto)
         self.exposed_time = 0.0
+        #: seconds inside the exchange by kind (``bench train``'s breakdown): ``pack`` (packing and
+        #: unpacking buckets, adding kept micro-steps), ``progress`` (starting allreduces and
+        #: advancing them between layers, during backward), ``wait`` (waiting after backward)
+        self.times = {"pack": 0.0, "progress": 0.0, "wait": 0.0}
         self._grads = [p.grad for p in self.params]
         self._layer_params: dict[int, list[int]] = {}
         self._reqs: list[CollRequest | None] = []
@@ -129,10 +133,13 @@ class BucketedExchange(LocalExchange):
             self._marked.add(i)
             for b in self.buckets.mark_ready(i):
                 self._start(b)
+        t1 = wtime()
         for req in self._reqs:  # progress what is in flight while backward goes on
             if req:
                 req.Test()
-        self.comm_time += wtime() - t0
+        t2 = wtime()
+        self.times["progress"] += t2 - t1
+        self.comm_time += t2 - t0
 
     def _indices(self, layer: Layer) -> list[int]:
         key = id(layer)
@@ -144,16 +151,20 @@ class BucketedExchange(LocalExchange):
 
     def _start(self, b: int) -> None:
         """Pack bucket ``b`` in the wire format and start its allreduce."""
-        t0 = wtime() if self.tracer is not None else 0.0
+        t0 = wtime()
         qscale = self._int32_scale(b) if self.compression == "int32" else None
         self._qscales[b] = qscale
         buf = self.buckets.pack_bucket(b, self._grads, qscale=qscale)
         synchronize(buf)
+        t1 = wtime()
         narrow = self.compression if self.compression in ("float16", "bfloat16") else None
         self._reqs.append(self.coll.Iallreduce(buf, buf, narrow=narrow))
         self.bytes_sent += int(buf.nbytes)
+        t2 = wtime()
+        self.times["pack"] += t1 - t0
+        self.times["progress"] += t2 - t1
         if self.tracer is not None:
-            self.tracer("pack", t0, wtime(), b)
+            self.tracer("pack", t0, t2, b)
 
     def _int32_scale(self, b: int) -> float:
         """The quantization scale of bucket ``b`` under the ``int32_scale`` rule (a MAX allreduce).
@@ -206,9 +217,12 @@ class BucketedExchange(LocalExchange):
         for b in range(len(self.buckets)):
             buf = self.buckets.buffer(b)
             self.buckets.unpack_bucket(b, buf, self._grads, scale=scale, qscale=self._qscales[b])
+        t_end = wtime()
         if self.tracer is not None:
             self.tracer("wait", t_wait, t_unpack)
-            self.tracer("unpack", t_unpack, wtime())
+            self.tracer("unpack", t_unpack, t_end)
+        self.times["wait"] += t_unpack - t_wait
+        self.times["pack"] += t_end - t_unpack + t_wait - t0  # the unpacking; late parameters' packing
         self._reqs = []
         self._marked.clear()
         self.buckets.reset()
