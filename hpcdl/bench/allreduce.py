@@ -28,6 +28,7 @@ from hpcdl.comm.collectives.auto import (
     winners,
 )
 from hpcdl.comm.collectives.timing import time_algorithms
+from hpcdl.comm.collectives.tune import tuned_table
 from hpcdl.comm.contract import Communicator
 from hpcdl.driver.cli import nonnegative_float, parse_size, positive_float, positive_int
 from hpcdl.errors import ConfigError, file_error
@@ -201,7 +202,21 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="PATH",
         help="the JSON table auto picks from; with --calibrate, the file to create or update "
-        "(default: the packaged table)",
+        "(default: calibrated here at --sizes, as a run's auto is: --auto-calibrate)",
+    )
+    p.add_argument(
+        "--auto-calibrate",
+        choices=("first", "always", "never"),
+        default="first",
+        help="without --table: auto's table timed at --sizes on this machine as a run's is (first: "
+        "what the cache lacks; always: all again) or the packaged table (never); the cache is "
+        "--auto-cache",
+    )
+    p.add_argument(
+        "--auto-cache",
+        default=None,
+        metavar="PATH",
+        help="the calibration cache (default: $XDG_CACHE_HOME/hpcdl/auto-tables.json, as a run's)",
     )
     p.add_argument(
         "--calibrate",
@@ -248,12 +263,47 @@ def run(args: Any) -> list[dict[str, Any]]:
             args.runs, also,
         )  # fmt: skip
         return rows
-    table = load_table_bcast(comm, args.table)  # every rank the same, before any timing
     sizes = tuple(args.sizes or DEFAULT_SIZES)
+    source, lines = "file" if args.table else "packaged", ()
+    if args.table or args.auto_calibrate == "never" or comm.Get_size() < 2 or "auto" not in algorithms:
+        table = load_table_bcast(comm, args.table)  # every rank the same, before any timing
+        seconds = 0.0
+    else:  # as a run does: the machine's own, cached
+        tuning = tuned_table(comm, sizes, mode=args.auto_calibrate, cache=args.auto_cache)
+        table, source, seconds, lines = tuning.table, tuning.source, tuning.seconds, tuning.lines
     rows = time_algorithms(comm, sizes, algorithms, args.repeat, args.min_time, args.dtype, table)
+    for r in rows:
+        r["auto_table"], r["calibration_s"] = source, seconds
     if comm.Get_rank() == 0:
+        for line in lines:
+            print(line)
         print_rows(rows)
+        print(auto_summary(rows))
     return rows
+
+
+def auto_summary(rows: Sequence[Mapping[str, Any]], from_bytes: int = 65536) -> str:
+    """``auto``'s time over the fastest algorithm's at each size, worst from ``from_bytes`` up and
+    at any size, with where its table came from, in a line ("" without auto's rows)."""
+    ratios = []
+    for size in sorted({r["size_bytes"] for r in rows}):
+        at = [r for r in rows if r["size_bytes"] == size]
+        auto = next((r for r in at if r["algorithm"] == "auto"), None)
+        best = min((r for r in at if r["algorithm"] != "auto"), key=lambda r: r["time_s"], default=None)
+        if auto is not None and best is not None:
+            ratios.append((auto["time_s"] / best["time_s"], size, best["algorithm"]))
+    if not ratios:
+        return ""
+    big = [x for x in ratios if x[1] >= from_bytes]
+    worst = max(big or ratios)
+    r0 = next(r for r in rows if r["algorithm"] == "auto")
+    table = {"file": "--table", "packaged": "the packaged table"}.get(r0["auto_table"], "its own calibration")
+    took = f" ({r0['calibration_s']:.2f} s)" if r0["auto_table"] == "calibrated" else ""
+    return (
+        f"auto ({table}{took}) over the fastest algorithm per size: worst {worst[0]:.2f}x from "
+        f"{format_bytes(from_bytes)} up (at {format_bytes(worst[1])}, where {worst[2]} is fastest), "
+        f"{max(ratios)[0]:.2f}x at any size"
+    )
 
 
 def _read_rows(paths: Sequence[str]) -> list[dict[str, Any]]:

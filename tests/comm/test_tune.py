@@ -209,3 +209,19 @@ def test_the_timed_winner_is_the_cached_fastest(tmp_path: Path) -> None:
 def test_never_is_not_a_mode_to_call_it_with() -> None:
     with pytest.raises(ValueError, match="never"):
         tuned_table(hc.world(), SIZES, mode="never")
+
+
+def test_bench_allreduces_summary_is_autos_worst_ratio_to_the_fastest() -> None:
+    from hpcdl.bench.allreduce import auto_summary
+
+    def row(size: int, algorithm: str, t: float) -> dict:
+        return {"size_bytes": size, "algorithm": algorithm, "time_s": t, "auto_table": "calibrated",
+                "calibration_s": 0.5}  # fmt: skip
+
+    rows = [row(4096, "ring", 2.0), row(4096, "mpi", 1.0), row(4096, "auto", 3.0),
+            row(65536, "ring", 1.0), row(65536, "mpi", 2.0), row(65536, "auto", 1.05),
+            row(1 << 20, "ring", 1.0), row(1 << 20, "doubling", 0.8), row(1 << 20, "auto", 1.0)]  # fmt: skip
+    line = auto_summary(rows)
+    assert "worst 1.25x from 64K up (at 1M, where doubling is fastest)" in line
+    assert "3.00x at any size" in line and "(0.50 s)" in line
+    assert auto_summary([r for r in rows if r["algorithm"] != "auto"]) == ""

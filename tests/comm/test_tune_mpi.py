@@ -77,3 +77,24 @@ def test_a_resume_keeps_its_runs_table_though_the_cache_now_says_otherwise(tmp_p
         for name, piece in a.pieces.items():
             for key, value in piece["params"].items():
                 assert value.tobytes() == b.pieces[name]["params"][key].tobytes(), key
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_allreduce_times_auto_after_its_own_calibration(tmp_path: Path) -> None:
+    from hpcdl.bench import main
+
+    comm = world()
+    base = _shared(tmp_path)
+    cache, out = base / "auto.json", base / "rows.json"
+    args = ["allreduce", "--sizes", "4K", "64K", "--repeat", "1", "--min-time", "0.001", "--auto-cache",
+            str(cache), "--json", str(out)]  # fmt: skip
+    for source in ("calibrated", "cache"):
+        assert main(args) == 0
+        rows = json.loads(out.read_text()) if comm.Get_rank() == 0 else []
+        assert all(r["auto_table"] == source for r in rows)
+        assert all((r["calibration_s"] > 0) == (source == "calibrated") for r in rows)
+    assert main([*args, "--auto-calibrate", "never"]) == 0
+    if comm.Get_rank() == 0:
+        assert {r["auto_table"] for r in json.loads(out.read_text())} == {"packaged"}
+        (entry,) = json.loads(cache.read_text())["entries"].values()
+        assert sorted(map(int, entry["times"])) == [4096, 65536]
