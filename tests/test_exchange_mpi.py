@@ -83,6 +83,7 @@ def test_bucketed_exchange_starts_buckets_during_backward() -> None:
 
     comm = world()
     model = build_model("mlp", (64,), 10, rng=generator(0, "init"), depth=4, width=64)
+    alone = build_model("mlp", (64,), 10, rng=generator(0, "init"), depth=4, width=64)  # no exchange
     ex = make_exchange("bucketed", comm, model.parameters(), bucket_mb=0.01, algorithm="ring")
     assert isinstance(ex, BucketedExchange) and len(ex.buckets) > 2
     assert ex.buckets.plan.buckets[0].arrays[-1] == len(model.parameters()) - 1  # bucket 0: the last layer
@@ -104,7 +105,9 @@ def test_bucketed_exchange_starts_buckets_during_backward() -> None:
         model.backward(loss.backward())
     assert started == sorted(started) and started[-1] == len(ex._reqs)
     assert max(started[:-3]) >= 1  # buckets were in flight while three layers' backward remained
-    local = [p.grad.copy() for p in model.parameters()]
+    loss.forward(alone.forward(x), y)  # this rank's own gradients (the exchange's sum them in place)
+    alone.backward(loss.backward())
+    local = [p.grad.copy() for p in alone.parameters()]
     ex.exchange()
     for p, g in zip(model.parameters(), local):
         total = np.empty_like(g)
@@ -255,3 +258,37 @@ def test_int32_compression_refuses_a_non_finite_gradient_on_every_rank(rule: str
     ex = make_exchange("bucketed", comm, params, compression="int32", int32_scale=rule)
     with pytest.raises(ExchangeError, match="not finite on some rank"):
         ex.exchange()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gradients_in_their_buckets_memory_sum_bit_for_bit_as_packed_ones(dtype: type) -> None:
+    """In the plain format each ``p.grad`` is a view of its bucket's buffer: backward writes what is
+    sent and nothing is packed; the averages are those of the packing exchange (``debug`` packs)
+    bit for bit, and stay in the same arrays."""
+    from hpcdl.models import build_model
+    from hpcdl.nn import SoftmaxCrossEntropy, observe
+    from hpcdl.rng import generator
+
+    comm = world()
+    rng = np.random.default_rng(comm.Get_rank())
+    x, y = rng.standard_normal((8, 64)).astype(dtype), rng.integers(0, 10, 8)
+    grads = {}
+    for debug in (False, True):
+        model = build_model("mlp", (64,), 10, rng=generator(0, "init"), depth=4, width=48, dtype=dtype)
+        params = model.parameters()
+        ex = make_exchange("bucketed", comm, params, debug=debug, bucket_mb=0.01, algorithm="ring")
+        assert ex.in_place is not debug
+        bound = [p.grad for p in model.parameters()]
+        buffers = [ex.buckets.buffer(b) for b in range(len(ex.buckets))]
+        assert all(any(np.shares_memory(g, buf) for buf in buffers) for g in bound) is not debug
+        loss = SoftmaxCrossEntropy()
+        with observe(ex):
+            loss.forward(model.forward(x), y)
+            model.backward(loss.backward())
+        ex.exchange()
+        assert all(p.grad is g for p, g in zip(model.parameters(), bound))
+        grads[debug] = [p.grad.copy() for p in model.parameters()]
+        ex.free()
+    for a, b in zip(grads[False], grads[True]):
+        assert a.tobytes() == b.tobytes()

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
-from hpcdl.backend import synchronize
+from hpcdl.backend import get_array_module, synchronize
 from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives, CollRequest
@@ -90,6 +90,13 @@ class BucketedExchange(LocalExchange):
         self.index = {id(p): i for i, p in enumerate(self.params)}
         mode = "plain" if compression == "none" else compression
         self.buckets = Buckets([p.grad for p in self.params], int(bucket_mb * 2**20) or None, mode=mode)
+        #: the plain wire format: each gradient lives in its bucket's buffer (``p.grad`` is a view),
+        #: so backward writes straight into what is sent: nothing to pack, the average in place.
+        #: Between a bucket's start and :meth:`exchange` its gradients hold partial sums. Not with
+        #: ``debug``, whose check names the rank of a non-finite gradient before any is summed
+        self.in_place = mode == "plain" and not debug
+        if self.in_place:
+            self._bind_grads()
         self._qscales: list[float | None] = [None] * len(self.buckets)
         self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place (max rule)
         self._exponent = np.zeros(1, np.int32)  # ... of the pow2 rule
@@ -106,6 +113,16 @@ class BucketedExchange(LocalExchange):
         #: ``tracer(kind, start, end, bucket)``: timeline events (``log.trace``); None: none
         self.tracer: Callable[..., None] | None = None
         notes()["buckets"] = _InFlight(self)  # read by stall reports only: no cost per step
+
+    def _bind_grads(self) -> None:
+        """Make every ``p.grad`` a view of its place in its bucket's buffer (values kept)."""
+        for b, bucket in enumerate(self.buckets.plan.buckets):
+            buf = self.buckets.buffer(b)
+            for k, i in enumerate(bucket.arrays):
+                p = self.params[i]
+                view = buf[bucket.offsets[k] : bucket.offsets[k + 1]].reshape(p.grad.shape)
+                view[...] = p.grad
+                p.grad = view
 
     @property
     def auto(self) -> AutoTable:
@@ -154,7 +171,10 @@ class BucketedExchange(LocalExchange):
         t0 = wtime()
         qscale = self._int32_scale(b) if self.compression == "int32" else None
         self._qscales[b] = qscale
-        buf = self.buckets.pack_bucket(b, self._grads, qscale=qscale)
+        if self.in_place:  # backward wrote it there
+            buf = self.buckets.buffer(b)
+        else:
+            buf = self.buckets.pack_bucket(b, self._grads, qscale=qscale)
         synchronize(buf)
         t1 = wtime()
         narrow = self.compression if self.compression in ("float16", "bfloat16") else None
@@ -216,7 +236,11 @@ class BucketedExchange(LocalExchange):
         self._accumulated = 0
         for b in range(len(self.buckets)):
             buf = self.buckets.buffer(b)
-            self.buckets.unpack_bucket(b, buf, self._grads, scale=scale, qscale=self._qscales[b])
+            if self.in_place:  # the sum is the gradients: the mean in place, in their dtype (as unpack)
+                xp = get_array_module(buf)
+                xp.multiply(buf, buf.dtype.type(scale), out=buf)
+            else:
+                self.buckets.unpack_bucket(b, buf, self._grads, scale=scale, qscale=self._qscales[b])
         t_end = wtime()
         if self.tracer is not None:
             self.tracer("wait", t_wait, t_unpack)
