@@ -18,6 +18,7 @@ import numpy as np
 
 from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, watch, world
+from hpcdl.comm.machine import fit_blas_threads
 from hpcdl.config import Config, add_set_argument, load_config
 from hpcdl.driver import launch
 from hpcdl.driver.cli import ArgumentParser, parse_args, positive_int, python_command
@@ -202,9 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         refuse_directory(args.out, cfg["name"])  # as typed: a trailing "/" is gone from a Path
     with watch(cfg["debug.stall_s"]) as comm:  # every wait from here on is watched
         launch.started(comm)  # unconnected ranks refused; the job script may now forward a stop
+        fitted = fit_blas_threads(comm)  # N ranks on a node: a share of its cores each
         if comm.Get_rank() == 0:
             for line in [*cfg.notes, *ignored_keys(cfg)]:
                 print(f"hpcdl.train: ! {line}", file=sys.stderr, flush=True)
+            if fitted is not None:
+                before, now = fitted
+                print(f"hpcdl.train: BLAS threads per rank {before} -> {now}, a share of this node's cores "
+                      "(set OPENBLAS_NUM_THREADS to choose)", file=sys.stderr, flush=True)  # fmt: skip
         if args.out is not None:
             out = Path(args.out)
         elif args.resume is None:

@@ -19,7 +19,19 @@ from typing import Any
 
 from hpcdl.comm.contract import Communicator
 
-__all__ = ["blas", "cpu_model", "describe", "machine_line", "mpi_library"]
+__all__ = [
+    "THREAD_VARIABLES",
+    "blas",
+    "blas_share",
+    "cpu_model",
+    "describe",
+    "fit_blas_threads",
+    "machine_line",
+    "mpi_library",
+]
+
+#: the environment variables that set a BLAS's thread count: when one is set, the user has chosen
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
 
 
 def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
@@ -108,3 +120,48 @@ def machine_line(info: dict[str, Any]) -> str:
         f"{info['cpu']}, {info['cores']} cores; {info['blas']} {info['blas_version']}{kernel} "
         f"({threads} thread{'s' * (threads != 1)}); {info['mpi']}{where}{node}"
     )
+
+
+def blas_share(ranks_on_node: int, cores: int | None = None, bound: int | None = None) -> int:
+    """The BLAS threads a rank should use: the cores it was bound to (``bound``, when the launcher
+    bound it to fewer than the node's), else its share of the node's ``cores``; at least 1."""
+    cores = cores if cores is not None else os.cpu_count() or 1
+    if bound is not None and bound < cores:
+        return max(1, bound)
+    return max(1, cores // max(1, ranks_on_node))
+
+
+def fit_blas_threads(comm: Communicator, env: Any = None) -> tuple[int, int] | None:
+    """Give each rank's BLAS its share of the node's cores, unless the user chose (collective).
+
+    N ranks on a node whose BLAS each starts one thread per core run N times as many threads
+    as cores, and every matrix product fights for them. When none of :data:`THREAD_VARIABLES`
+    is set, each rank's BLAS gets :func:`blas_share` threads (threadpoolctl). Nothing happens
+    in the simulator (its virtual ranks share one process).
+
+    Args:
+        comm: the world.
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        ``(threads before, threads now)`` when the count was changed, else None.
+    """
+    if getattr(comm, "sim_attrs", None) is not None:
+        return None
+    from hpcdl.comm.context import host_ranks  # noqa: PLC0415 - collective, MPI on demand
+
+    on_node = len(host_ranks(comm))
+    env = os.environ if env is None else env
+    if any(env.get(v) for v in THREAD_VARIABLES):
+        return None
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415 - optional
+    except ImportError:
+        return None
+    bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    threads = blas_share(on_node, bound=bound)
+    before = blas()["threads"]
+    if before in (0, threads):
+        return None
+    threadpool_limits(limits=threads, user_api="blas")
+    return before, threads

@@ -59,3 +59,35 @@ def test_the_simulator_is_named_as_the_library() -> None:
 
     info = machine.describe(Simulated())  # type: ignore[arg-type]
     assert info["mpi"] == "hpcdl.sim (virtual ranks)" and info["ranks"] == 3
+
+
+@pytest.mark.parametrize(
+    ("on_node", "cores", "bound", "want"),
+    [(2, 2, None, 1), (1, 8, None, 8), (3, 8, None, 2), (16, 8, None, 1), (4, 64, 64, 16), (4, 64, 2, 2)],
+)
+def test_a_ranks_blas_gets_its_share_of_the_nodes_cores(on_node: int, cores: int, bound, want: int) -> None:
+    """A share of the node's cores, or the cores the launcher bound the rank to when fewer."""
+    assert machine.blas_share(on_node, cores, bound) == want
+
+
+def test_blas_threads_are_left_alone_when_the_user_chose() -> None:
+    from hpcdl.comm import world
+
+    before = machine.blas()["threads"]
+    assert machine.fit_blas_threads(world(), env={"OPENBLAS_NUM_THREADS": "3"}) is None
+    assert machine.blas()["threads"] == before
+
+
+def test_blas_threads_are_fitted_to_the_node_when_nobody_chose() -> None:
+    """One rank alone on this machine: its BLAS gets every core it may run on (then put back)."""
+    import os
+
+    from threadpoolctl import threadpool_limits
+
+    from hpcdl.comm import world
+
+    with threadpool_limits(limits=1, user_api="blas"):  # restored on leaving
+        want = machine.blas_share(1, bound=len(os.sched_getaffinity(0)))
+        got = machine.fit_blas_threads(world(), env={})
+        assert machine.blas()["threads"] == want
+        assert got == ((1, want) if want != 1 else None)
