@@ -80,6 +80,9 @@ def test_step_bad_arguments() -> None:
         main(["step", "--batch", "0"])
     with pytest.raises(ConfigError, match="invalid choice"):
         main(["step", "--model", "alexnet"])
+    for variant in (["x=1"], ["name"]):  # a row name first, then its settings
+        with pytest.raises(ConfigError, match="--variant packed exchange.in_place=false"):
+            main(["train", "--variant", *variant])
 
 
 @pytest.mark.parametrize(

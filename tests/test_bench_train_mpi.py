@@ -67,12 +67,13 @@ def test_the_sgd_row_says_its_fraction_of_perfect_scaling_and_where_the_rest_goe
     n = comm.Get_size()
     out = Path(comm.bcast(str(tmp_path / "train.json"), root=0))
     args = ["train", "--config", "digits-mlp", "--set", "exchange.bucket_mb=0.05", "--repeat", "1",
-            "--steps", "3", "--json", str(out)]  # fmt: skip
+            "--steps", "3", "--variant", "packed", "exchange.in_place=false", "--json", str(out)]  # fmt: skip
     assert main(args) == 0
     if comm.Get_rank() != 0:
         return
     rows = {r["impl"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"hpcdl", "hpcdl-1rank"}
+    assert set(rows) == {"hpcdl", "hpcdl-packed", "hpcdl-1rank"}  # the variant: one more row, interleaved
+    assert "scaling" in rows["hpcdl-packed"] and rows["hpcdl-packed"]["pack_s"] > 0
     one, many = rows["hpcdl-1rank"], rows["hpcdl"]
     assert one["ranks"] == 1 and one["samples_per_s"] == pytest.approx(one["batch_per_rank"] / one["step_s"])
     assert one["comm_s"] == 0 and all(one[f"{k}_s"] == 0 for k in ("pack", "progress", "wait"))

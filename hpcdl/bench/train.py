@@ -150,6 +150,7 @@ def bench_train(
     compressions: list[str] | None = None,
     watchdog: str = "config",
     solo: bool = True,
+    extra: dict[str, list[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Global samples/s of hpcdl (and PyTorch DDP) on the same network and batch, interleaved.
 
@@ -169,13 +170,15 @@ def bench_train(
             step perfect scaling would keep. The ``hpcdl`` row then says how far from it it is
             (``scaling``) and where the difference goes (``gap_*_s``: :data:`BREAKDOWN`, and
             ``other``: compute slowed beside the other ranks, Python between layers).
+        extra: row name -> more ``KEY=VALUE`` settings: one more hpcdl row each
+            (``hpcdl-NAME``), in the same interleaved repetitions (before and after a change).
 
     Returns:
         One row per implementation, as the module describes.
     """
     cfg = load_config(config, sets)
     with watch(cfg["debug.stall_s"] if watchdog != "off" else 0.0) as comm:
-        return _bench_train(comm, config, cfg, sets, vs, repeat, steps, compressions, watchdog, solo)
+        return _bench_train(comm, config, cfg, sets, vs, repeat, steps, compressions, watchdog, solo, extra)
 
 
 def _bench_train(
@@ -189,6 +192,7 @@ def _bench_train(
     compressions: list[str] | None,
     watchdog: str,
     solo: bool = True,
+    extra: dict[str, list[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """:func:`bench_train` inside the world ``comm`` (watched or not)."""
     impls: dict[str, Callable[[], dict]] = {}
@@ -217,6 +221,11 @@ def _bench_train(
                 variants[unwatched], worlds[unwatched] = variant, None
             if model is None:
                 model, batch = strategies[name].model, b
+    for label, more in (extra or {}).items():  # the same step with more settings: before/after
+        name = f"hpcdl-{label}"
+        variants[name] = load_config(config, [*sets, *more])
+        strategies[name], impls[name], _ = _hpcdl_stepper(variants[name], comm)
+        worlds[name] = comm
     alone = comm.Split(comm.Get_rank(), 0) if solo and comm.Get_size() > 1 and not kfac else None
     if alone is not None:  # the same step on one rank: each rank alone, all at once
         strategies[SOLO], impls[SOLO], _ = _hpcdl_stepper(cfg, alone)
@@ -372,6 +381,15 @@ def add_parser(sub: Any) -> None:
         "it (off), or both, interleaved, to measure its cost (rows ...-nowatch)",
     )
     p.add_argument(
+        "--variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "KEY=VALUE"),
+        help="one more hpcdl row, hpcdl-NAME, with these settings on top of --set, in the same interleaved "
+        "repetitions (before and after a change; repeatable; default: none)",
+    )
+    p.add_argument(
         "--solo",
         choices=("yes", "no"),
         default="yes",
@@ -395,6 +413,14 @@ def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench train``; prints on rank 0 and returns the rows."""
     if args.repeat < 1 or args.steps < 1:
         raise ConfigError("--repeat and --steps must be positive integers")
+    variants: dict[str, list[str]] = {}
+    for name, *more in args.variant:
+        if "=" in name or not more or name in variants:
+            raise ConfigError(
+                f"--variant {name} {' '.join(more)}: give a new row name, then its KEY=VALUE settings "
+                "(--variant packed exchange.in_place=false)"
+            )
+        variants[name] = more
     rows = bench_train(
         args.config,
         args.sets,
@@ -404,6 +430,7 @@ def run(args: Any) -> list[dict[str, Any]]:
         args.compression,
         args.watchdog,
         args.solo == "yes",
+        variants,
     )
     if world().Get_rank() == 0:
         print_rows(rows)

@@ -79,6 +79,7 @@ class BucketedExchange(LocalExchange):
         auto: AutoTable | None = None,
         compression: str = "none",
         int32_scale: str = "pow2",
+        in_place: bool = True,
     ) -> None:
         super().__init__(comm, params, debug)
         if compression not in COMPRESSIONS:
@@ -94,7 +95,7 @@ class BucketedExchange(LocalExchange):
         #: so backward writes straight into what is sent: nothing to pack, the average in place.
         #: Between a bucket's start and :meth:`exchange` its gradients hold partial sums. Not with
         #: ``debug``, whose check names the rank of a non-finite gradient before any is summed
-        self.in_place = mode == "plain" and not debug
+        self.in_place = in_place and mode == "plain" and not debug
         if self.in_place:
             self._bind_grads()
         self._qscales: list[float | None] = [None] * len(self.buckets)

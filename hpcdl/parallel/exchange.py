@@ -90,6 +90,12 @@ DECLARES = Declares(
             choices=("pow2", "max"),
             legacy="max",
         ),
+        "exchange.in_place": Key(
+            bool,
+            True,
+            "bucketed, no compression: the gradients live in their buckets' memory, so nothing is packed "
+            "(false: copied into the buckets, as before; the same sums)",
+        ),
         "exchange.accumulate": Key(
             int,
             1,

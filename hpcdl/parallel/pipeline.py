@@ -175,7 +175,7 @@ class Pipeline(LockstepStrategy):
     # replicated stages sum their gradients with the config's exchange: its keys are read too
     keys = ("pipeline.", "exchange.name", "exchange.algorithm", "exchange.bucket_mb", "exchange.auto_table",
             "exchange.auto_threshold_kb", "exchange.auto_calibrate", "exchange.auto_cache",
-            "exchange.debug")  # fmt: skip
+            "exchange.in_place", "exchange.debug")  # fmt: skip
     declares = DECLARES
     conformance = Conformance(
         {

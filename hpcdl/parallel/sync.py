@@ -373,6 +373,7 @@ def exchange_for(
             "auto": auto_table(cfg, comm, sizes if cfg["exchange.algorithm"] == "auto" else ()),
             "compression": cfg["exchange.compression"],
             "int32_scale": cfg["exchange.int32_scale"],
+            "in_place": cfg["exchange.in_place"],
         }
     elif cfg["exchange.compression"] != "none" and comm.Get_size() > 1:
         raise ConfigError(
