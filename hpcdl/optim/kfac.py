@@ -156,7 +156,7 @@ class _Collector:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
                 t0 = self.kfac.clock()
-                rows = layer._x.shape[0] if isinstance(layer, Linear) else layer._cols.shape[1]  # B or B*T
+                rows = layer._x.shape[0] if isinstance(layer, Linear) else layer._cols.shape[0]  # B or B*T
                 with hooks.op("factor", rows, entry.dims[0]):
                     _add(entry, "batch_A", _a_factor(layer))
                 entry.micro += 1
@@ -176,7 +176,7 @@ def _a_factor(layer: Layer) -> Any:
     if isinstance(layer, Linear):
         a = layer._x  # B, in
     else:
-        a = layer._cols.T  # B*T, C*kh*kw
+        a = layer._cols  # B*T, C*kh*kw
     xp = get_array_module(a)
     if layer.bias is not None:
         a = xp.concatenate([a, xp.ones((a.shape[0], 1), dtype=a.dtype)], axis=1)
