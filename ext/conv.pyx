@@ -15,11 +15,24 @@ Every loop runs without the GIL on fused ``cython.floating`` types; shapes are c
 """
 
 from cython cimport floating
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
+
+cdef extern from "conv.h" nogil:
+    void hpcdl_add3_f32(float* u, const float* s)
+    void hpcdl_add3_f64(double* u, const double* s)
+
+
+cdef inline void _add3(floating* u, const floating* s) noexcept nogil:
+    """``u[0..2] += s[0..2]`` four wide (``s[3]`` read, ``u[3]`` rewritten unchanged)."""
+    if floating is float:
+        hpcdl_add3_f32(u, s)
+    else:
+        hpcdl_add3_f64(u, s)
 
 
 cdef inline Py_ssize_t _out(Py_ssize_t size, Py_ssize_t k, Py_ssize_t s, Py_ssize_t p) noexcept nogil:
-    return (size + 2 * p - k) // s + 1
+    # 0 when the kernel is larger than the padded input (C division truncates towards zero)
+    return (size + 2 * p - k) // s + 1 if size + 2 * p >= k else 0
 
 
 def _geometry(Py_ssize_t n, Py_ssize_t c, Py_ssize_t h, Py_ssize_t w, Py_ssize_t r, Py_ssize_t q,
@@ -36,131 +49,241 @@ def _geometry(Py_ssize_t n, Py_ssize_t c, Py_ssize_t h, Py_ssize_t w, Py_ssize_t
     return ho, wo
 
 
-# Both kernels walk one output row (b, oy) at a time, in tiles of CT channels: for each
-# output column, the tile's CT windows. A tile's CT * kh input rows and the row block's
-# destination lines stay in L1, and the destination is written in runs of CT * kh * kw.
-# Walking all C channels for each pixel instead reads C lines 4 KiB apart when
-# H * W * itemsize is 4 KiB (32x32 float32), which share a few L1 sets: several times slower;
-# one channel at a time writes runs of only kh * kw (a single element for 1x1 kernels).
-DEF CT = 8
+# Both kernels walk one output row (b, oy) at a time, in tiles of channels: for each output
+# column, the tile's windows. A tile holds about TILE_BYTES of input rows (at least 8
+# channels, fewer than would alias in L1): its kh input rows per channel and the row block's
+# destination lines stay in L1,
+# and the destination is written in runs of (tile channels) * kh * kw. Walking all C channels
+# for each pixel instead reads C lines 4 KiB apart when H * W * itemsize is 4 KiB (32x32
+# float32), which share a few L1 sets: several times slower; one channel at a time writes runs
+# of only kh * kw (a single element for 1x1 kernels) and pays a row's bookkeeping per channel.
+# The columns of a row split into runs: windows reaching into the left padding, windows
+# inside the image (a tight loop per kernel shape), windows reaching into the right padding.
+DEF TILE_BYTES = 3072
 
 
-cdef inline void _window(const floating* s, floating* dst, Py_ssize_t hw, Py_ssize_t w,
-                         Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ct) noexcept nogil:
-    """``dst[ch, i, j] = s[ch * hw + i * w + j]`` for ``ch < ct``: windows inside the image."""
-    cdef Py_ssize_t ch, i, j
+cdef Py_ssize_t _gcd(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+cdef struct Geometry:
+    Py_ssize_t c, h, w, hw, kh, kw, kk, q, sh, sw, ph, pw, ho, wo
+    Py_ssize_t tile  # channels per tile
+    Py_ssize_t lo    # first column whose window starts inside the image
+    Py_ssize_t hi    # columns below this end inside the image
+    Py_ssize_t wide  # columns below this (and from lo) have a column of the image right of the window
+
+
+cdef inline Py_ssize_t _clip(Py_ssize_t v, Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return a if v < a else (b if v > b else v)
+
+
+cdef Geometry _plan(Py_ssize_t c, Py_ssize_t h, Py_ssize_t w, Py_ssize_t kh, Py_ssize_t kw,
+                    Py_ssize_t sh, Py_ssize_t sw, Py_ssize_t ph, Py_ssize_t pw,
+                    Py_ssize_t itemsize) noexcept nogil:
+    cdef Geometry g
+    g.tile = _clip(TILE_BYTES // (kh * w * itemsize), 8, c if c > 8 else 8)
+    # channels h * w * itemsize apart fall into 4096 / gcd(4096, that) groups of L1 sets (one
+    # when it is a multiple of 4 KiB): at most 8 lines (the associativity) per group
+    g.tile = min(g.tile, 8 * (4096 // _gcd(4096, h * w * itemsize)))
+    g.c, g.h, g.w, g.hw, g.kh, g.kw, g.kk, g.q = c, h, w, h * w, kh, kw, kh * kw, c * kh * kw
+    g.sh, g.sw, g.ph, g.pw = sh, sw, ph, pw
+    g.ho, g.wo = _out(h, kh, sh, ph), _out(w, kw, sw, pw)
+    g.lo = _clip((pw + sw - 1) // sw, 0, g.wo)  # ox * sw - pw >= 0
+    g.hi = _clip((w + pw - kw) // sw + 1 if w + pw >= kw else 0, g.lo, g.wo)  # ox * sw - pw + kw <= w
+    g.wide = _clip((w + pw - kw - 1) // sw + 1 if w + pw > kw else 0, g.lo, g.hi)  # ... + kw < w
+    return g
+
+
+cdef void _border_window(const floating* s, floating* dst, const Geometry* g, Py_ssize_t iy0,
+                         Py_ssize_t ix0, Py_ssize_t ct) noexcept nogil:
+    """One tile's windows at (iy0, ix0) reaching into the padding: zeros there."""
+    cdef Py_ssize_t ch, i, j, kh = g.kh, kw = g.kw, w = g.w
+    cdef Py_ssize_t ilo = _clip(-iy0, 0, kh), ihi = _clip(g.h - iy0, ilo, kh)
+    cdef Py_ssize_t jlo = _clip(-ix0, 0, kw), jhi = _clip(w - ix0, jlo, kw)
     cdef const floating* t
+    memset(dst, 0, ct * g.kk * sizeof(floating))
+    for ch in range(ct):
+        t = s + ch * g.hw + iy0 * w + ix0
+        for i in range(ilo, ihi):
+            for j in range(jlo, jhi):
+                dst[i * kw + j] = t[i * w + j]
+        dst += g.kk
+
+
+cdef inline void _inside_run(const floating* s, floating* dst, const Geometry* g, Py_ssize_t iy0,
+                             Py_ssize_t ct, bint last) noexcept nogil:
+    """One tile's windows of row iy0 in columns [lo, hi), all inside the image.
+
+    3x3 windows left of ``wide`` move each kernel row four elements at a time (the fourth
+    lands where the next store overwrites it), except the last kernel row of the image's last
+    channel (``last``): its fourth element would land on the next row, already written.
+    """
+    cdef Py_ssize_t ox, ch, i, j, w = g.w, hw = g.hw, q = g.q, kw = g.kw, kh = g.kh
+    cdef const floating* t
+    cdef floating* d
+    cdef Py_ssize_t full = ct - 1 if last else ct  # channels whose every row moves four wide
+    s = s + iy0 * w - g.pw
     if kh == 3 and kw == 3:
-        for ch in range(ct):
-            t = s + ch * hw
-            dst[0] = t[0]; dst[1] = t[1]; dst[2] = t[2]
-            dst[3] = t[w]; dst[4] = t[w + 1]; dst[5] = t[w + 2]
-            dst[6] = t[2 * w]; dst[7] = t[2 * w + 1]; dst[8] = t[2 * w + 2]
-            dst += 9
+        for ox in range(g.lo, g.hi):
+            t = s + ox * g.sw
+            d = dst + ox * q
+            if ox < g.wide:
+                for ch in range(full):
+                    memcpy(d, t, 4 * sizeof(floating))
+                    memcpy(d + 3, t + w, 4 * sizeof(floating))
+                    memcpy(d + 6, t + 2 * w, 4 * sizeof(floating))
+                    d += 9
+                    t += hw
+                if full < ct:
+                    memcpy(d, t, 4 * sizeof(floating))
+                    memcpy(d + 3, t + w, 4 * sizeof(floating))
+                    d[6] = t[2 * w]; d[7] = t[2 * w + 1]; d[8] = t[2 * w + 2]
+            else:
+                for ch in range(ct):
+                    d[0] = t[0]; d[1] = t[1]; d[2] = t[2]
+                    d[3] = t[w]; d[4] = t[w + 1]; d[5] = t[w + 2]
+                    d[6] = t[2 * w]; d[7] = t[2 * w + 1]; d[8] = t[2 * w + 2]
+                    d += 9
+                    t += hw
     elif kh == 1 and kw == 1:
-        for ch in range(ct):
-            dst[ch] = s[ch * hw]
+        for ox in range(g.lo, g.hi):
+            t = s + ox * g.sw
+            d = dst + ox * q
+            for ch in range(ct):
+                d[ch] = t[ch * hw]
     else:
-        for ch in range(ct):
-            t = s + ch * hw
-            for i in range(kh):
-                for j in range(kw):
-                    dst[j] = t[j]
-                dst += kw
-                t += w
+        for ox in range(g.lo, g.hi):
+            t = s + ox * g.sw
+            d = dst + ox * q
+            for ch in range(ct):
+                for i in range(kh):
+                    for j in range(kw):
+                        d[i * kw + j] = t[i * w + j]
+                d += g.kk
+                t += hw
 
 
-cdef void _im2row(const floating* x, floating* rows, Py_ssize_t n, Py_ssize_t c, Py_ssize_t h,
-                  Py_ssize_t w, Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw,
-                  Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t ho, Py_ssize_t wo) noexcept nogil:
-    cdef Py_ssize_t b, oy, ox, c0, ct, ch, i, j, iy, ix, iy0, ix0
-    cdef Py_ssize_t hw = h * w, kk = kh * kw, q = c * kk
-    cdef bint rows_inside
+cdef void _im2row(const floating* x, floating* rows, Py_ssize_t n, const Geometry* g) noexcept nogil:
+    cdef Py_ssize_t b, oy, ox, c0, ct, iy0
     cdef const floating* s
     cdef floating* block
-    cdef floating* dst
     for b in range(n):
-        for oy in range(ho):
-            iy0 = oy * sh - ph
-            rows_inside = iy0 >= 0 and iy0 + kh <= h
-            block = rows + (b * ho + oy) * wo * q  # this output row's wo rows
-            for c0 in range(0, c, CT):
-                ct = min(CT, c - c0)
-                s = x + (b * c + c0) * hw
-                dst = block + c0 * kk
-                for ox in range(wo):
-                    ix0 = ox * sw - pw
-                    if rows_inside and ix0 >= 0 and ix0 + kw <= w:
-                        _window(s + iy0 * w + ix0, dst, hw, w, kh, kw, ct)
-                    else:  # the window reaches into the padding
-                        for ch in range(ct):
-                            for i in range(kh):
-                                iy = iy0 + i
-                                for j in range(kw):
-                                    ix = ix0 + j
-                                    dst[(ch * kh + i) * kw + j] = (
-                                        s[(ch * h + iy) * w + ix] if 0 <= iy < h and 0 <= ix < w else 0)
-                    dst += q
+        for oy in range(g.ho):
+            iy0 = oy * g.sh - g.ph
+            block = rows + (b * g.ho + oy) * g.wo * g.q  # this output row's wo rows
+            c0 = 0
+            while c0 < g.c:
+                ct = min(g.tile, g.c - c0)
+                s = x + (b * g.c + c0) * g.hw
+                if iy0 >= 0 and iy0 + g.kh <= g.h:
+                    for ox in range(g.lo):
+                        _border_window(s, block + ox * g.q + c0 * g.kk, g, iy0, ox * g.sw - g.pw, ct)
+                    _inside_run(s, block + c0 * g.kk, g, iy0, ct, c0 + ct == g.c)
+                    for ox in range(g.hi, g.wo):
+                        _border_window(s, block + ox * g.q + c0 * g.kk, g, iy0, ox * g.sw - g.pw, ct)
+                else:
+                    for ox in range(g.wo):
+                        _border_window(s, block + ox * g.q + c0 * g.kk, g, iy0, ox * g.sw - g.pw, ct)
+                c0 += ct
 
 
-cdef inline void _add_window(const floating* src, floating* t, Py_ssize_t hw, Py_ssize_t w,
-                             Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t ct) noexcept nogil:
-    """``t[ch * hw + i * w + j] += src[ch, i, j]`` for ``ch < ct``: windows inside the image."""
-    cdef Py_ssize_t ch, i, j
+cdef void _add_border_window(const floating* src, floating* gb, const Geometry* g, Py_ssize_t iy0,
+                             Py_ssize_t ix0, Py_ssize_t ct) noexcept nogil:
+    """One tile's windows at (iy0, ix0) reaching into the padding: their part there dropped."""
+    cdef Py_ssize_t ch, i, j, kh = g.kh, kw = g.kw, w = g.w
+    cdef Py_ssize_t ilo = _clip(-iy0, 0, kh), ihi = _clip(g.h - iy0, ilo, kh)
+    cdef Py_ssize_t jlo = _clip(-ix0, 0, kw), jhi = _clip(w - ix0, jlo, kw)
     cdef floating* u
+    for ch in range(ct):
+        u = gb + ch * g.hw + iy0 * w + ix0
+        for i in range(ilo, ihi):
+            for j in range(jlo, jhi):
+                u[i * w + j] += src[i * kw + j]
+        src += g.kk
+
+
+cdef inline void _add_inside_run(const floating* src, floating* gb, const Geometry* g, Py_ssize_t iy0,
+                                 Py_ssize_t ct, bint last) noexcept nogil:
+    """One tile's windows of row iy0 in columns [lo, hi), right to left.
+
+    3x3 windows left of ``wide`` add each kernel row four wide (the fourth lane adds +0.0 to
+    the pixel right of the window), except the last kernel row of the image's last channel,
+    whose fourth source element may lie past the rows.
+    """
+    cdef Py_ssize_t ox, ch, i, j, w = g.w, hw = g.hw, q = g.q, kw = g.kw, kh = g.kh
+    cdef const floating* r
+    cdef floating* u
+    cdef Py_ssize_t full = ct - 1 if last else ct
+    gb = gb + iy0 * w - g.pw
     if kh == 3 and kw == 3:
-        for ch in range(ct):
-            u = t + ch * hw
-            u[0] += src[0]; u[1] += src[1]; u[2] += src[2]
-            u[w] += src[3]; u[w + 1] += src[4]; u[w + 2] += src[5]
-            u[2 * w] += src[6]; u[2 * w + 1] += src[7]; u[2 * w + 2] += src[8]
-            src += 9
+        for ox in range(g.hi - 1, g.lo - 1, -1):
+            u = gb + ox * g.sw
+            r = src + ox * q
+            if ox < g.wide:
+                for ch in range(full):
+                    _add3(u, r)
+                    _add3(u + w, r + 3)
+                    _add3(u + 2 * w, r + 6)
+                    r += 9
+                    u += hw
+                if full < ct:
+                    _add3(u, r)
+                    _add3(u + w, r + 3)
+                    u[2 * w] += r[6]; u[2 * w + 1] += r[7]; u[2 * w + 2] += r[8]
+            else:
+                for ch in range(ct):
+                    u[0] += r[0]; u[1] += r[1]; u[2] += r[2]
+                    u[w] += r[3]; u[w + 1] += r[4]; u[w + 2] += r[5]
+                    u[2 * w] += r[6]; u[2 * w + 1] += r[7]; u[2 * w + 2] += r[8]
+                    r += 9
+                    u += hw
     elif kh == 1 and kw == 1:
-        for ch in range(ct):
-            t[ch * hw] += src[ch]
+        for ox in range(g.hi - 1, g.lo - 1, -1):
+            u = gb + ox * g.sw
+            r = src + ox * q
+            for ch in range(ct):
+                u[ch * hw] += r[ch]
     else:
-        for ch in range(ct):
-            u = t + ch * hw
-            for i in range(kh):
-                for j in range(kw):
-                    u[j] += src[j]
-                src += kw
-                u += w
+        for ox in range(g.hi - 1, g.lo - 1, -1):
+            u = gb + ox * g.sw
+            r = src + ox * q
+            for ch in range(ct):
+                for i in range(kh):
+                    for j in range(kw):
+                        u[i * w + j] += r[i * kw + j]
+                r += g.kk
+                u += hw
 
 
-cdef void _row2im(const floating* rows, floating* gx, Py_ssize_t n, Py_ssize_t c, Py_ssize_t h,
-                  Py_ssize_t w, Py_ssize_t kh, Py_ssize_t kw, Py_ssize_t sh, Py_ssize_t sw,
-                  Py_ssize_t ph, Py_ssize_t pw, Py_ssize_t ho, Py_ssize_t wo) noexcept nogil:
+cdef void _row2im(const floating* rows, floating* gx, Py_ssize_t n, const Geometry* g) noexcept nogil:
     # Output rows and columns in descending order: a pixel of gx then receives its
     # contributions in ascending kernel offset (i, then j), as the reference's one pass per
     # offset adds them (channels are independent, so their order is free).
-    cdef Py_ssize_t b, oy, ox, c0, ct, ch, i, j, iy, ix, iy0, ix0
-    cdef Py_ssize_t hw = h * w, kk = kh * kw, q = c * kk
-    cdef bint rows_inside
-    cdef const floating* src
-    cdef floating* g
-    memset(gx, 0, n * c * hw * sizeof(floating))
+    cdef Py_ssize_t b, oy, ox, c0, ct, iy0
+    cdef const floating* block
+    cdef floating* gb
+    memset(gx, 0, n * g.c * g.hw * sizeof(floating))
     for b in range(n):
-        for oy in range(ho - 1, -1, -1):
-            iy0 = oy * sh - ph
-            rows_inside = iy0 >= 0 and iy0 + kh <= h
-            for c0 in range(0, c, CT):
-                ct = min(CT, c - c0)
-                g = gx + (b * c + c0) * hw
-                for ox in range(wo - 1, -1, -1):
-                    ix0 = ox * sw - pw
-                    src = rows + ((b * ho + oy) * wo + ox) * q + c0 * kk
-                    if rows_inside and ix0 >= 0 and ix0 + kw <= w:
-                        _add_window(src, g + iy0 * w + ix0, hw, w, kh, kw, ct)
-                    else:  # the part of the window on the padding is dropped
-                        for ch in range(ct):
-                            for i in range(kh):
-                                iy = iy0 + i
-                                if 0 <= iy < h:
-                                    for j in range(kw):
-                                        ix = ix0 + j
-                                        if 0 <= ix < w:
-                                            g[(ch * h + iy) * w + ix] += src[(ch * kh + i) * kw + j]
+        for oy in range(g.ho - 1, -1, -1):
+            iy0 = oy * g.sh - g.ph
+            block = rows + (b * g.ho + oy) * g.wo * g.q
+            c0 = 0
+            while c0 < g.c:
+                ct = min(g.tile, g.c - c0)
+                gb = gx + (b * g.c + c0) * g.hw
+                if iy0 >= 0 and iy0 + g.kh <= g.h:
+                    for ox in range(g.wo - 1, g.hi - 1, -1):
+                        _add_border_window(block + ox * g.q + c0 * g.kk, gb, g, iy0, ox * g.sw - g.pw, ct)
+                    _add_inside_run(block + c0 * g.kk, gb, g, iy0, ct, c0 + ct == g.c)
+                    for ox in range(g.lo - 1, -1, -1):
+                        _add_border_window(block + ox * g.q + c0 * g.kk, gb, g, iy0, ox * g.sw - g.pw, ct)
+                else:
+                    for ox in range(g.wo - 1, -1, -1):
+                        _add_border_window(block + ox * g.q + c0 * g.kk, gb, g, iy0, ox * g.sw - g.pw, ct)
+                c0 += ct
 
 
 def im2row(const floating[:, :, :, ::1] x, floating[:, ::1] rows, int kh, int kw, int sh, int sw,
@@ -181,8 +304,9 @@ def im2row(const floating[:, :, :, ::1] x, floating[:, ::1] rows, int kh, int kw
     ho, wo = _geometry(n, c, h, w, rows.shape[0], rows.shape[1], kh, kw, sh, sw, ph, pw)
     if rows.shape[0] == 0 or rows.shape[1] == 0:
         return
+    cdef Geometry g = _plan(c, h, w, kh, kw, sh, sw, ph, pw, sizeof(floating))
     with nogil:
-        _im2row(&x[0, 0, 0, 0], &rows[0, 0], n, c, h, w, kh, kw, sh, sw, ph, pw, ho, wo)
+        _im2row(&x[0, 0, 0, 0], &rows[0, 0], n, &g)
 
 
 def row2im(const floating[:, ::1] rows, floating[:, :, :, ::1] gx, int kh, int kw, int sh, int sw,
@@ -203,8 +327,9 @@ def row2im(const floating[:, ::1] rows, floating[:, :, :, ::1] gx, int kh, int k
     ho, wo = _geometry(n, c, h, w, rows.shape[0], rows.shape[1], kh, kw, sh, sw, ph, pw)
     if n * c * h * w == 0:
         return
+    cdef Geometry g = _plan(c, h, w, kh, kw, sh, sw, ph, pw, sizeof(floating))
     with nogil:
-        _row2im(&rows[0, 0], &gx[0, 0, 0, 0], n, c, h, w, kh, kw, sh, sw, ph, pw, ho, wo)
+        _row2im(&rows[0, 0], &gx[0, 0, 0, 0], n, &g)
 
 
 cdef void _transpose(const floating* src, floating* dst, Py_ssize_t n, Py_ssize_t p,
