@@ -105,6 +105,17 @@ cdef void _border_window(const floating* s, floating* dst, const Geometry* g, Py
     cdef Py_ssize_t jlo = _clip(-ix0, 0, kw), jhi = _clip(w - ix0, jlo, kw)
     cdef const floating* t
     memset(dst, 0, ct * g.kk * sizeof(floating))
+    if kw == 3 and jlo <= 1 < jhi:  # 3 wide, the middle column in the image: unrolled
+        for ch in range(ct):
+            t = s + ch * g.hw + iy0 * w + ix0
+            for i in range(ilo, ihi):
+                if jlo == 0:
+                    dst[i * 3] = t[i * w]
+                dst[i * 3 + 1] = t[i * w + 1]
+                if jhi == 3:
+                    dst[i * 3 + 2] = t[i * w + 2]
+            dst += g.kk
+        return
     for ch in range(ct):
         t = s + ch * g.hw + iy0 * w + ix0
         for i in range(ilo, ihi):
@@ -197,6 +208,17 @@ cdef void _add_border_window(const floating* src, floating* gb, const Geometry* 
     cdef Py_ssize_t ilo = _clip(-iy0, 0, kh), ihi = _clip(g.h - iy0, ilo, kh)
     cdef Py_ssize_t jlo = _clip(-ix0, 0, kw), jhi = _clip(w - ix0, jlo, kw)
     cdef floating* u
+    if kw == 3 and jlo <= 1 < jhi:  # 3 wide, the middle column in the image: unrolled
+        for ch in range(ct):
+            u = gb + ch * g.hw + iy0 * w + ix0
+            for i in range(ilo, ihi):
+                if jlo == 0:
+                    u[i * w] += src[i * 3]
+                u[i * w + 1] += src[i * 3 + 1]
+                if jhi == 3:
+                    u[i * w + 2] += src[i * 3 + 2]
+            src += g.kk
+        return
     for ch in range(ct):
         u = gb + ch * g.hw + iy0 * w + ix0
         for i in range(ilo, ihi):
