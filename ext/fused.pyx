@@ -1,5 +1,5 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False, language_level=3
-"""Fused element-wise passes of the training step: SGD and Adam updates.
+"""Fused element-wise passes of the training step: SGD and Adam updates, ReLU.
 
 Each NumPy expression of the code these kernels replace is a pass over memory, often into a
 temporary; here each update is one pass, without the GIL, on float32 or float64
@@ -12,9 +12,9 @@ where NumPy stores its temporary). The module is compiled with ``-ffp-contract=o
 no multiply and add are fused into one FMA (``setup.py``).
 
 **Coverage.** Every kernel returns False, having written nothing, when an array is not a
-plain native-order ``numpy.ndarray`` of the one dtype (float32 or float64), C-contiguous
-and aligned, of the expected size, writeable where written: the caller then takes its
-array-module (NumPy or CuPy) path. :func:`takes` is that check for one array.
+plain native-order ``numpy.ndarray`` of the one dtype (float32 or float64; bool for masks),
+C-contiguous and aligned, of the expected size, writeable where written: the caller then
+takes its array-module (NumPy or CuPy) path. :func:`takes` is that check for one array.
 """
 
 from cython cimport floating
@@ -279,4 +279,73 @@ def adam(w, g, m, v, int mode, double decay, double wd, double b1, double c1, do
         else:
             _adam(<double*>wp, <const double*>gp, <double*>mp, <double*>vp, n,
                   mode, decay, wd, b1, c1, b2, c2, inv_sqrt_bc2, eps, step_size)
+    return True
+
+
+# -- ReLU --------------------------------------------------------------------------------
+
+cdef void _relu_forward(const floating* x, floating* y, cnp.npy_bool* mask,
+                        Py_ssize_t n) noexcept nogil:
+    cdef floating xi
+    cdef Py_ssize_t i
+    for i in range(n):
+        xi = x[i]
+        mask[i] = xi > 0
+        # maximum(x, 0): +0 for x <= 0 (-0 included), x itself when it is NaN
+        y[i] = 0 if xi <= 0 else xi
+
+
+cdef void _relu_backward(const floating* gy, const cnp.npy_bool* mask, floating* gx,
+                         Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        gx[i] = gy[i] * <floating>mask[i]  # multiply(gy, mask): the bool cast to 0 or 1
+
+
+def relu_forward(x, y, mask) -> bool:
+    """``mask = x > 0`` and ``y = maximum(x, 0)`` in one pass (``y`` may be ``x``).
+
+    Returns:
+        False, with nothing written, when the arrays are not covered (module docstring).
+    """
+    cdef int t = _float_type(x)
+    cdef cnp.npy_intp n
+    if t < 0:
+        return False
+    n = cnp.PyArray_SIZE(<cnp.ndarray>x)
+    if not (_like(y, t, n, True) and _like(mask, cnp.NPY_BOOL, n, True)):
+        return False
+    cdef void* xp = _data(x)
+    cdef void* yp = _data(y)
+    cdef cnp.npy_bool* mp = <cnp.npy_bool*>_data(mask)
+    with nogil:
+        if t == cnp.NPY_FLOAT:
+            _relu_forward(<const float*>xp, <float*>yp, mp, n)
+        else:
+            _relu_forward(<const double*>xp, <double*>yp, mp, n)
+    return True
+
+
+def relu_backward(gy, mask, gx) -> bool:
+    """``gx = gy * mask`` in one pass (``gx`` may be ``gy``; ``mask`` of gy's shape).
+
+    Returns:
+        False, with nothing written, when the arrays are not covered (module docstring).
+    """
+    cdef int t = _float_type(gy)
+    cdef cnp.npy_intp n
+    if t < 0:
+        return False
+    n = cnp.PyArray_SIZE(<cnp.ndarray>gy)
+    if not (_like(gx, t, n, True) and _like(mask, cnp.NPY_BOOL, n, False)
+            and _same_shape(<cnp.ndarray>gy, <cnp.ndarray>mask)):
+        return False
+    cdef void* gyp = _data(gy)
+    cdef void* gxp = _data(gx)
+    cdef const cnp.npy_bool* mp = <const cnp.npy_bool*>_data(mask)
+    with nogil:
+        if t == cnp.NPY_FLOAT:
+            _relu_backward(<const float*>gyp, mp, <float*>gxp, n)
+        else:
+            _relu_backward(<const double*>gyp, mp, <double*>gxp, n)
     return True

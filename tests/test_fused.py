@@ -1,8 +1,8 @@
 """Tests of hpcdl._ext.fused: each kernel against the array-module path it replaces.
 
-SGD and Adam must give the same bits as the NumPy code (run here by setting the module's
-``_fused`` to None). Arrays the kernels do not cover (other dtypes, non-contiguous,
-read-only) take the NumPy path.
+SGD, Adam and ReLU must give the same bits as the NumPy code (run here by setting the
+module's ``_fused`` to None). Arrays the kernels do not cover (other dtypes,
+non-contiguous, read-only) take the NumPy path.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hpcdl.nn import Parameter
+from hpcdl.nn import Parameter, ReLU, activation
 from hpcdl.optim import SGD, Adam, adam, sgd
 
 fused = pytest.importorskip("hpcdl._ext.fused", reason="not built: python setup.py build_ext --inplace")
@@ -42,7 +42,7 @@ def without_kernel(module, monkeypatch: pytest.MonkeyPatch, use: bool) -> None:
 
 def test_kernels_are_built() -> None:
     """Every module that dispatches to the kernels found them."""
-    assert sgd._fused is adam._fused is fused
+    assert sgd._fused is adam._fused is activation._fused is fused
 
 
 # -- optimizers --------------------------------------------------------------------------
@@ -239,3 +239,78 @@ def test_optimizers_fall_back_for_uncovered_parameters(monkeypatch, order) -> No
 
     for make in (lambda ps: SGD(ps, 0.1, momentum=0.9, weight_decay=1e-3), lambda ps: Adam(ps, 0.01)):
         assert_same_bits(run(True, make), run(False, make))
+
+
+# -- ReLU --------------------------------------------------------------------------------
+
+
+def _relu_inputs(dtype, shape, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(dtype)
+    if x.size:
+        x.flat[: len(SPECIAL)] = np.asarray(SPECIAL[: x.size], dtype)
+    gy = rng.standard_normal(shape).astype(dtype)
+    if gy.size > 3:
+        gy.flat[:4] = [np.nan, np.inf, -0.0, -np.inf]
+    return x, gy
+
+
+def _relu_run(monkeypatch, use, x, gy, inplace=True):
+    without_kernel(activation, monkeypatch, use)
+    relu = ReLU(inplace=inplace)
+    x, gy = x.copy(), gy.copy()
+    with np.errstate(all="ignore"):
+        y = relu.forward(x)
+        mask = relu._mask
+        gx = relu.backward(gy)
+    return x, y, mask, gx, gy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 5), (0, 3), (), (3, 2, 7, 5), (1031,)])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_relu_same_bits(monkeypatch, dtype, shape, inplace) -> None:
+    """Forward (output and mask) and backward, -0.0, NaN and infinities included; in place or not."""
+    x, gy = _relu_inputs(dtype, shape)
+    got = _relu_run(monkeypatch, True, x, gy, inplace)
+    want = _relu_run(monkeypatch, False, x, gy, inplace)
+    for a, b in zip(got, want, strict=True):
+        assert_same_bits(a, b)
+    _, y, mask, gx, gy_after = got
+    assert mask.dtype == np.bool_ and mask.shape == x.shape
+    if inplace:  # the documented in-place behaviour is kept
+        assert y is got[0] and gx is gy_after
+
+
+@pytest.mark.parametrize("case", ["non-contiguous", "read-only", "float16"])
+def test_relu_uncovered_inputs_take_the_numpy_path(monkeypatch, case) -> None:
+    x, gy = _relu_inputs(np.float32, (6, 8))
+
+    def prepare(a: np.ndarray) -> np.ndarray:
+        if case == "non-contiguous":
+            return np.repeat(a, 2, axis=1)[:, ::2]
+        if case == "float16":
+            return a.astype(np.float16)
+        b = a.copy()
+        b.flags.writeable = False
+        return b
+
+    def run(use: bool) -> tuple[np.ndarray, ...]:
+        without_kernel(activation, monkeypatch, use)
+        relu = ReLU()
+        xc, gyc = prepare(x), prepare(gy)
+        with np.errstate(all="ignore"):
+            y = relu.forward(xc)
+            return xc, y, relu._mask, relu.backward(gyc)
+
+    got = run(True)
+    for a, b in zip(got, run(False), strict=True):
+        assert_same_bits(a, b)
+    if case == "read-only":
+        assert_same_bits(got[0], x)  # not written
+
+
+def test_relu_kernel_declines_a_mask_of_another_shape() -> None:
+    gy, mask = np.ones((3, 4), np.float32), np.ones((4, 3), np.bool_)
+    assert fused.relu_backward(gy, mask, gy) is False
+    assert fused.relu_forward(gy, np.empty(5, np.float32), np.empty(12, np.bool_)) is False
