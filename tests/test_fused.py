@@ -1,8 +1,9 @@
 """Tests of hpcdl._ext.fused: each kernel against the array-module path it replaces.
 
 SGD, Adam and ReLU must give the same bits as the NumPy code (run here by setting the
-module's ``_fused`` to None). Arrays the kernels do not cover (other dtypes,
-non-contiguous, read-only) take the NumPy path.
+module's ``_fused`` to None); BatchNorm's kernels sum in float64, so they are compared
+within a few float32 (or float64) roundings. Arrays the kernels do not cover (other
+dtypes, non-contiguous, read-only) take the NumPy path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from hpcdl.nn import Parameter, ReLU, activation
+from hpcdl.nn import BatchNorm1d, BatchNorm2d, Parameter, ReLU, activation, norm
 from hpcdl.optim import SGD, Adam, adam, sgd
 
 fused = pytest.importorskip("hpcdl._ext.fused", reason="not built: python setup.py build_ext --inplace")
@@ -42,7 +43,7 @@ def without_kernel(module, monkeypatch: pytest.MonkeyPatch, use: bool) -> None:
 
 def test_kernels_are_built() -> None:
     """Every module that dispatches to the kernels found them."""
-    assert sgd._fused is adam._fused is activation._fused is fused
+    assert sgd._fused is adam._fused is activation._fused is norm._fused is fused
 
 
 # -- optimizers --------------------------------------------------------------------------
@@ -314,3 +315,120 @@ def test_relu_kernel_declines_a_mask_of_another_shape() -> None:
     gy, mask = np.ones((3, 4), np.float32), np.ones((4, 3), np.bool_)
     assert fused.relu_backward(gy, mask, gy) is False
     assert fused.relu_forward(gy, np.empty(5, np.float32), np.empty(12, np.bool_)) is False
+
+
+# -- BatchNorm ---------------------------------------------------------------------------
+
+#: how close the kernels are to the NumPy path: a few roundings of the dtype
+BN_RTOL = {np.float32: 2e-6, np.float64: 1e-13}
+
+
+def _bn_run(monkeypatch, use, cls, dtype, x, gy, needs_input_grad=True):
+    without_kernel(norm, monkeypatch, use)
+    rng = np.random.default_rng(7)
+    c = x.shape[1]
+    bn = cls(c, momentum=0.3, dtype=dtype)
+    bn.weight.data[...] = rng.uniform(0.5, 1.5, c)
+    bn.bias.data[...] = rng.standard_normal(c)
+    bn.running_var[...] = rng.uniform(0.5, 2.0, c)
+    bn.needs_input_grad = needs_input_grad
+    y = bn.forward(x)
+    gx = bn.backward(gy)
+    return {
+        "y": y,
+        "gx": gx,
+        "gamma.grad": bn.weight.grad,
+        "beta.grad": bn.bias.grad,
+        "running_mean": bn.running_mean,
+        "running_var": bn.running_var,
+        "xhat": bn._xhat,
+        "inv_std": bn._inv_std,
+    }
+
+
+#: channel by channel (odd spatial sizes included), and row by row (one value per sample and
+#: channel: (N, C), (N, C, 1), (N, C, 1, 1))
+BN_CASES = [
+    (BatchNorm2d, (4, 3, 5, 7)),
+    (BatchNorm2d, (16, 8, 4, 4)),
+    (BatchNorm2d, (3, 2, 9, 11)),
+    (BatchNorm1d, (5, 4, 3)),
+    (BatchNorm1d, (64, 17)),
+    (BatchNorm1d, (2, 3)),
+    (BatchNorm1d, (6, 4, 1)),
+    (BatchNorm2d, (2, 5, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("cls", "shape"), BN_CASES)
+def test_batchnorm_kernel_close_to_numpy(monkeypatch, dtype, cls, shape) -> None:
+    """Training forward and backward, running statistics and caches, within a few roundings."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(shape) * 3 + 5).astype(dtype)
+    gy = rng.standard_normal(shape).astype(dtype)
+    got = _bn_run(monkeypatch, True, cls, dtype, x, gy)
+    want = _bn_run(monkeypatch, False, cls, dtype, x, gy)
+    for name in want:
+        assert got[name].dtype == want[name].dtype == dtype, name
+        assert got[name].shape == want[name].shape, name
+        scale = max(float(np.max(np.abs(want[name]))), 1.0)
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=BN_RTOL[dtype] * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batchnorm_kernel_without_input_grad(monkeypatch, dtype) -> None:
+    rng = np.random.default_rng(4)
+    x, gy = (rng.standard_normal((4, 3, 2, 5)).astype(dtype) for _ in range(2))
+    got = _bn_run(monkeypatch, True, BatchNorm2d, dtype, x, gy, needs_input_grad=False)
+    want = _bn_run(monkeypatch, False, BatchNorm2d, dtype, x, gy, needs_input_grad=False)
+    assert got["gx"] is None and want["gx"] is None
+    for name in ("gamma.grad", "beta.grad"):
+        np.testing.assert_allclose(got[name], want[name], rtol=BN_RTOL[dtype], atol=BN_RTOL[dtype])
+
+
+@pytest.mark.parametrize("shape", [(4096, 1, 1, 1), (4096, 1), (64, 1, 8, 8)])
+def test_batchnorm_kernel_statistics_in_float64(shape) -> None:
+    """A channel of large offset and small spread: the float64 sums give the exact statistics."""
+    x = np.full(shape, 1000.0, np.float32)
+    x.reshape(-1)[::2] += 0.0625  # exactly representable: mean 1000.03125, biased variance 0.0009765625
+    xhat, y = np.empty_like(x), np.empty_like(x)
+    mean, var, inv = (np.empty(1, np.float32) for _ in range(3))
+    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
+    assert fused.batchnorm_forward(x, one, zero, 0.0, xhat, y, mean, var, inv)
+    assert mean[0] == np.float32(1000.03125) and var[0] == np.float32(0.0009765625)
+    np.testing.assert_array_equal(np.abs(xhat), 1.0)
+
+
+@pytest.mark.parametrize("case", ["non-contiguous", "float16 parameters", "mixed dtypes"])
+def test_batchnorm_uncovered_inputs_take_the_numpy_path(monkeypatch, case) -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 6, 3, 5)).astype(np.float32)
+    gy = rng.standard_normal((4, 6, 3, 5)).astype(np.float32)
+    dtype = np.float32
+    if case == "non-contiguous":
+        x, gy = x[:, :, :, ::2], gy[:, :, :, ::2]
+    elif case == "float16 parameters":
+        dtype = np.float16
+        x, gy = x.astype(np.float16), gy.astype(np.float16)
+    else:
+        x = x.astype(np.float64)  # float32 parameters, float64 input
+    got = _bn_run(monkeypatch, True, BatchNorm2d, dtype, x, gy)
+    want = _bn_run(monkeypatch, False, BatchNorm2d, dtype, x, gy)
+    for name in want:
+        assert_same_bits(got[name], want[name])
+
+
+def test_batchnorm_eval_mode_is_unchanged(monkeypatch) -> None:
+    """Evaluation keeps the NumPy path: the same bits with or without the kernels."""
+    rng = np.random.default_rng(6)
+    x, gy = (rng.standard_normal((4, 3, 2, 2)).astype(np.float32) for _ in range(2))
+
+    def run(use):
+        without_kernel(norm, monkeypatch, use)
+        bn = BatchNorm2d(3).eval()
+        bn.running_mean[...] = [0.1, -0.2, 0.3]
+        return bn.forward(x), bn.backward(gy)
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert_same_bits(a, b)
