@@ -12,6 +12,11 @@ from hpcdl.nn.init import ones, zeros
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.parameter import Parameter
 
+try:
+    from hpcdl._ext import fused as _fused
+except ImportError:  # not built: the array-module path computes the same, up to rounding
+    _fused = None
+
 __all__ = ["BatchNorm1d", "BatchNorm2d"]
 
 
@@ -22,6 +27,12 @@ class _BatchNorm(Layer):
     are updated in place (``running = (1 - momentum) * running + momentum *
     batch``, the variance unbiased as in PyTorch); in evaluation mode the
     running statistics are used. Statistics stay local to the rank (docs/design.md, training semantics).
+
+    In training, NumPy inputs of float32 or float64 (C-contiguous, parameters of the same
+    dtype) take compiled kernels (``hpcdl._ext.fused``): the forward in three passes over
+    the input, the backward in two, without temporaries. Their per-channel sums accumulate
+    in float64, so their results differ from the array-module path's (pairwise sums in the
+    input's dtype) in the last bits.
     """
 
     _cache = ("_xhat", "_inv_std", "_batch_stats")
@@ -74,16 +85,16 @@ class _BatchNorm(Layer):
                     f"{self.name or type(self).__name__}: training needs more than one value per "
                     f"channel (input shape {tuple(x.shape)})"
                 )
+            if _fused is not None and _fused.takes(x):
+                y = self._forward_fused(x, m, cshape)
+                if y is not None:
+                    return y
             mean = x.mean(axis=axes, keepdims=True)  # 1, C, 1, 1
             xc = x - mean  # N, C, H, W
             var = (xc * xc).mean(axis=axes, keepdims=True)  # 1, C, 1, 1 (biased)
             inv_std = 1.0 / xp.sqrt(var + self.eps)  # 1, C, 1, 1
             xhat = xc * inv_std  # N, C, H, W
-            mom = self.momentum
-            self.running_mean *= 1.0 - mom  # C
-            self.running_mean += mom * mean.reshape(-1)  # C
-            self.running_var *= 1.0 - mom  # C
-            self.running_var += (mom * m / (m - 1)) * var.reshape(-1)  # C (unbiased)
+            self._update_running(mean.reshape(-1), var.reshape(-1), m)
         else:
             inv_std = 1.0 / xp.sqrt(self.running_var.reshape(cshape) + self.eps)  # 1, C, 1, 1
             xhat = (x - self.running_mean.reshape(cshape)) * inv_std  # N, C, H, W
@@ -91,12 +102,40 @@ class _BatchNorm(Layer):
         self._inv_std = inv_std.astype(x.dtype, copy=False)
         return xhat * gamma + beta  # N, C, H, W
 
+    def _forward_fused(self, x: Any, m: int, cshape: tuple[int, ...]) -> Any:
+        """The training forward by the compiled kernel; None when it does not take the arrays."""
+        xhat, y = np.empty_like(x), np.empty_like(x)  # N, C, H, W
+        mean, var, inv_std = (np.empty(self.num_features, x.dtype) for _ in range(3))  # C
+        if not _fused.batchnorm_forward(
+            x, self.weight.data, self.bias.data, self.eps, xhat, y, mean, var, inv_std
+        ):
+            return None
+        self._update_running(mean, var, m)
+        self._xhat = xhat
+        self._inv_std = inv_std.reshape(cshape)  # 1, C, 1, 1
+        return y
+
+    def _update_running(self, mean: Any, var: Any, m: int) -> None:
+        """Blend the batch ``mean`` and biased ``var`` (C) of ``m`` values per channel into the
+        running statistics (the variance made unbiased)."""
+        mom = self.momentum
+        self.running_mean *= 1.0 - mom  # C
+        self.running_mean += mom * mean  # C
+        self.running_var *= 1.0 - mom  # C
+        self.running_var += (mom * m / (m - 1)) * var  # C (unbiased)
+
     def backward(self, gy: Any) -> Any:
         xp = get_array_module(gy)
         xhat, inv_std = self._xhat, self._inv_std  # N, C, H, W; 1, C, 1, 1
         if xhat is None:
             raise RuntimeError(f"{self.name or type(self).__name__}: backward called before forward")
         axes, cshape = self._axes_and_shape(gy)
+        if self._batch_stats and _fused is not None and _fused.takes(gy):
+            gx = np.empty_like(gy) if self.needs_input_grad else None  # N, C, H, W
+            if _fused.batchnorm_backward(
+                gy, xhat, self.weight.data, inv_std.reshape(-1), self.bias.grad, self.weight.grad, gx
+            ):
+                return gx
         xp.sum(gy, axis=axes, out=self.bias.grad)  # C
         xp.sum(gy * xhat, axis=axes, out=self.weight.grad)  # C
         if not self.needs_input_grad:
