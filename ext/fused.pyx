@@ -120,6 +120,7 @@ cdef inline void _sgd_loop(floating* w, const floating* g, floating* v, Py_ssize
 cdef inline void _sgd_decay(floating* w, const floating* g, floating* v, Py_ssize_t n, floating lr,
                             floating mu, floating wd, bint decay, bint first,
                             bint nesterov) noexcept nogil:
+    """The loop for this momentum case, its flags as constants."""
     if v == NULL:
         _sgd_loop(w, g, v, n, lr, mu, wd, decay, False, False, False)
     elif first and nesterov:
@@ -308,7 +309,12 @@ cdef void _relu_backward(const floating* gy, const cnp.npy_bool* mask, floating*
 
 
 def relu_forward(x, y, mask) -> bool:
-    """``mask = x > 0`` and ``y = maximum(x, 0)`` in one pass (``y`` may be ``x``).
+    """``mask = x > 0`` and ``y = maximum(x, 0)`` in one pass.
+
+    Args:
+        x: the input.
+        y: written, the output, x's size (may be ``x``: in place).
+        mask: written, bool, x's size.
 
     Returns:
         False, with nothing written, when the arrays are not covered (module docstring).
@@ -332,7 +338,12 @@ def relu_forward(x, y, mask) -> bool:
 
 
 def relu_backward(gy, mask, gx) -> bool:
-    """``gx = gy * mask`` in one pass (``gx`` may be ``gy``; ``mask`` of gy's shape).
+    """``gx = gy * mask`` in one pass.
+
+    Args:
+        gy: the output's gradient.
+        mask: the forward's ``x > 0``, bool, gy's shape.
+        gx: written, the input gradient, gy's size (may be ``gy``: in place).
 
     Returns:
         False, with nothing written, when the arrays are not covered (module docstring).
