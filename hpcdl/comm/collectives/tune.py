@@ -8,12 +8,12 @@ for the message sizes a run will send, made on the machine it runs on:
    ``~/.cache/hpcdl/auto-tables.json``; :func:`default_cache`), a JSON file of entries keyed
    by the CPU model, the MPI library and version, the rank count and the ranks per node
    (:func:`cache_key`). An entry holds the median time of every algorithm at every size
-   measured there.
+   measured there (the fastest of its repetitions).
 2. Sizes the entry lacks (all of them with ``mode = "always"``) are **timed** by every rank
    together (:func:`~hpcdl.comm.collectives.timing.time_algorithms`: :data:`REPEAT`
-   interleaved repetitions of about :data:`MIN_TIME` seconds per algorithm and size: about
-   0.1 s per size at 2 ranks), and rank 0 writes them into the entry (atomically; a cache that
-   cannot be written costs a line, not the run).
+   interleaved repetitions of about :data:`MIN_TIME` seconds, or of one call where a call takes
+   longer, per algorithm and size; the fastest repetition is kept), and rank 0 writes them
+   into the entry (atomically; a cache that cannot be written costs a line, not the run).
 3. The run's table is :func:`~hpcdl.comm.collectives.auto.table_from_rows` over the run's
    sizes: at each, the fastest algorithm (the previous size's winner kept within 3%).
 
@@ -65,8 +65,10 @@ MODES = ("first", "never", "always")
 CACHE_FORMAT = 1
 #: what a cache entry is keyed by (:func:`hpcdl.comm.machine.describe`'s fields)
 KEY_FIELDS = ("cpu", "mpi", "ranks", "ranks_per_node")
-#: interleaved repetitions per size in a run's calibration (the median is kept)
-REPEAT = 3
+#: interleaved repetitions per size in a run's calibration (the fastest is kept: on a shared
+#: machine, noise only ever adds time, and a median of few repetitions still picked a 2.5x slower
+#: algorithm in one of three calibrations here)
+REPEAT = 5
 #: seconds per algorithm and repetition in a run's calibration
 MIN_TIME = 0.005
 #: the simulator's MPI allreduce: recursive doubling up to this many bytes, else Rabenseifner
@@ -195,7 +197,7 @@ def tuned_table(
         rows = time_algorithms(comm, missing, algorithms, repeat, min_time)
         seconds = float(comm.bcast(wtime() - t0, root=0))
         for r in rows:
-            entry["times"].setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = r["time_s"]
+            entry["times"].setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = r["min_s"]
         entry["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         lines += _on_root(comm, lambda: _store(path, found["key"], entry))
     rows = [
