@@ -60,8 +60,9 @@ def time_algorithms(
     Returns:
         One row per (size, algorithm): ``algorithm``, ``picked`` (the algorithm that ran:
         ``auto``'s choice, else ``algorithm``), ``size_bytes``, ``ranks``, ``time_s``
-        (median), ``min_s`` (the fastest repetition), ``iqr_s``, ``algbw_GBps`` (size / time), ``busbw_GBps`` (algbw
-        · 2 (n - 1) / n, nccl-tests' definition), ``time_vs_mpi``, ``iters``, ``repeat``.
+        (median), ``min_s`` (the fastest repetition), ``iqr_s``, ``algbw_GBps`` (size /
+        time), ``busbw_GBps`` (algbw · 2 (n - 1) / n, nccl-tests' definition),
+        ``time_vs_mpi``, ``iters``, ``repeat``.
     """
     size_n = comm.Get_size()
     item = np.dtype(dtype).itemsize
