@@ -386,3 +386,77 @@ def rows_to_nchw(const floating[:, :, ::1] src, floating[:, :, ::1] dst):
         return
     with nogil:
         _transpose(&src[0, 0, 0], &dst[0, 0, 0], n, p, o)
+
+
+def maxpool(const floating[:, :, :, ::1] x, floating[:, :, :, ::1] y, int[:, :, :, ::1] argmax,
+            int kh, int kw, int sh, int sw, int ph, int pw):
+    """Max over each window of ``x`` (N, C, H, W) into ``y`` (N, C, Ho, Wo), and the window offset
+    ``i * kw + j`` of the first maximum (row-major) into ``argmax``; padding counts as ``-inf``.
+
+    A value replaces the running maximum only when greater (``v > best``), as
+    ``hpcdl.nn.pool.MaxPool2d``'s NumPy passes do: ties and NaNs after the first element keep it.
+    """
+    cdef Py_ssize_t n = x.shape[0], c = x.shape[1], h = x.shape[2], w = x.shape[3]
+    cdef Py_ssize_t ho = y.shape[2], wo = y.shape[3]
+    if y.shape[0] != n or y.shape[1] != c or ho != _out(h, kh, sh, ph) or wo != _out(w, kw, sw, pw):
+        raise ValueError(f"y is {tuple(y.shape)[:4]}, expected ({n}, {c}, {_out(h, kh, sh, ph)}, "
+                         f"{_out(w, kw, sw, pw)})")
+    if tuple(argmax.shape)[:4] != tuple(y.shape)[:4]:
+        raise ValueError(f"argmax is {tuple(argmax.shape)[:4]}, y {tuple(y.shape)[:4]}")
+    cdef Py_ssize_t b, ch, oy, ox, i, j, iy, ix
+    cdef int k, arg
+    cdef floating v, best
+    cdef floating ninf = -float("inf")
+    with nogil:
+        for b in range(n):
+            for ch in range(c):
+                for oy in range(ho):
+                    for ox in range(wo):
+                        best = ninf
+                        arg = 0
+                        for i in range(kh):
+                            iy = oy * sh - ph + i
+                            for j in range(kw):
+                                ix = ox * sw - pw + j
+                                if 0 <= iy < h and 0 <= ix < w:
+                                    v = x[b, ch, iy, ix]
+                                else:
+                                    v = ninf
+                                k = <int>(i * kw + j)
+                                if k == 0 or v > best:
+                                    best = v
+                                    arg = k
+                        y[b, ch, oy, ox] = best
+                        argmax[b, ch, oy, ox] = arg
+
+
+def maxpool_backward(const floating[:, :, :, ::1] gy, const int[:, :, :, ::1] argmax,
+                     floating[:, :, :, ::1] gx, int kh, int kw, int sh, int sw, int ph, int pw):
+    """``gx`` (N, C, H, W, overwritten): each window's ``gy`` added onto its maximum (``argmax``),
+    zero elsewhere; contributions on the padding dropped. Windows must not overlap (stride at
+    least the kernel), so each pixel takes at most one contribution (``0 + gy``, as the NumPy
+    passes add it)."""
+    if sh < kh or sw < kw:
+        raise ValueError(f"maxpool_backward takes windows that do not overlap (stride ({sh}, {sw}) "
+                         f"below kernel ({kh}, {kw}))")
+    cdef Py_ssize_t n = gx.shape[0], c = gx.shape[1], h = gx.shape[2], w = gx.shape[3]
+    cdef Py_ssize_t ho = gy.shape[2], wo = gy.shape[3]
+    if (gy.shape[0] != n or gy.shape[1] != c or ho != _out(h, kh, sh, ph) or wo != _out(w, kw, sw, pw)
+            or tuple(argmax.shape)[:4] != tuple(gy.shape)[:4]):
+        raise ValueError(f"gy {tuple(gy.shape)[:4]} and argmax {tuple(argmax.shape)[:4]} do not fit "
+                         f"gx {tuple(gx.shape)[:4]}")
+    cdef Py_ssize_t b, ch, oy, ox, iy, ix
+    cdef int k
+    if n * c * h * w == 0:
+        return
+    with nogil:
+        memset(&gx[0, 0, 0, 0], 0, n * c * h * w * sizeof(floating))
+        for b in range(n):
+            for ch in range(c):
+                for oy in range(ho):
+                    for ox in range(wo):
+                        k = argmax[b, ch, oy, ox]
+                        iy = oy * sh - ph + k // kw
+                        ix = ox * sw - pw + k % kw
+                        if 0 <= iy < h and 0 <= ix < w:
+                            gx[b, ch, iy, ix] += gy[b, ch, oy, ox]

@@ -6,7 +6,7 @@ from typing import Any
 
 from hpcdl.backend import get_array_module
 from hpcdl.nn._util import pair
-from hpcdl.nn.conv import out_size, pad2d
+from hpcdl.nn.conv import _kernel, _kernel_takes, out_size, pad2d
 from hpcdl.nn.layer import Layer
 
 __all__ = ["AvgPool2d", "GlobalAvgPool2d", "MaxPool2d"]
@@ -97,6 +97,13 @@ class MaxPool2d(_Pool2d):
         xp = get_array_module(x)
         ho, wo = self._geometry(x)
         (kh, kw), (ph, pw) = self.kernel_size, self.padding
+        n, c, h, w = x.shape
+        self._shapes = (tuple(x.shape), (n, c, h + 2 * ph, w + 2 * pw))
+        if _kernel_takes(x):  # one compiled pass, the same maxima and offsets as the passes below
+            y = xp.empty((n, c, ho, wo), dtype=x.dtype)  # N, C, Ho, Wo
+            self._argmax = xp.empty((n, c, ho, wo), dtype=xp.int32)  # N, C, Ho, Wo
+            _kernel.maxpool(x, y, self._argmax, kh, kw, *self.stride, ph, pw)
+            return y
         xpad = pad2d(x, ph, pw, value=-xp.inf)  # N, C, Hp, Wp
         y = xpad[self._offset(0, 0, ho, wo)].copy()  # N, C, Ho, Wo
         argmax = xp.zeros(y.shape, dtype=xp.int32)  # N, C, Ho, Wo
@@ -106,7 +113,6 @@ class MaxPool2d(_Pool2d):
             argmax = xp.where(better, k, argmax)  # N, C, Ho, Wo
             y = xp.where(better, v, y)  # N, C, Ho, Wo
         self._argmax = argmax
-        self._shapes = (tuple(x.shape), tuple(xpad.shape))
         return y  # N, C, Ho, Wo
 
     def backward(self, gy: Any) -> Any:
@@ -115,9 +121,15 @@ class MaxPool2d(_Pool2d):
         if self._shapes is None:
             raise RuntimeError(f"{self.name or 'MaxPool2d'}: backward called before forward")
         xp = get_array_module(gy)
-        _, padded_shape = self._shapes
+        x_shape, padded_shape = self._shapes
         kh, kw = self.kernel_size
+        (sh, sw), (ph, pw) = self.stride, self.padding
         _, _, ho, wo = gy.shape
+        apart = sh >= kh and sw >= kw  # windows that do not overlap: one contribution per pixel
+        if apart and _kernel_takes(gy) and type(self._argmax) is type(gy) and self._argmax.flags.c_contiguous:
+            gx = xp.empty(x_shape, dtype=gy.dtype)  # N, C, H, W
+            _kernel.maxpool_backward(gy, self._argmax, gx, kh, kw, sh, sw, ph, pw)
+            return gx
         gxpad = xp.zeros(padded_shape, dtype=gy.dtype)  # N, C, Hp, Wp
         for k in range(kh * kw):
             hit = self._argmax == k  # N, C, Ho, Wo
