@@ -81,8 +81,10 @@ REDUCE: dict[str, str] = {
     "hpcdl.bench ops": "--sizes 8 16 --repeat 1",
     "hpcdl.bench switch": "--workers 2 --seconds 0.2 --repeat 1",
     "hpcdl.bench exchange": "--repeat 1 --loss 0 0.1",
-    # sizes far apart and a few repeats, so the fit sees times grow on a loaded machine too
-    "hpcdl.bench calibrate": "--sizes 8 256K 4M --repeat 3 --min-time 0.002 --contention-repeat 1",
+    # sizes far apart, up to 16M, and a few repeats, so the fit sees times grow on a loaded machine
+    # too: with 4 ranks on 2 cores a small message can wait a scheduler quantum, which the largest
+    # must outlast for a bandwidth to be fitted
+    "hpcdl.bench calibrate": "--sizes 8 1M 16M --repeat 3 --min-time 0.002 --contention-repeat 1",
 }
 #: run files the docs read but no documented command writes with --out: the command that does
 PROVIDERS: dict[str, str] = {

@@ -64,7 +64,9 @@ def test_one_worker_async_is_single_process_training_bit_for_bit(tmp_path: Path)
 @pytest.mark.parametrize(("workers", "servers"), [(3, 1), (3, 2)])  # 2 workers: tests/strategies
 def test_sync_mode_is_sync_data_parallel_on_the_same_batches(workers: int, servers: int) -> None:
     steps = 8
-    dp = sim(workers, cfg(f"train.steps={steps}", "parallel.strategy=sync"))
+    # MPI's own allreduce (the simulator's: doubling, folded at 3), the order ps sync sums in; auto
+    # would take the network model's choice
+    dp = sim(workers, cfg(f"train.steps={steps}", "parallel.strategy=sync", 'exchange.algorithm="mpi"'))
     ps = sim(workers + servers, cfg(f"train.steps={steps * workers}", "ps.mode=sync",
                                     f"ps.servers={servers}"))  # fmt: skip
     expected = flat(dp[0])
