@@ -278,7 +278,9 @@ def run(args: Any) -> list[dict[str, Any]]:
         for line in lines:
             print(line)
         print_rows(rows)
-        print(auto_summary(rows))
+        summary = auto_summary(rows)
+        if summary:
+            print(summary)
     return rows
 
 
@@ -299,10 +301,10 @@ def auto_summary(rows: Sequence[Mapping[str, Any]], from_bytes: int = 65536) -> 
     r0 = next(r for r in rows if r["algorithm"] == "auto")
     table = {"file": "--table", "packaged": "the packaged table"}.get(r0["auto_table"], "its own calibration")
     took = f" ({r0['calibration_s']:.2f} s)" if r0["auto_table"] == "calibrated" else ""
+    where = f"from {format_bytes(from_bytes)} up" if big else "at the sizes timed"
     return (
-        f"auto ({table}{took}) over the fastest algorithm per size: worst {worst[0]:.2f}x from "
-        f"{format_bytes(from_bytes)} up (at {format_bytes(worst[1])}, where {worst[2]} is fastest), "
-        f"{max(ratios)[0]:.2f}x at any size"
+        f"auto ({table}{took}) over the fastest algorithm per size: worst {worst[0]:.2f}x {where} "
+        f"(at {format_bytes(worst[1])}, where {worst[2]} is fastest), {max(ratios)[0]:.2f}x at any size"
     )
 
 

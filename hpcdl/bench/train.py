@@ -223,10 +223,15 @@ def _bench_train(
                 model, batch = strategies[name].model, b
     for label, more in (extra or {}).items():  # the same step with more settings: before/after
         name = f"hpcdl-{label}"
+        if name in impls or name == SOLO or name.endswith("-nowatch"):
+            raise ConfigError(
+                f"--variant {label}: row {name} is one of bench train's own: choose another name"
+            )
         variants[name] = load_config(config, [*sets, *more])
         strategies[name], impls[name], _ = _hpcdl_stepper(variants[name], comm)
         worlds[name] = comm
-    alone = comm.Split(comm.Get_rank(), 0) if solo and comm.Get_size() > 1 and not kfac else None
+    one_rank = solo and comm.Get_size() > 1 and not kfac and _fits_one_rank(cfg, comm)
+    alone = comm.Split(comm.Get_rank(), 0) if one_rank else None
     if alone is not None:  # the same step on one rank: each rank alone, all at once
         strategies[SOLO], impls[SOLO], _ = _hpcdl_stepper(cfg, alone)
         variants[SOLO], worlds[SOLO] = cfg, alone
@@ -249,6 +254,8 @@ def _bench_train(
             comm.Barrier()  # the one-rank rows too: the ranks measure together
             with use_world(worlds[name]) as here:
                 results[name].append(_measure(here, step, steps))
+            if name == SOLO:  # the slowest rank alone, as the N-rank rows take the slowest rank
+                results[name][-1]["step_s"] = comm.allreduce(results[name][-1]["step_s"], op=ops.MAX)
             if before is not None:
                 for key, value in _kfac_snapshot(updates[name]).items():
                     spent[name][key] = spent[name].get(key, 0.0) + value - before[key]
@@ -273,7 +280,7 @@ def _bench_train(
                 "impl": name,
                 "config": cfg["name"],
                 "ranks": size,
-                "batch_per_rank": batch_size,
+                "batch_per_rank": variants[name]["data.batch_size"],
                 "micro_steps": micro,
                 "samples_per_s": per_step / step_s,
                 "step_s": step_s,
@@ -282,19 +289,22 @@ def _bench_train(
                 "exposed_comm_s": statistics.median(r["exposed_comm_s"] for r in reps),
                 **{f"{b}_s": statistics.median(r[f"{b}_s"] for r in reps) for b in BREAKDOWN},
                 "compression": variants[name]["exchange.compression"] if name != "torch-ddp" else "none",
-                "exchange": cfg["exchange.name"] if name != "torch-ddp" else "ddp",
+                "exchange": variants[name]["exchange.name"] if name != "torch-ddp" else "ddp",
                 "stall_s": cfg["debug.stall_s"] if worlds[name] is not None and watchdog != "off" else 0.0,
                 "repeat": repeat,
                 **splits.get(name, {}),
             }
         )
+        if name in strategies:
+            placement = strategies[name].ctx.placement
+            rows[-1]["width"] = placement.width
+            rows[-1]["data_parallel"] = placement.width == placement.world  # every rank a whole replica
     one = next((r for r in rows if r["impl"] == SOLO), None)
     if one is not None:  # hpcdl against N x its one-rank step, and where the difference goes
-        one["samples_per_s"] = batch_size / one["step_s"]  # one rank's batch
         one["ranks"] = 1
         for r in rows:
-            if r["impl"].startswith("hpcdl") and r["impl"] != SOLO:
-                _scaling(r, one)
+            if r["impl"] != SOLO and r.get("data_parallel"):  # (a pipeline's stages are not N replicas)
+                _scaling(r, one, results[r["impl"]], results[SOLO])
     for r in rows:  # K-FAC's step against its SGD twin's
         twin = next((t for t in rows if t["impl"] == r["impl"].replace("-kfac", "", 1)), None)
         if "kfac_s" in r and twin is not None and twin is not r:
@@ -302,16 +312,32 @@ def _bench_train(
     return rows
 
 
-def _scaling(r: dict[str, Any], one: dict[str, Any]) -> None:
+def _fits_one_rank(cfg: Any, comm: Communicator) -> bool:
+    """Whether the config's strategy places on one rank (a pipeline of several stages does not:
+    no one-rank row then, said on rank 0)."""
+    try:
+        strategy_class(cfg["parallel.strategy"]).plan(cfg, 1)
+    except ConfigError as err:
+        if comm.Get_rank() == 0:
+            print(f"bench train: no {SOLO} row (the config does not run on one rank: {err})")
+        return False
+    return True
+
+
+def _scaling(r: dict[str, Any], one: dict[str, Any], reps: list[dict], solo: list[dict]) -> None:
     """``r``'s samples/s as a fraction of its width times ``one``'s (perfect scaling), and the
-    extra time per step by kind: the exchange's (:data:`BREAKDOWN`), the rest as ``other``."""
-    width = round(r["samples_per_s"] * r["step_s"] / r["batch_per_rank"])  # data-parallel ranks
-    r["width"], r["one_rank_samples_per_s"] = width, one["samples_per_s"]
-    r["scaling"] = r["samples_per_s"] / (width * one["samples_per_s"])
-    r["gap_s"] = r["step_s"] - one["step_s"]
-    for b in BREAKDOWN:
-        r[f"gap_{b}_s"] = r[f"{b}_s"] - one[f"{b}_s"]
-    r["gap_other_s"] = r["gap_s"] - sum(r[f"gap_{b}_s"] for b in BREAKDOWN)
+    extra time per step by kind: the exchange's (:data:`BREAKDOWN`), the rest as ``other``; each
+    a median over the repetitions of that repetition's difference from the one-rank step
+    (``reps`` and ``solo`` interleaved, pairwise)."""
+    r["one_rank_samples_per_s"] = one["samples_per_s"]
+    r["scaling"] = r["samples_per_s"] / (r["width"] * one["samples_per_s"])
+    gaps = [a["step_s"] - b["step_s"] for a, b in zip(reps, solo)]
+    r["gap_s"] = statistics.median(gaps)
+    for k in BREAKDOWN:
+        r[f"gap_{k}_s"] = statistics.median(a[f"{k}_s"] - b[f"{k}_s"] for a, b in zip(reps, solo))
+    r["gap_other_s"] = statistics.median(
+        g - sum(a[f"{k}_s"] - b[f"{k}_s"] for k in BREAKDOWN) for g, a, b in zip(gaps, reps, solo)
+    )
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:

@@ -123,12 +123,13 @@ def machine_line(info: dict[str, Any]) -> str:
 
 
 def blas_share(ranks_on_node: int, cores: int | None = None, bound: int | None = None) -> int:
-    """The BLAS threads a rank should use: the cores it was bound to (``bound``, when the launcher
-    bound it to fewer than the node's), else its share of the node's ``cores``; at least 1."""
+    """The BLAS threads a rank should use: its share of the node's ``cores``, and no more than the
+    cores the launcher bound it to (``bound``, when fewer than the node's); at least 1."""
     cores = cores if cores is not None else os.cpu_count() or 1
-    if bound is not None and bound < cores:
-        return max(1, bound)
-    return max(1, cores // max(1, ranks_on_node))
+    share = max(1, cores // max(1, ranks_on_node))
+    if bound is not None and bound < cores:  # never more than its share (ranks bound to one socket)
+        return max(1, min(bound, share))
+    return share
 
 
 def fit_blas_threads(comm: Communicator, env: Any = None) -> tuple[int, int] | None:

@@ -193,6 +193,8 @@ def _run(
         state = distribute(comm, opened.checkpoint, placement)
         saved = state.meta.pop(DRIVER, {})  # this rank's own counters
         strategy.load_state(state)
+        if opened.runfile is not None:  # what the strategy put back (sync's auto table) is what runs
+            opened.runfile.set_attrs(**strategy.run_attrs())
         trainer.step = opened.step
         trainer.counters = Counters(**{k: float(saved.get(k, v)) for k, v in Counters().as_dict().items()})
     try:

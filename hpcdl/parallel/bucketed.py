@@ -95,7 +95,9 @@ class BucketedExchange(LocalExchange):
         #: so backward writes straight into what is sent: nothing to pack, the average in place.
         #: Between a bucket's start and :meth:`exchange` its gradients hold partial sums. Not with
         #: ``debug``, whose check names the rank of a non-finite gradient before any is summed
-        self.in_place = in_place and mode == "plain" and not debug
+        # (and not over gradients already in another exchange's buckets: they stay where they are)
+        own = all(getattr(p.grad, "base", None) is None for p in self.params)
+        self.in_place = in_place and mode == "plain" and not debug and own
         if self.in_place:
             self._bind_grads()
         self._qscales: list[float | None] = [None] * len(self.buckets)
@@ -104,16 +106,21 @@ class BucketedExchange(LocalExchange):
         self.coll = Collectives(comm, algorithm, auto=auto)
         self.exposed_time = 0.0
         #: seconds inside the exchange by kind (``bench train``'s breakdown): ``pack`` (packing and
-        #: unpacking buckets, adding kept micro-steps), ``progress`` (starting allreduces and
+        #: unpacking buckets, or the in-place average), ``progress`` (starting allreduces and
         #: advancing them between layers, during backward), ``wait`` (waiting after backward)
         self.times = {"pack": 0.0, "progress": 0.0, "wait": 0.0}
-        self._grads = [p.grad for p in self.params]
         self._layer_params: dict[int, list[int]] = {}
         self._reqs: list[CollRequest | None] = []
         self._marked: set[int] = set()  # gradients final in this backward
         #: ``tracer(kind, start, end, bucket)``: timeline events (``log.trace``); None: none
         self.tracer: Callable[..., None] | None = None
         notes()["buckets"] = _InFlight(self)  # read by stall reports only: no cost per step
+
+    @property
+    def _grads(self) -> list[Any]:
+        """The gradients as they are now (another exchange over the same parameters may have
+        moved them into its buckets)."""
+        return [p.grad for p in self.params]
 
     def _bind_grads(self) -> None:
         """Make every ``p.grad`` a view of its place in its bucket's buffer (values kept)."""
@@ -195,7 +202,8 @@ class BucketedExchange(LocalExchange):
                 same on every rank, since they all see the same maximum).
         """
         members = self.buckets.plan.buckets[b].arrays
-        local = self.buckets.packer(b).maxabs([self._grads[i] for i in members])
+        grads = self._grads
+        local = self.buckets.packer(b).maxabs([grads[i] for i in members])
         size = self.comm.Get_size()
         if self.int32_scale == "pow2":
             self._exponent[0] = int32_exponent(local)
@@ -235,19 +243,20 @@ class BucketedExchange(LocalExchange):
         t_unpack = wtime()
         scale = self._average_scale()
         self._accumulated = 0
+        grads = self._grads
         for b in range(len(self.buckets)):
             buf = self.buckets.buffer(b)
             if self.in_place:  # the sum is the gradients: the mean in place, in their dtype (as unpack)
                 xp = get_array_module(buf)
                 xp.multiply(buf, buf.dtype.type(scale), out=buf)
             else:
-                self.buckets.unpack_bucket(b, buf, self._grads, scale=scale, qscale=self._qscales[b])
+                self.buckets.unpack_bucket(b, buf, grads, scale=scale, qscale=self._qscales[b])
         t_end = wtime()
         if self.tracer is not None:
             self.tracer("wait", t_wait, t_unpack)
             self.tracer("unpack", t_unpack, t_end)
         self.times["wait"] += t_unpack - t_wait
-        self.times["pack"] += t_end - t_unpack + t_wait - t0  # the unpacking; late parameters' packing
+        self.times["pack"] += t_end - t_unpack  # the unpacking (a late parameter's packing: in _start)
         self._reqs = []
         self._marked.clear()
         self.buckets.reset()

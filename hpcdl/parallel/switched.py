@@ -207,7 +207,8 @@ class SwitchExchange(BucketedExchange):
         """Queue bucket ``b``'s exponent round; its data round follows it when the maximum is known."""
         t0 = wtime() if self.tracer is not None else 0.0
         members = self.buckets.plan.buckets[b].arrays
-        local = int32_exponent(self.buckets.packer(b).maxabs([self._grads[i] for i in members]))
+        grads = self._grads
+        local = int32_exponent(self.buckets.packer(b).maxabs([grads[i] for i in members]))
         exponent = _NONFINITE if local == INT32_NONFINITE_EXPONENT else max(local, -0x8000)
         round_ = self.client.exponent(exponent, f"bucket {b}", then=lambda r: self._data_round(b, r.exponent))
         self._reqs.append(_Bucket(self.client, round_))

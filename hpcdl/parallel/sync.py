@@ -398,7 +398,7 @@ def bucket_sizes(params: Sequence[Parameter], bucket_mb: float, mode: str) -> tu
     if not params:
         return ()
     itemsize = wire_dtype(mode, np.dtype(params[0].dtype)).itemsize
-    plan = plan_buckets([p.size for p in params], round(bucket_mb * 2**20) or None, itemsize)
+    plan = plan_buckets([p.size for p in params], int(bucket_mb * 2**20) or None, itemsize)  # as the exchange
     return tuple(sorted({plan.nbytes(b) for b in range(len(plan))}))
 
 

@@ -63,7 +63,15 @@ def test_the_simulator_is_named_as_the_library() -> None:
 
 @pytest.mark.parametrize(
     ("on_node", "cores", "bound", "want"),
-    [(2, 2, None, 1), (1, 8, None, 8), (3, 8, None, 2), (16, 8, None, 1), (4, 64, 64, 16), (4, 64, 2, 2)],
+    [
+        (2, 2, None, 1),
+        (1, 8, None, 8),
+        (3, 8, None, 2),
+        (16, 8, None, 1),
+        (4, 64, 64, 16),
+        (4, 64, 2, 2),
+        (4, 16, 8, 4),
+    ],  # fmt: skip  (the last: 4 ranks bound 2 by 2 to a socket of 8 cores: 4 each, not 8)
 )
 def test_a_ranks_blas_gets_its_share_of_the_nodes_cores(on_node: int, cores: int, bound, want: int) -> None:
     """A share of the node's cores, or the cores the launcher bound the rank to when fewer."""

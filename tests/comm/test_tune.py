@@ -164,6 +164,8 @@ def test_a_damaged_cache_is_ignored_with_one_line_and_rewritten(tmp_path: Path, 
         (lambda e: e["machine"].update(cpu="another CPU"), "another machine"),
         (lambda e: e.update(algorithms=["ring"]), "timed ring"),
         (lambda e: next(iter(e["times"].values())).update(ring=-1.0), "not a positive number"),
+        (lambda e: e.update(algorithms=None), "no list of algorithms"),  # rank 0 must not raise: a hang
+        (lambda e: e.update(date=3), "no date"),
     ],
 )
 def test_a_foreign_or_stale_entry_is_ignored_with_one_line(tmp_path: Path, change, said: str) -> None:
@@ -225,3 +227,33 @@ def test_bench_allreduces_summary_is_autos_worst_ratio_to_the_fastest() -> None:
     assert "worst 1.25x from 64K up (at 1M, where doubling is fastest)" in line
     assert "3.00x at any size" in line and "(0.50 s)" in line
     assert auto_summary([r for r in rows if r["algorithm"] != "auto"]) == ""
+
+
+def test_sizes_are_timed_and_looked_up_as_whole_float32s(tmp_path: Path) -> None:
+    tuning = tuned_table(hc.world(), (1000003, 6), cache=tmp_path / "auto.json", min_time=1e-4)
+    assert tuning.timed == (4, 1000000)
+
+
+def test_always_times_again_and_keeps_the_other_sizes(tmp_path: Path) -> None:
+    comm, cache = hc.world(), tmp_path / "auto.json"
+    tuned_table(comm, (4096, 65536), cache=cache, min_time=1e-4)
+    assert tuned_table(comm, (4096,), mode="always", cache=cache, min_time=1e-4).timed == (4096,)
+    assert sorted(_entry(cache)["times"]) == ["4096", "65536"]
+
+
+def test_a_second_exchange_over_the_same_parameters_leaves_their_gradients_where_they_are() -> None:
+    """The first exchange moves each p.grad into its buckets; a second one over the same parameters
+    packs them from there instead of moving them again (its buckets would be the only ones filled)."""
+    from hpcdl.models import build_model
+    from hpcdl.parallel import BucketedExchange
+    from hpcdl.rng import generator
+
+    params = build_model("mlp", (16,), 4, rng=generator(0, "init"), depth=2, width=8).parameters()
+    first = BucketedExchange(hc.world(), params, bucket_mb=0.0001, algorithm="ring")
+    views = [p.grad for p in params]
+    second = BucketedExchange(hc.world(), params, bucket_mb=0.0001, algorithm="ring")
+    assert first.in_place and not second.in_place
+    assert all(p.grad is v for p, v in zip(params, views))
+    assert all(a is b for a, b in zip(second._grads, views))
+    first.free()
+    second.free()

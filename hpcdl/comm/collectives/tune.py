@@ -7,8 +7,8 @@ for the message sizes a run will send, made on the machine it runs on:
 1. Rank 0 reads the **cache** (``$XDG_CACHE_HOME/hpcdl/auto-tables.json``, else
    ``~/.cache/hpcdl/auto-tables.json``; :func:`default_cache`), a JSON file of entries keyed
    by the CPU model, the MPI library and version, the rank count and the ranks per node
-   (:func:`cache_key`). An entry holds the median time of every algorithm at every size
-   measured there (the fastest of its repetitions).
+   (:func:`cache_key`). An entry holds the time of every algorithm at every size measured
+   there (the fastest of its repetitions).
 2. Sizes the entry lacks (all of them with ``mode = "always"``) are **timed** by every rank
    together (:func:`~hpcdl.comm.collectives.timing.time_algorithms`: :data:`REPEAT`
    interleaved repetitions of about :data:`MIN_TIME` seconds, or of one call where a call takes
@@ -24,8 +24,9 @@ replaced. ``mode = "never"`` skips all of this (the packaged or named table is u
 In the simulator nothing is timed: the table is the α-β model's (:func:`analytic_table`), from
 the network file's latency and bandwidth (``Communicator.alpha_beta``), the same in every run.
 
-A run records the table it used (the run file, each checkpoint); a resume takes the
-checkpoint's, so that the summation order, and the trajectory, stay those of the first run.
+A run records the table its exchange uses (rank 0's, in the run file; each rank's, in each
+checkpoint); a resume takes the checkpoint's, so that the summation order, and the trajectory,
+stay those of the first run (a resume on a cache miss still calibrates first, then discards it).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def tuned_table(
 
     if mode not in ("first", "always"):
         raise ValueError(f"tuned_table's mode is first or always (got {mode!r}); never: do not call it")
-    sizes = tuple(sorted({int(n) for n in sizes if n > 0}))
+    sizes = tuple(sorted({max(int(n) // 4, 1) * 4 for n in sizes if n > 0}))  # as timed: whole float32s
     ranks = comm.Get_size()
     alpha_beta = getattr(comm, "alpha_beta", None)
     if alpha_beta is not None:  # the simulator: its network's model, nothing timed
@@ -198,8 +199,8 @@ def tuned_table(
         seconds = float(comm.bcast(wtime() - t0, root=0))
         for r in rows:
             entry["times"].setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = r["min_s"]
-        entry["date"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        lines += _on_root(comm, lambda: _store(path, found["key"], entry))
+        stored, entry["date"] = _on_root(comm, lambda: _store(path, found["key"], entry))
+        lines += stored
     rows = [
         {"algorithm": a, "size_bytes": n, "ranks": ranks, "time_s": entry["times"][str(n)][a]}
         for n in sizes
@@ -263,9 +264,10 @@ def _lookup(
         if stale:
             lines.append(f"auto: cache entry for this machine in {path} ignored ({stale}); calibrating anew")
             entry = None
-    if entry is None or mode == "always":
+    if entry is None:
         entry = fresh
-    missing = [n for n in sizes if not all(a in entry["times"].get(str(n), {}) for a in algorithms)]
+    have = entry["times"]
+    missing = [n for n in sizes if mode == "always" or not all(a in have.get(str(n), {}) for a in algorithms)]
     return {"key": key, "entry": entry, "missing": missing, "lines": lines}
 
 
@@ -290,10 +292,15 @@ def _stale(entry: Any, machine: Mapping[str, Any], algorithms: tuple[str, ...]) 
     """Why a cache entry cannot be used here ("" if it can)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("times"), dict):
         return "damaged: no times"
+    timed = entry.get("algorithms")
+    if not isinstance(timed, list) or not all(isinstance(a, str) for a in timed):
+        return "damaged: no list of algorithms"
     if entry.get("machine") != dict(machine):
         return "recorded for another machine: copied from elsewhere?"
-    if sorted(entry.get("algorithms", [])) != sorted(algorithms):
-        return f"timed {', '.join(entry.get('algorithms', []))}; this hpcdl has {', '.join(algorithms)}"
+    if sorted(timed) != sorted(algorithms):
+        return f"timed {', '.join(timed)}; this hpcdl has {', '.join(algorithms)}"
+    if not isinstance(entry.get("date"), str):
+        return "damaged: no date"
     for per in entry["times"].values():
         if not isinstance(per, dict) or not all(
             isinstance(t, int | float) and math.isfinite(t) and t > 0 for t in per.values()
@@ -302,15 +309,17 @@ def _stale(entry: Any, machine: Mapping[str, Any], algorithms: tuple[str, ...]) 
     return ""
 
 
-def _store(path: Path, key: str, entry: Mapping[str, Any]) -> list[str]:
-    """Rank 0: ``entry`` written into the cache under ``key`` (other entries kept); a line if it
-    cannot be."""
+def _store(path: Path, key: str, entry: Mapping[str, Any]) -> tuple[list[str], str]:
+    """Rank 0: ``entry`` written into the cache under ``key`` (other entries kept), dated now; a
+    line if it cannot be, and the date (every rank's table carries rank 0's)."""
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     entries, _ = _read(path)
-    entries[key] = dict(entry)
+    entries[key] = {**entry, "date": date}
     text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, text, what="the auto cache")
     except (OSError, HpcdlError) as err:
-        return [f"auto: the calibration was not cached ({err}); set exchange.auto_cache to a writable file"]
-    return []
+        why = f"auto: the calibration was not cached ({err}); set exchange.auto_cache to a writable file"
+        return [why], date
+    return [], date
