@@ -143,15 +143,15 @@ def test_the_key_is_the_cpu_the_mpi_library_and_the_ranks(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("damage", "said"),
     [
-        (lambda c, e: c.write_text("{not json"), "not JSON"),
-        (lambda c, e: c.write_text(json.dumps({"format": 99, "entries": {}})), "format 99"),
-        (lambda c, e: c.write_text(json.dumps({"entries": []})), 'no "entries"'),
+        ("{not json", "not JSON"),
+        (json.dumps({"format": 99, "entries": {}}), "format 99"),
+        (json.dumps({"entries": []}), 'no "entries"'),
     ],
 )
 def test_a_damaged_cache_is_ignored_with_one_line_and_rewritten(tmp_path: Path, damage, said: str) -> None:
     comm = hc.world()
     cache = tmp_path / "auto.json"
-    damage(cache, None)
+    cache.write_text(damage)
     tuning = tuned_table(comm, SIZES, cache=cache, min_time=1e-4)
     assert tuning.source == "calibrated"
     assert said in tuning.lines[0] and "ignored" in tuning.lines[0] and len(tuning.lines) == 2

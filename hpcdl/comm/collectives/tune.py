@@ -44,6 +44,7 @@ from hpcdl.atomic import write_text_atomic
 from hpcdl.comm.collectives.api import ALGORITHMS
 from hpcdl.comm.collectives.auto import AutoTable, format_segments, table_from_rows
 from hpcdl.comm.contract import Communicator
+from hpcdl.comm.objects import on_root
 from hpcdl.errors import HpcdlError
 
 __all__ = [
@@ -188,7 +189,7 @@ def tuned_table(
     per_node = len(host_ranks(comm))
     path = Path(cache) if cache else default_cache()
     algorithms = tuple(algorithms)
-    found = _on_root(comm, lambda: _lookup(comm, path, per_node, algorithms, sizes, mode))
+    found = on_root(comm, lambda: _lookup(comm, path, per_node, algorithms, sizes, mode))
     entry, missing, lines = found["entry"], tuple(found["missing"]), list(found["lines"])
     seconds = 0.0
     if missing:
@@ -199,7 +200,7 @@ def tuned_table(
         seconds = float(comm.bcast(wtime() - t0, root=0))
         for r in rows:
             entry["times"].setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = r["min_s"]
-        stored, entry["date"] = _on_root(comm, lambda: _store(path, found["key"], entry))
+        stored, entry["date"] = on_root(comm, lambda: _store(path, found["key"], entry))
         lines += stored
     rows = [
         {"algorithm": a, "size_bytes": n, "ranks": ranks, "time_s": entry["times"][str(n)][a]}
@@ -230,12 +231,6 @@ def tuned_table(
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def _on_root(comm: Communicator, action: Any) -> Any:
-    from hpcdl.comm.objects import on_root
-
-    return on_root(comm, action)
 
 
 def _lookup(
