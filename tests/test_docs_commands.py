@@ -84,7 +84,7 @@ REDUCE: dict[str, str] = {
     # sizes far apart, up to 16M, and a few repeats, so the fit sees times grow on a loaded machine
     # too: with 4 ranks on 2 cores a small message can wait a scheduler quantum, which the largest
     # must outlast for a bandwidth to be fitted
-    "hpcdl.bench calibrate": "--sizes 8 1M 16M --repeat 3 --min-time 0.002 --contention-repeat 1",
+    "hpcdl.bench calibrate": "--sizes 8 1M 16M --repeat 5 --min-time 0.01 --contention-repeat 1",
 }
 #: run files the docs read but no documented command writes with --out: the command that does
 PROVIDERS: dict[str, str] = {
