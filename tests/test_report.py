@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from report_figures import written_plots
 
 from hpcdl.errors import ConfigError, HpcdlError
-from hpcdl.report import main, summarize
+from hpcdl.report import load, main, summarize
 from hpcdl.store.runfile import RunFile, RunFileError
 
 NAN = math.nan
@@ -155,6 +156,53 @@ def test_not_a_run_file(tmp_path, kind):
     with pytest.raises(HpcdlError, match=f"{kind}.h5") as err:
         main([str(path)])
     assert "\n" not in str(err.value)
+
+
+def _chunks(path: Path) -> list[tuple[int, str, int]]:
+    """Every chunk of ``path`` as (byte offset, series, its first row), in file order."""
+    chunks: list[tuple[int, str, int]] = []
+
+    def add(name: str, d: object) -> None:
+        if isinstance(d, h5py.Dataset) and d.chunks:
+            info = (d.id.get_chunk_info(i) for i in range(d.id.get_num_chunks()))
+            chunks.extend((c.byte_offset, name, c.chunk_offset[0]) for c in info)
+
+    with h5py.File(path) as f:
+        f.visititems(add)
+    return sorted(chunks)
+
+
+def _cut_at(path: Path, end: int) -> None:
+    """Cut ``path`` at ``end`` and write that end into the superblock, as a writer killed while
+    it flushed can leave it: the superblock agrees, what it names past ``end`` is gone."""
+    raw = bytearray(path.read_bytes()[:end])
+    assert raw[8] == 0  # superblock version 0: its end-of-file address is at byte 40
+    raw[40:48] = struct.pack("<Q", end)
+    path.write_bytes(bytes(raw))
+
+
+def test_a_run_file_whose_writer_died_mid_flush_reports_the_rows_that_survived(tmp_path, capsys):
+    path = _write(tmp_path / "killed.h5", "mlp", "mpi", 2, _rows(1100, {}, True), status="running")
+    offset, name, rows = _chunks(path)[-1]  # the last chunk is cut: the series before it survive
+    _cut_at(path, offset + 8)
+    with h5py.File(path) as f, pytest.raises(OSError, match="addr overflow"):
+        f[name][...]  # what h5py makes of it
+    run = load(path)
+    assert run.cut == (name,) and 0 < rows < 1100
+    group = run.metrics if name.startswith("metrics/") else run.ranks
+    assert {len(v) for v in group.values()} == {rows}  # the group cut to its shortest series
+    assert main([str(path), "--out", f"{tmp_path}/plots/"]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}: read up to the rows its writer flushed before it died ({name} end past" in err
+
+
+def test_a_run_file_whose_metadata_lies_past_its_end_is_one_line(tmp_path):
+    path = _write(tmp_path / "killed.h5", "mlp", "mpi", 2, _rows(30, {}, True), status="running")
+    with h5py.File(path) as f:
+        metrics = h5py.h5o.get_info(f["metrics"].id).addr
+    _cut_at(path, metrics + 8)  # metrics/'s own header is cut
+    with pytest.raises(RunFileError, match=r"killed.h5: it is damaged .*or not an hpcdl run file$"):
+        load(path)
 
 
 def test_usage_error():

@@ -3,8 +3,9 @@
 Run under mpiexec with 2 or more ranks. Rank 0 ping-pongs with the first rank on its own
 host (the intra-node pair: shared memory) and with the first rank on another host (the
 inter-node pair), when there is one; every size is timed as ``repeat`` samples of enough
-round trips to last ``min_time``, and the one-way time is half a round trip, median over
-the samples. The fit is Hockney's ``T(S) = alpha + S / B``: alpha is the median one-way time of the
+round trips to last ``min_time``, and the one-way time is half a round trip, the fastest
+of the samples (a scheduler's quantum or another process only ever adds time: on a loaded
+node the median of small pings can outlast a large transfer). The fit is Hockney's ``T(S) = alpha + S / B``: alpha is the median one-way time of the
 tiny sizes (up to 1 KiB), and ``1 / B`` the slope through ``(0, alpha)`` that minimises the
 *relative* residuals of the larger sizes (so that medium and large messages count alike).
 Rank 0 prints the fit and the residual per size, and writes a TOML file that
@@ -89,8 +90,9 @@ def pingpong(
     ``peer``; then ``repeat`` samples.
 
     Returns:
-        One row per size (the same on every rank): ``size_bytes``, ``one_way_s`` (median of
-        the samples), ``min_s``, ``max_s``, ``round_trips`` per sample, ``repeat``.
+        One row per size (the same on every rank): ``size_bytes``, ``one_way_s`` (the fastest
+        sample: waits for the scheduler or another process only ever add time, so the fastest
+        is the link's own), ``median_s``, ``max_s``, ``round_trips`` per sample, ``repeat``.
     """
     rank = comm.Get_rank()
     rows: list[dict[str, Any]] = []
@@ -127,8 +129,8 @@ def pingpong(
             rows.append(
                 {
                     "size_bytes": nbytes,
-                    "one_way_s": statistics.median(samples),
-                    "min_s": min(samples),
+                    "one_way_s": min(samples),
+                    "median_s": statistics.median(samples),
                     "max_s": max(samples),
                     "round_trips": inner,
                     "repeat": repeat,
@@ -304,7 +306,7 @@ def _report(
     for link, values in links.items():
         peer = next(r["peer"] for r in rows if r["link"] == link)
         print(
-            f"bench calibrate: {link}-node ping-pong, rank 0 <-> rank {peer}, median of {r0['repeat']} "
+            f"bench calibrate: {link}-node ping-pong, rank 0 <-> rank {peer}, fastest of {r0['repeat']} "
             "samples per size"
         )
         print(f"{'size':>10}{'one-way us':>12}{'model us':>11}{'residual us':>13}{'residual':>10}")
@@ -324,7 +326,7 @@ def _report(
         "name": name or out.stem,
         "source": (
             f"measured by python -m hpcdl.bench calibrate on {date}: {where}, {library}; {measured} "
-            f"ping-pong from rank 0, one-way time = half a round trip, median of {r0['repeat']} samples "
+            f"ping-pong from rank 0, one-way time = half a round trip, fastest of {r0['repeat']} samples "
             "per size; alpha = median time of the sizes up to 1 KiB, 1/B = relative least-squares slope"
         ),
         "ranks_per_node": rpn,

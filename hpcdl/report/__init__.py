@@ -153,6 +153,8 @@ class Run:
     tables: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     samples: np.ndarray | None = None
     trace: dict[str, np.ndarray] = field(default_factory=dict)
+    #: series read only in part: a writer killed while it flushed left chunks past the file's end
+    cut: tuple[str, ...] = ()
 
     @property
     def rows(self) -> int:
@@ -178,11 +180,14 @@ def load(path: str | Path) -> Run:
     """Read a run file with plain h5py (every series of ``metrics/``, ``ranks/``, the row groups, ``trace/``).
 
     Series of one group of unequal length (a crash between two appends) are cut to the
-    shortest. ``Run.samples`` is the recorded ``metrics/samples`` or, for older files,
-    computed from the steps and the placement (:func:`samples_processed`).
+    shortest. A series whose last chunks lie past the file's end (its writer was killed
+    while it flushed) is read up to them, and named in ``Run.cut``. ``Run.samples`` is the
+    recorded ``metrics/samples`` or, for older files, computed from the steps and the
+    placement (:func:`samples_processed`).
 
     Raises:
-        RunFileError: the file is missing, is not HDF5, or is not an hpcdl run file.
+        RunFileError: the file is missing, is not HDF5, or is not an hpcdl run file, or it is
+            damaged beyond its series' chunks (metadata past its end).
         FileError: the file cannot be read (permissions, ...).
     """
     path = Path(path)
@@ -201,35 +206,72 @@ def load(path: str | Path) -> Run:
         raise unreadable(path, err, verb="read") from None
     if h5 is None:
         raise RunFileError(f"{path} is not an HDF5 file (expected an hpcdl run file)")
-    with h5:
-        version = h5.attrs.get("format_version")
-        if "metrics" not in h5 and "run_file" in h5.attrs:  # a checkpoint's root attributes
-            owner = path.with_name(str(_plain(h5.attrs["run_file"])))
-            raise RunFileError(f"{path} is a checkpoint, not a run file: report its run file {owner}")
-        if version is None or "metrics" not in h5:
-            raise RunFileError(f"{path} is not an hpcdl run file (no format_version attribute or metrics/)")
-        if int(version) > FORMAT_VERSION:
-            raise RunFileError(
-                f"{path} has run file format {int(version)}; this hpcdl reads up to {FORMAT_VERSION}"
-            )
-        attrs = {key: _plain(value) for key, value in h5.attrs.items()}
-        metrics = {k: d[...] for k, d in h5["metrics"].items() if isinstance(d, h5py.Dataset)}
-        ranks = _series(h5.get("ranks"))
-        tables = {name: _cut(_series(group)) for name, group in h5.items()
-                  if isinstance(group, h5py.Group) and name not in _DRIVER_GROUPS}  # fmt: skip
-        trace = _series(h5.get("trace"))
+    try:
+        with h5:
+            return _read_run(path, h5)
+    except OSError as err:  # metadata past the file's end: nothing to salvage
+        raise unreadable(path, err, verb="read") from None
+    except RuntimeError as err:  # h5py's type when it looks a link up there
+        if "addr overflow" not in str(err):
+            raise
+        raise unreadable(path, OSError(str(err)), verb="read") from None
+
+
+def _read_run(path: Path, h5: h5py.File) -> Run:
+    """:func:`load` of an open file."""
+    cut: list[str] = []  # the series read in part
+    version = h5.attrs.get("format_version")
+    if "metrics" not in h5 and "run_file" in h5.attrs:  # a checkpoint's root attributes
+        owner = path.with_name(str(_plain(h5.attrs["run_file"])))
+        raise RunFileError(f"{path} is a checkpoint, not a run file: report its run file {owner}")
+    if version is None or "metrics" not in h5:
+        raise RunFileError(f"{path} is not an hpcdl run file (no format_version attribute or metrics/)")
+    if int(version) > FORMAT_VERSION:
+        raise RunFileError(
+            f"{path} has run file format {int(version)}; this hpcdl reads up to {FORMAT_VERSION}"
+        )
+    attrs = {key: _plain(value) for key, value in h5.attrs.items()}
+    metrics = _series(h5["metrics"], cut)
+    ranks = _series(h5.get("ranks"), cut)
+    tables = {name: _cut(_series(group, cut)) for name, group in h5.items()
+              if isinstance(group, h5py.Group) and name not in _DRIVER_GROUPS}  # fmt: skip
+    trace = _series(h5.get("trace"), cut)
     metrics = _cut(metrics)
     trace = _cut(trace)
     if "kind" in trace:
         trace["kind"] = np.array([k.decode() if isinstance(k, bytes) else str(k) for k in trace["kind"]])
-    return Run(path, attrs, metrics, _cut(ranks), tables, samples_processed(metrics, attrs), trace)
+    samples = samples_processed(metrics, attrs)
+    return Run(path, attrs, metrics, _cut(ranks), tables, samples, trace, tuple(cut))
 
 
-def _series(group: h5py.Group | None) -> dict[str, np.ndarray]:
-    """Every dataset of ``group`` (none when the file has no such group)."""
+def _series(group: h5py.Group | None, cut: list[str]) -> dict[str, np.ndarray]:
+    """Every dataset of ``group`` (none when the file has no such group); see :func:`_rows`."""
     if not isinstance(group, h5py.Group):
         return {}
-    return {k: d[...] for k, d in group.items() if isinstance(d, h5py.Dataset)}
+    return {k: _rows(d, cut) for k, d in group.items() if isinstance(d, h5py.Dataset)}
+
+
+def _rows(d: h5py.Dataset, cut: list[str]) -> np.ndarray:
+    """All of ``d``; or, when some of its chunks lie past the file's end (a writer killed while
+    it flushed: h5py's "addr overflow"), its rows up to the first such chunk, and its name in ``cut``.
+
+    Raises:
+        OSError: ``d`` is not chunked along its rows, so nothing can be read in part.
+    """
+    try:
+        return d[...]
+    except OSError:
+        if d.chunks is None or d.ndim == 0:
+            raise
+    step = d.chunks[0]
+    parts = []
+    for start in range(0, d.shape[0], step):
+        try:
+            parts.append(d[start : start + step])
+        except OSError:
+            break
+    cut.append(d.name.lstrip("/"))
+    return np.concatenate(parts) if parts else np.empty((0, *d.shape[1:]), d.dtype)
 
 
 def _cut(series: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -443,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), sys.argv[1:] if argv is None else list(argv))
     paths = run_files(args.runs)
     runs = [load(path) for path in paths]
+    for run in runs:
+        if run.cut:
+            print(
+                f"hpcdl.report: {run.path}: read up to the rows its writer flushed before it died "
+                f"({', '.join(run.cut)} end past the file's end)",
+                file=sys.stderr,
+            )
     names = labels(runs)
     rows = [summarize(run) | {"run": name} for run, name in zip(runs, names)]
     print(format_table(rows))

@@ -698,7 +698,7 @@ def unreadable(
         A :class:`RunFileError` (damaged) or :class:`~hpcdl.errors.FileError` to raise.
     """
     text = str(err)
-    if "truncated" in text or "signature" in text:
+    if "truncated" in text or "signature" in text or "addr overflow" in text:
         cut = _TRUNCATED.search(text)
         how = f" (truncated: {cut[1]} of its {cut[2]} bytes)" if cut else ""
         return RunFileError(f"cannot {verb} run file {path}: it is damaged{how} or not an hpcdl run file"
