@@ -5,9 +5,10 @@ host (the intra-node pair: shared memory) and with the first rank on another hos
 inter-node pair), when there is one; every size is timed as ``repeat`` samples of enough
 round trips to last ``min_time``, and the one-way time is half a round trip, the fastest
 of the samples (a scheduler's quantum or another process only ever adds time: on a loaded
-node the median of small pings can outlast a large transfer). The fit is Hockney's ``T(S) = alpha + S / B``: alpha is the median one-way time of the
-tiny sizes (up to 1 KiB), and ``1 / B`` the slope through ``(0, alpha)`` that minimises the
-*relative* residuals of the larger sizes (so that medium and large messages count alike).
+node the median of small pings can outlast a large transfer). The fit is Hockney's
+``T(S) = alpha + S / B``: alpha is the median one-way time of the tiny sizes (up to 1 KiB),
+and ``1 / B`` the slope through ``(0, alpha)`` that minimises the *relative* residuals of
+the larger sizes (so that medium and large messages count alike).
 Rank 0 prints the fit and the residual per size, and writes a TOML file that
 ``python -m hpcdl.simulate --network FILE`` loads (:func:`hpcdl.sim.network.load_network`):
 ``ranks_per_node`` from the host names (0 when every rank is on one host), ``[intra]`` and
