@@ -16,6 +16,7 @@ __all__ = [
     "due",
     "host_ranks",
     "long_wait",
+    "node_memory",
     "notes",
     "reset_world",
     "set_world",
@@ -288,6 +289,29 @@ def host_ranks(comm: Communicator) -> list[int]:
     from hpcdl.comm import mpi
 
     return mpi.host_ranks(comm)
+
+
+def node_memory(comm: Communicator, nbytes: int) -> Any:
+    """``nbytes`` per rank of memory that every rank of ``comm`` reads directly, when all of them
+    run on one node (collective): a :class:`~hpcdl.comm.collectives.shm.NodeMemory`, or None.
+
+    Under MPI, a shared window (:func:`hpcdl.comm.mpi.node_segments`); a simulated
+    communicator provides ``node_segments(nbytes)`` (its ranks share one process). Free it
+    with its ``free()`` (collective).
+    """
+    from hpcdl.comm.collectives.shm import NodeMemory
+
+    own = getattr(comm, "node_segments", None)
+    if own is not None:
+        found = own(nbytes)
+    else:
+        from hpcdl.comm import mpi
+
+        found = mpi.node_segments(comm, nbytes)
+    if found is None:
+        return None
+    segments, sync, free = found
+    return NodeMemory(segments, comm.Get_rank(), sync, free)
 
 
 def subcomm(comm: Communicator, ranks: Sequence[int]) -> Communicator:

@@ -33,6 +33,7 @@ __all__ = [
     "all_requests",
     "host_ranks",
     "is_null",
+    "node_segments",
     "world_ranks",
     "comm_world",
     "library_version",
@@ -168,6 +169,43 @@ def host_ranks(comm: Any) -> list[int]:
     finally:
         node.Free()
     return sorted(int(r) for r in ranks)
+
+
+def node_segments(comm: Any, nbytes: int) -> tuple[list[Any], Any, Any] | None:
+    """``nbytes`` of memory per rank that every rank of ``comm`` can read (collective).
+
+    An MPI-3 shared window (``Win.Allocate_shared``, one segment per rank, each rank's own
+    pages first touched by itself) held in a passive-target epoch (``Lock_all``) until freed.
+
+    Returns:
+        ``(segments, sync, free)``: every rank's segment as a ``uint8`` NumPy array, by
+        rank; ``Win_sync``; a collective free. None when ``comm``'s ranks are not all on one
+        node (the same answer on every rank).
+    """
+    import numpy as np
+
+    raw = getattr(comm, "mpi", comm)
+    node = raw.Split_type(MPI.COMM_TYPE_SHARED)  # key 0: ranks keep their order
+    try:
+        if node.Get_size() != raw.Get_size():
+            return None
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment on its own rank's pages
+        try:
+            win = MPI.Win.Allocate_shared(max(int(nbytes), 1), 1, info, comm=node)
+        finally:
+            info.Free()
+    finally:
+        node.Free()
+    win.Lock_all(MPI.MODE_NOCHECK)
+    count = int(nbytes)
+    segments = [np.frombuffer(win.Shared_query(q)[0], np.uint8, count) for q in range(raw.Get_size())]
+
+    def free() -> None:
+        win.Unlock_all()
+        win.Free()
+
+    return segments, win.Sync, free
 
 
 def is_null(comm: Any) -> bool:

@@ -108,6 +108,23 @@ class SimComm(CommBase):
         """Every rank: the virtual ranks all run in this one process, sharing its memory."""
         return list(range(self._size))
 
+    def node_segments(self, nbytes: int) -> tuple[list[Any], Any, Any]:
+        """Every rank's ``nbytes`` (collective): the virtual ranks share this process's memory,
+        so each rank's segment is an array the others read directly (no sync needed)."""
+        self._children += 1
+        key = (self._context, "node", self._children)
+        board = self._engine.node_boards.setdefault(key, {})
+        board[self._rank] = np.zeros(int(nbytes), dtype=np.uint8)
+        self.Barrier()  # every segment is on the board
+        segments = [board[r] for r in range(self._size)]
+        self.Barrier()  # every rank took them
+        self._engine.node_boards.pop(key, None)
+
+        def free() -> None:
+            self.Barrier()
+
+        return segments, _no_sync, free
+
     def alpha_beta(self, ranks: int) -> tuple[float, float]:
         """The simulated network's α (s) and β (s/byte) between two of ``ranks`` ranks
         (:meth:`~hpcdl.sim.network.Network.alpha_beta`): what ``auto`` picks from here, in place
@@ -313,6 +330,10 @@ class SimWorld(SimComm):
             "compute": json.dumps(eng.compute.describe()),
             "mpi_library": "hpcdl.sim (virtual ranks)",
         }
+
+
+def _no_sync() -> None:
+    """Memory of one process needs no fence between virtual ranks (they run one at a time)."""
 
 
 def _flat(buf: Any) -> Any:

@@ -106,6 +106,8 @@ class Engine(Core):
         super().__init__(size, network, compute, ticks(poll_cost_s), min(ticks(stall_s), 2**62))
         #: the command line that started the simulation, up to the command's own arguments
         self.launcher = ""
+        #: node memory being handed out (:meth:`SimComm.node_segments`): segments by rank, per call
+        self.node_boards: dict[Any, dict[int, Any]] = {}
 
     def run(self, target: Callable[[int], Any], contexts: Sequence[contextvars.Context]) -> SimResult:
         """Run ``target(rank)`` on every virtual rank, each in its context; return when all end.

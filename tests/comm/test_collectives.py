@@ -349,7 +349,7 @@ def check_bad_arguments(comm: Communicator) -> None:
         x = np.ones(6)
         with pytest.raises(ConfigError, match="unknown allreduce algorithm 'tree'"):
             coll.Allreduce(x, x, algorithm="tree")
-        with pytest.raises(ConfigError, match="ring, doubling, rabenseifner, mpi or auto"):
+        with pytest.raises(ConfigError, match="ring, doubling, rabenseifner, mpi, shm or auto"):
             Collectives(comm, algorithm="fastest")
         with pytest.raises(TypeError, match=r"AutoTable.threshold\(nbytes\)"):
             Collectives(comm, "auto", 4000)  # type: ignore[arg-type]  (the old auto_threshold)
@@ -399,6 +399,98 @@ def check_auto_runs_what_its_table_says(comm: Communicator) -> None:
                 assert table.choose(x.nbytes, size) == expected_name(x.nbytes)
 
 
+# -- shm: node memory ---------------------------------------------------------------------------
+
+
+def check_shm_equals_mpi(comm: Communicator) -> None:
+    """``shm`` on node memory, blocking and nonblocking, in place and from another buffer, SUM
+    (exact and random: the same bits on every rank), MAX and MIN: MPI's results."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        for n in lengths(size):
+            for dtype in DTYPES:
+                buf = coll.node_empty(n, dtype)
+                assert buf is not None and buf.shape == (n,) and buf.dtype == dtype
+                x = integer_values(rank, n, dtype)
+                expected = mpi_allreduce(comm, x)
+                where = (n, np.dtype(dtype).name)
+                buf[...] = x
+                coll.Allreduce(buf, buf, algorithm="shm")
+                assert np.array_equal(buf, expected), where
+                buf[...] = np.nan
+                req = coll.Iallreduce(x, buf, algorithm="shm")  # from ordinary memory
+                assert "allreduce[shm]" in repr(req)
+                while not req.Test():
+                    pass
+                assert np.array_equal(buf, expected), (*where, "nonblocking, out of place")
+                assert np.array_equal(x, integer_values(rank, n, dtype)), (*where, "sendbuf changed")
+                for op in ("MAX", "MIN"):
+                    buf[...] = random_values(rank, n, dtype)
+                    want = mpi_allreduce(comm, buf, op)
+                    coll.Allreduce(hc.IN_PLACE, buf, op=getattr(hc, op), algorithm="shm")
+                    assert np.array_equal(buf, want), (*where, op)
+                buf[...] = random_values(rank, n, dtype)
+                want = mpi_allreduce(comm, buf)
+                coll.Iallreduce(buf, buf, algorithm="shm").Wait()
+                rtol = 1e-5 if dtype == np.float32 else 1e-12
+                np.testing.assert_allclose(buf, want, rtol=rtol, atol=rtol * size)
+                assert same_on_all_ranks(comm, buf), where
+
+
+def check_shm_in_flight_with_others(comm: Communicator) -> None:
+    """Several ``shm`` allreduces in flight beside the other algorithms, on parts of one node
+    block and of another, completed in reverse order: each equals MPI's (their barriers stay
+    apart by tag)."""
+    rank = comm.Get_rank()
+    with Collectives(comm) as coll:
+        block = coll.node_empty(30000, np.float64)
+        other = coll.node_empty(5000, np.float64)
+        bufs = [
+            block[:10000],
+            block[10000:10007],
+            block[10007:],
+            other,
+            *(np.empty(3000) for _ in ALGORITHMS),
+        ]
+        names = ["shm"] * 4 + [*ALGORITHMS]
+        expected = []
+        for k, b in enumerate(bufs):
+            b[...] = integer_values(rank + k, b.size, np.float64)
+            expected.append(mpi_allreduce(comm, b))
+        reqs = [coll.Iallreduce(b, b, algorithm=a) for b, a in zip(bufs, names)]
+        for req in reversed(reqs):
+            req.Wait()
+        for k, (b, e) in enumerate(zip(bufs, expected)):
+            assert np.array_equal(b, e), (k, names[k])
+
+
+def check_shm_needs_node_memory(comm: Communicator) -> None:
+    """``shm`` by name on ordinary memory is a ValueError (on every rank, nothing started);
+    ``auto`` that picks it runs MPI's own there, and ``shm`` on node memory."""
+    rank = comm.Get_rank()
+    table = AutoTable(fallback=((None, "shm"),))
+    with Collectives(comm, "auto", auto=table) as coll:
+        plain = integer_values(rank, 100, np.float32)
+        with pytest.raises(ValueError, match="must come from Collectives.node_empty"):
+            coll.Iallreduce(plain, plain, algorithm="shm")
+        with pytest.raises(ValueError, match="must come from Collectives.node_empty"):
+            coll.Allreduce(plain, plain, algorithm="shm")
+        expected = mpi_allreduce(comm, plain)
+        req = coll.Iallreduce(plain.copy(), out := np.empty_like(plain))
+        assert "allreduce[mpi]" in repr(req), repr(req)
+        req.Wait()
+        assert np.array_equal(out, expected)
+        out[...] = np.nan
+        coll.Allreduce(plain, out)
+        assert np.array_equal(out, expected)
+        node = coll.node_empty(100, np.float32)
+        node[...] = plain
+        req = coll.Iallreduce(node, node)
+        assert "allreduce[shm]" in repr(req), repr(req)
+        req.Wait()
+        assert np.array_equal(node, expected)
+
+
 CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_allreduce_exact,
     check_allreduce_random,
@@ -415,6 +507,9 @@ CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_use_after_free,
     check_bad_arguments,
     check_auto_runs_what_its_table_says,
+    check_shm_equals_mpi,
+    check_shm_in_flight_with_others,
+    check_shm_needs_node_memory,
 )
 
 world_of_one = pytest.mark.skipif(hc.world().Get_size() != 1, reason="world-of-one tests run without mpiexec")

@@ -1,6 +1,7 @@
 """hpcdl's own collectives, written on point-to-point calls through the communicator contract.
 
-Allreduce by ring, recursive doubling and Rabenseifner (or the MPI library's own, ``"mpi"``),
+Allreduce by ring, recursive doubling and Rabenseifner (or the MPI library's own, ``"mpi"``;
+on one node, ``"shm"`` reads the others' buffers where they lie in node memory),
 ring reduce-scatter and allgather, binomial-tree reduce and broadcast; for any rank count and
 length; ``"auto"`` picks among them by message size and rank count from a calibrated
 :class:`AutoTable` (:mod:`~hpcdl.comm.collectives.auto`). Each is written once, as a
@@ -16,13 +17,20 @@ and in the simulator::
 
 from __future__ import annotations
 
-from hpcdl.comm.collectives.api import ALGORITHMS, TAG_SPAN, Collectives, CollectivesFreedError
+from hpcdl.comm.collectives.api import (
+    ALGORITHMS,
+    NODE_ALGORITHMS,
+    TAG_SPAN,
+    Collectives,
+    CollectivesFreedError,
+)
 from hpcdl.comm.collectives.auto import AutoTable, load_table
 from hpcdl.comm.collectives.buffers import chunk_counts
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
 
 __all__ = [
     "ALGORITHMS",
+    "NODE_ALGORITHMS",
     "TAG_SPAN",
     "AutoTable",
     "CollRequest",

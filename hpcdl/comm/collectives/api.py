@@ -6,8 +6,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from hpcdl.backend import get_array_module
-from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, tree, widening
+from hpcdl.comm.collectives import doubling, library, rabenseifner, ring, shm, tree, widening
 from hpcdl.comm.collectives.auto import AutoTable, load_table
 from hpcdl.comm.collectives.buffers import (
     Alloc,
@@ -19,10 +21,11 @@ from hpcdl.comm.collectives.buffers import (
     is_in_place,
 )
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
+from hpcdl.comm.context import node_memory
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "Collectives", "CollectivesFreedError"]
+__all__ = ["ALGORITHMS", "NODE_ALGORITHMS", "Collectives", "CollectivesFreedError"]
 
 #: allreduce algorithms by name: ``schedule(comm, src, dst, op, tag)`` (flat arrays, ``src is
 #: dst`` for in place). ``"mpi"`` is the MPI library's own ``Iallreduce`` (``Allreduce`` when
@@ -33,6 +36,11 @@ ALGORITHMS: dict[str, Callable[[Communicator, Any, Any, Any, int], Schedule]] = 
     "rabenseifner": rabenseifner.allreduce,
     "mpi": library.allreduce,
 }
+
+#: allreduce algorithms on node memory only (:meth:`Collectives.node_empty`): the buffers of
+#: every rank are read where they lie (:mod:`~hpcdl.comm.collectives.shm`). ``"auto"`` picks
+#: one only for such a buffer (elsewhere, MPI's own in its place).
+NODE_ALGORITHMS = ("shm",)
 
 #: Tags cycle through [0, TAG_SPAN): MPI guarantees tags up to 32767. Operations in flight
 #: at once on one Collectives object must number fewer than this.
@@ -87,6 +95,7 @@ class Collectives:
         self._seq = 0
         self._inflight: list[CollRequest] = []
         self._workspace = Workspace()  # scratch buffers reused across operations
+        self._node: list[shm.NodeMemory] = []  # node memory handed out by node_empty
         import hpcdl.comm as hc  # MPI's constants, resolved once: small messages feel each microsecond
 
         self._in_place = hc.IN_PLACE
@@ -132,6 +141,9 @@ class Collectives:
                 f"Collectives.free() with {len(pending)} nonblocking collectives still in flight "
                 f"({pending[0]!r}, ...): complete them with Wait() or hpcdl.comm.waitall first"
             )
+        for memory in self._node:
+            memory.free()
+        self._node = []
         comm, self._comm = self._comm, None
         comm.Free()
 
@@ -148,6 +160,32 @@ class Collectives:
         if self._comm is None:
             return "<Collectives (freed)>"
         return f"<Collectives size={self._comm.Get_size()} algorithm={self.algorithm!r} started={self._seq}>"
+
+    # -- node memory ------------------------------------------------------------------------------
+
+    def node_empty(self, n: int, dtype: Any) -> Any:
+        """A new 1-D NumPy array of ``n`` elements of ``dtype`` in memory every rank of this
+        node reads directly, for the algorithm ``"shm"`` (collective: every rank asks for the
+        same, in the same order; freed with the object).
+
+        Returns:
+            The array (uninitialised), or None on every rank when the ranks are not all on
+            one node.
+        """
+        nbytes = int(n) * np.dtype(dtype).itemsize
+        memory = node_memory(self.comm, nbytes)
+        if memory is None:
+            return None
+        self._node.append(memory)
+        return memory.segments[memory.rank][:nbytes].view(dtype)
+
+    def _in_node(self, buf: Any) -> tuple[shm.NodeMemory, int] | None:
+        """The node memory ``buf`` lies in and where (None: ordinary memory)."""
+        for memory in self._node:
+            at = memory.offset(buf)
+            if at is not None:
+                return memory, at
+        return None
 
     def _start(self, name: str, make: Callable[[Communicator, int, Alloc], Schedule]) -> CollRequest:
         comm = self.comm
@@ -199,10 +237,35 @@ class Collectives:
         red = self._reduction(op, dst)
         if name == "auto":
             name = self._auto_choose(dst.nbytes)
+        if name in NODE_ALGORITHMS:
+            node = self._node_place(dst, explicit=(algorithm or self.algorithm) != "auto")
+            if node is not None:
+                memory, at = node
+                return self._start(
+                    f"allreduce[{name}]",
+                    lambda comm, tag, alloc: shm.allreduce(
+                        comm, src, dst, red, tag, alloc=alloc, memory=memory, offset=at
+                    ),
+                )
+            name = "mpi"  # auto's pick on ordinary memory
         schedule = ALGORITHMS[name]
         return self._start(
             f"allreduce[{name}]", lambda comm, tag, alloc: schedule(comm, src, dst, red, tag, alloc=alloc)
         )
+
+    def _node_place(self, dst: Any, explicit: bool) -> tuple[shm.NodeMemory, int] | None:
+        """Where ``dst`` lies in node memory; None for ``auto`` on ordinary memory.
+
+        Raises:
+            ValueError: ``"shm"`` was asked for by name on ordinary memory.
+        """
+        node = self._in_node(dst)
+        if node is None and explicit:
+            raise ValueError(
+                "allreduce algorithm 'shm' reads every rank's buffer where it lies: the receive buffer "
+                "must come from Collectives.node_empty (or choose another algorithm)"
+            )
+        return node
 
     def Allreduce(  # noqa: N802  (MPI's name)
         self,
@@ -219,6 +282,8 @@ class Collectives:
             src, dst = check_pair(sendbuf, recvbuf, "allreduce")
             if name == "auto":
                 name = self._auto_choose(dst.nbytes)
+                if name in NODE_ALGORITHMS and self._in_node(dst) is None:
+                    name = "mpi"
             if name == "mpi":
                 red = self._reduction(op, dst)
                 self._seq += 1
@@ -384,9 +449,10 @@ class Collectives:
 
 
 def _check_algorithm(name: str) -> str:
-    if name not in ALGORITHMS and name != "auto":
+    if name not in ALGORITHMS and name not in NODE_ALGORITHMS and name != "auto":
         raise ConfigError(
-            f"unknown allreduce algorithm {name!r}: choose one of {', '.join(ALGORITHMS)} or auto"
+            f"unknown allreduce algorithm {name!r}: choose one of "
+            f"{', '.join((*ALGORITHMS, *NODE_ALGORITHMS))} or auto"
         )
     return name
 

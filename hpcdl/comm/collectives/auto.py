@@ -405,15 +405,17 @@ def load_table_bcast(
 
 
 def _check_segments(segments: Iterable[Any], where: str) -> tuple[Segment, ...]:
-    from hpcdl.comm.collectives.api import ALGORITHMS  # api imports this module
+    from hpcdl.comm.collectives.api import ALGORITHMS, NODE_ALGORITHMS  # api imports this module
+
+    known = (*ALGORITHMS, *NODE_ALGORITHMS)
 
     out = tuple(Segment(*s) for s in segments)
     if not out:
         raise ConfigError(f"{where}: no segments (the last one, with no bound, is required)")
     last = 0
     for i, (below, name) in enumerate(out):
-        if name not in ALGORITHMS:
-            raise ConfigError(f"{where}: unknown algorithm {name!r} (known: {', '.join(ALGORITHMS)})")
+        if name not in known:
+            raise ConfigError(f"{where}: unknown algorithm {name!r} (known: {', '.join(known)})")
         if i == len(out) - 1:
             if below is not None:
                 raise ConfigError(

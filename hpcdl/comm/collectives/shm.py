@@ -1,0 +1,150 @@
+"""The algorithm ``"shm"``: allreduce in memory that the ranks of one node share.
+
+When every rank of a communicator runs on one node, each can read the others' buffers
+directly if those buffers live in memory the node shares (an MPI-3 shared window,
+``MPI_Win_allocate_shared``; in the simulator, the one process's memory). The allreduce then
+moves no message but three barriers' worth:
+
+1. a barrier: every rank's contribution is in place in its own segment;
+2. rank ``r`` reduces chunk ``r`` (:func:`~hpcdl.comm.collectives.buffers.chunk_counts`) of
+   every rank's buffer, read where it lies, into its own buffer (its own value first, then
+   the others' in rank order); a barrier;
+3. rank ``r`` copies every other chunk ``q`` from rank ``q``'s buffer; a barrier (no rank
+   writes its buffer again before every other rank has read it).
+
+Each rank reads ``(2 n - 1) / n`` of the vector and writes ``1`` of it; the ring also sends
+and receives ``2 (n - 1) / n`` through the MPI library's copies. Each element is reduced
+on one rank only, so every rank ends with the same bits. The barriers are dissemination
+barriers of empty point-to-point messages on the operation's tag (``ceil(log2 n)`` rounds
+each), so that operations in flight at once stay apart, like the other schedules.
+
+The buffer must be node memory a :class:`~hpcdl.comm.collectives.Collectives` object gave
+out (:meth:`~hpcdl.comm.collectives.Collectives.node_empty`), at the same place on every
+rank: that is what lets a rank find the others' copy of it. Memory is not a message, so
+the simulator charges the reductions and copies as the compute model charges any work
+between communication calls; ``auto`` there never picks ``"shm"`` (its α-β model has no
+term for them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
+from hpcdl.comm.collectives.schedule import Schedule, sendrecv
+from hpcdl.comm.contract import Communicator
+
+__all__ = ["NodeMemory", "allreduce", "barrier"]
+
+
+class NodeMemory:
+    """One block of memory shared by the ranks of a communicator on one node: a segment per rank.
+
+    Args:
+        segments: every rank's segment (1-D ``uint8`` NumPy arrays of one length), by rank;
+            this rank's is ``segments[rank]``.
+        rank: this rank.
+        sync: makes this rank's writes visible to the others and theirs to it (MPI's
+            ``Win_sync``), called around each barrier.
+        free: releases the memory (collective; MPI's ``Win_free``).
+    """
+
+    __slots__ = ("_free", "rank", "segments", "start", "stop", "sync")
+
+    def __init__(
+        self, segments: Sequence[Any], rank: int, sync: Callable[[], None], free: Callable[[], None]
+    ) -> None:
+        self.segments = list(segments)
+        self.rank = rank
+        self.sync = sync
+        self._free: Callable[[], None] | None = free
+        own = self.segments[rank]
+        self.start = int(own.__array_interface__["data"][0])
+        self.stop = self.start + own.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of each rank's segment."""
+        return int(self.segments[self.rank].nbytes)
+
+    def offset(self, arr: Any) -> int | None:
+        """Where the C-contiguous NumPy array ``arr`` starts in this rank's segment (None: outside)."""
+        if not isinstance(arr, np.ndarray):
+            return None
+        at = int(arr.__array_interface__["data"][0])
+        if self.start <= at and at + arr.nbytes <= self.stop:
+            return at - self.start
+        return None
+
+    def peers(self, arr: Any, offset: int) -> list[Any]:
+        """Every rank's ``arr``: the same bytes of each segment, as ``arr``'s dtype and length."""
+        n = arr.nbytes
+        return [s[offset : offset + n].view(arr.dtype) for s in self.segments]
+
+    def free(self) -> None:
+        """Release the memory (collective; a second call does nothing)."""
+        free, self._free = self._free, None
+        if free is not None:
+            self.segments = []
+            free()
+
+
+def barrier(comm: Communicator, tag: int, alloc: Alloc = scratch, like: Any = None) -> Schedule:
+    """The rounds of a dissemination barrier on ``tag``: round ``k`` sends an empty message to
+    ``rank + 2**k`` and receives one from ``rank - 2**k`` (``ceil(log2 size)`` rounds)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    like = like if like is not None else np.empty(0, np.uint8)
+    token = alloc(like, 0, np.uint8)
+    k = 1
+    while k < size:
+        yield sendrecv(comm, token, (rank + k) % size, alloc(like, 0, np.uint8), (rank - k) % size, tag)
+        k <<= 1
+
+
+def allreduce(
+    comm: Communicator,
+    src: Any,
+    dst: Any,
+    op: Any,
+    tag: int,
+    *,
+    alloc: Alloc = scratch,
+    memory: NodeMemory,
+    offset: int,
+) -> Schedule:
+    """Allreduce of ``src`` into ``dst``, which lies at ``offset`` of ``memory`` on every rank.
+
+    ``src is dst``: in place; otherwise ``src`` is first copied into ``dst``.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if src is not dst:
+        dst[...] = src
+    if size == 1 or dst.size == 0:
+        return
+    reduce = reduction(op, dst)
+    views = memory.peers(dst, offset)
+    q, r = divmod(dst.size, size)
+
+    def bounds(c: int) -> tuple[int, int]:
+        lo = c * q + min(c, r)
+        return lo, lo + q + (c < r)
+
+    memory.sync()
+    yield from barrier(comm, tag, alloc, dst)  # every contribution is in place
+    memory.sync()
+    lo, hi = bounds(rank)
+    acc = dst[lo:hi]
+    for p in range(size):
+        if p != rank:
+            reduce(acc, views[p][lo:hi], out=acc)
+    memory.sync()
+    yield from barrier(comm, tag, alloc, dst)  # every chunk is reduced
+    memory.sync()
+    for p in range(size):
+        if p != rank:
+            a, b = bounds(p)
+            dst[a:b] = views[p][a:b]
+    yield from barrier(comm, tag, alloc, dst)  # every rank has read the others' chunks
