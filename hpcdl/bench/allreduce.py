@@ -17,7 +17,7 @@ from typing import Any
 import hpcdl
 from hpcdl.atomic import check_writable
 from hpcdl.comm import on_root, world
-from hpcdl.comm.collectives import ALGORITHMS, AutoTable
+from hpcdl.comm.collectives import ALGORITHMS, NODE_ALGORITHMS, AutoTable, available_algorithms
 from hpcdl.comm.collectives.auto import (
     TOLERANCE,
     format_bytes,
@@ -186,14 +186,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--repeat", type=positive_int, default=5, help="interleaved repetitions; the median is reported"
     )
-    names = [*ALGORITHMS, "auto"]
+    names = [*ALGORITHMS, *NODE_ALGORITHMS, "auto"]
     p.add_argument(
         "--algorithms",
         nargs="+",
         choices=names,
-        default=names,
+        default=None,
         metavar="NAME",
-        help=f"algorithms to time: {', '.join(names)}; mpi: the library's own Allreduce",
+        help=f"algorithms to time: {', '.join(names)} (default: all; shm when every rank shares one node); "
+        "mpi: the library's own Allreduce; shm: in node memory",
     )
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
     p.add_argument("--min-time", type=positive_float, default=0.02, help="seconds per measurement, at least")
@@ -244,7 +245,8 @@ def add_parser(sub: Any) -> None:
 def run(args: Any) -> list[dict[str, Any]]:
     """Run ``bench allreduce`` with parsed ``args``; prints the table on rank 0 and returns the rows."""
     comm = world()
-    algorithms = tuple(dict.fromkeys(args.algorithms))
+    chosen = args.algorithms or [*available_algorithms(comm), "auto"]
+    algorithms = tuple(dict.fromkeys(chosen))
     if args.calibrate:
         if not args.table:
             raise ConfigError(

@@ -397,6 +397,19 @@ class Packer:
             _kernel.Plan(list(self.shapes), self.dtype, MODES.index(self.mode)) if use_kernel else None
         )
 
+    def place(self, storage: Any) -> None:
+        """Keep the buffer in ``storage`` from now on (e.g. node memory; nothing is copied).
+
+        Raises:
+            PackError: ``storage`` is not a 1-D array of :attr:`wire_dtype` and at least :attr:`total`.
+        """
+        if storage.ndim != 1 or storage.dtype != self.wire_dtype or storage.size < self.total:
+            raise PackError(
+                f"a packer's storage must be 1-D, {self.wire_dtype} and at least {self.total} elements "
+                f"(got {storage.shape} {storage.dtype})"
+            )
+        self._storage = storage
+
     @property
     def nbytes(self) -> int:
         """Bytes of the packed data (``total * wire_dtype.itemsize``)."""

@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 
 from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module starts no MPI
-from hpcdl.backend import get_array_module, synchronize
+from hpcdl.backend import synchronize
 from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import Collectives, CollRequest
 from hpcdl.comm.collectives.auto import AutoTable
 from hpcdl.comm.pack import INT32_NONFINITE_EXPONENT, int32_exponent, int32_pow2_scale, int32_scale
+from hpcdl.errors import ConfigError
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.exchange import ExchangeError, LocalExchange, broadcast_parameters
@@ -42,7 +43,8 @@ class BucketedExchange(LocalExchange):
     bucket is packed and its nonblocking allreduce (hpcdl's own collectives, no
     threads) starts at once. Between layers every request in flight is advanced with
     ``Test()``. :meth:`exchange`, called after backward, waits for what is left and
-    unpacks with scale 1/N: only that wait is *exposed* communication.
+    unpacks with scale 1/N (in place, the allreduce itself takes the mean: each rank scales
+    the chunk it completes): only that wait is *exposed* communication.
 
     Buckets are released in bucket order on every rank (:meth:`Buckets.mark_ready`),
     so all ranks start their collectives in the same order, as MPI requires.
@@ -92,18 +94,28 @@ class BucketedExchange(LocalExchange):
         mode = "plain" if compression == "none" else compression
         self.buckets = Buckets([p.grad for p in self.params], int(bucket_mb * 2**20) or None, mode=mode)
         #: the plain wire format: each gradient lives in its bucket's buffer (``p.grad`` is a view),
-        #: so backward writes straight into what is sent: nothing to pack, the average in place.
+        #: so backward writes straight into what is sent: nothing to pack, the mean taken inside the
+        #: allreduce. On one node the buffers are node memory, which ``shm`` reduces where it lies.
         #: Between a bucket's start and :meth:`exchange` its gradients hold partial sums. Not with
         #: ``debug``, whose check names the rank of a non-finite gradient before any is summed
         # (and not over gradients already in another exchange's buckets: they stay where they are)
         own = all(getattr(p.grad, "base", None) is None for p in self.params)
         self.in_place = in_place and mode == "plain" and not debug and own
+        self.coll = Collectives(comm, algorithm, auto=auto)
+        #: the buckets lie in node memory (every rank on one node, NumPy, in place): what the
+        #: algorithm ``shm`` reduces where it lies
+        self.node_memory = False
         if self.in_place:
+            self.node_memory = self._to_node_memory()
             self._bind_grads()
+        elif algorithm == "shm":
+            raise ConfigError(
+                "exchange.algorithm = 'shm' reduces the gradients where they lie, in their buckets: it "
+                "needs exchange.in_place = true, no compression and exchange.debug = false"
+            )
         self._qscales: list[float | None] = [None] * len(self.buckets)
         self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place (max rule)
         self._exponent = np.zeros(1, np.int32)  # ... of the pow2 rule
-        self.coll = Collectives(comm, algorithm, auto=auto)
         self.exposed_time = 0.0
         #: seconds inside the exchange by kind (``bench train``'s breakdown): ``pack`` (packing and
         #: unpacking buckets, or the in-place average), ``progress`` (starting allreduces and
@@ -121,6 +133,32 @@ class BucketedExchange(LocalExchange):
         """The gradients as they are now (another exchange over the same parameters may have
         moved them into its buckets)."""
         return [p.grad for p in self.params]
+
+    def _to_node_memory(self) -> bool:
+        """Move the buckets' buffers into one block of node memory (collective), each bucket at a
+        64-byte boundary; False (buffers kept) off NumPy or when the ranks span nodes.
+
+        Raises:
+            ConfigError: ``algorithm = "shm"`` and no node memory.
+        """
+        plan, wire = self.buckets.plan.buckets, self.buckets.wire_dtype
+        align = max(64 // wire.itemsize, 1)
+        starts, total = [], 0
+        for b in range(len(plan)):
+            starts.append(total)
+            total += -(-self.buckets.packer(b).total // align) * align
+        block = self.coll.node_empty(total, wire) if self.buckets.xp is np and plan else None
+        if block is None:
+            if self.coll.algorithm == "shm":
+                raise ConfigError(
+                    "exchange.algorithm = 'shm' reduces in memory the ranks of one node share: these "
+                    "ranks span nodes (or the gradients are not NumPy arrays); choose another algorithm"
+                )
+            return False
+        for b, start in enumerate(starts):
+            packer = self.buckets.packer(b)
+            packer.place(block[start : start + packer.total])
+        return True
 
     def _bind_grads(self) -> None:
         """Make every ``p.grad`` a view of its place in its bucket's buffer (values kept)."""
@@ -186,7 +224,9 @@ class BucketedExchange(LocalExchange):
         synchronize(buf)
         t1 = wtime()
         narrow = self.compression if self.compression in ("float16", "bfloat16") else None
-        self._reqs.append(self.coll.Iallreduce(buf, buf, narrow=narrow))
+        # in place, the mean is taken inside the allreduce (each rank scales the chunk it completes)
+        scale = self._average_scale() if self.in_place else None
+        self._reqs.append(self.coll.Iallreduce(buf, buf, narrow=narrow, scale=scale))
         self.bytes_sent += int(buf.nbytes)
         t2 = wtime()
         self.times["pack"] += t1 - t0
@@ -245,11 +285,8 @@ class BucketedExchange(LocalExchange):
         self._accumulated = 0
         grads = self._grads
         for b in range(len(self.buckets)):
-            buf = self.buckets.buffer(b)
-            if self.in_place:  # the sum is the gradients: the mean in place, in their dtype (as unpack)
-                xp = get_array_module(buf)
-                xp.multiply(buf, buf.dtype.type(scale), out=buf)
-            else:
+            if not self.in_place:  # in place, the allreduce left the mean (in the gradients' dtype)
+                buf = self.buckets.buffer(b)
                 self.buckets.unpack_bucket(b, buf, grads, scale=scale, qscale=self._qscales[b])
         t_end = wtime()
         if self.tracer is not None:

@@ -47,8 +47,9 @@ DECLARES = Declares(
         "exchange.algorithm": Key(
             str,
             "auto",
-            "bucketed: allreduce algorithm (hpcdl's own, mpi: the library's, auto: by size)",
-            choices=("auto", "ring", "doubling", "rabenseifner", "mpi"),
+            "bucketed: allreduce algorithm (hpcdl's own, mpi: the library's, shm: in the memory of one "
+            "node, auto: by size)",
+            choices=("auto", "ring", "doubling", "rabenseifner", "mpi", "shm"),
         ),
         "exchange.auto_table": Key(
             str,

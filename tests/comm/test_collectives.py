@@ -437,6 +437,32 @@ def check_shm_equals_mpi(comm: Communicator) -> None:
                 assert same_on_all_ranks(comm, buf), where
 
 
+def check_allreduce_scale(comm: Communicator) -> None:
+    """``scale=`` gives the bits of the same algorithm's sum multiplied afterwards, for every
+    algorithm (``shm`` on node memory), blocking and not, in both float dtypes."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    scale = 1.0 / (size * 3)  # not a power of two: rounding shows
+    with Collectives(comm) as coll:
+        for algorithm in (*ALGORITHMS, "shm"):
+            for n in lengths(size):
+                for dtype in DTYPES:
+                    x = random_values(rank, n, dtype)
+                    where = (algorithm, n, np.dtype(dtype).name)
+                    a, b, c = (
+                        coll.node_empty(n, dtype) if algorithm == "shm" else np.empty_like(x) for _ in "abc"
+                    )
+                    a[...] = b[...] = c[...] = x
+                    coll.Allreduce(a, a, algorithm=algorithm)
+                    a *= dtype(scale)
+                    coll.Allreduce(b, b, algorithm=algorithm, scale=scale)
+                    coll.Iallreduce(c, c, algorithm=algorithm, scale=scale).Wait()
+                    assert np.array_equal(b, a), where
+                    assert np.array_equal(c, a), (*where, "nonblocking")
+                    assert same_on_all_ranks(comm, c), where
+        with pytest.raises(ValueError, match="rounds the sum once"):
+            coll.Iallreduce(x16 := np.zeros(4, np.float16), x16, narrow="float16", scale=0.5)
+
+
 def check_shm_in_flight_with_others(comm: Communicator) -> None:
     """Several ``shm`` allreduces in flight beside the other algorithms, on parts of one node
     block and of another, completed in reverse order: each equals MPI's (their barriers stay
@@ -507,6 +533,7 @@ CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_use_after_free,
     check_bad_arguments,
     check_auto_runs_what_its_table_says,
+    check_allreduce_scale,
     check_shm_equals_mpi,
     check_shm_in_flight_with_others,
     check_shm_needs_node_memory,

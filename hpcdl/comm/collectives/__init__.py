@@ -23,6 +23,7 @@ from hpcdl.comm.collectives.api import (
     TAG_SPAN,
     Collectives,
     CollectivesFreedError,
+    available_algorithms,
 )
 from hpcdl.comm.collectives.auto import AutoTable, load_table
 from hpcdl.comm.collectives.buffers import chunk_counts
@@ -37,6 +38,7 @@ __all__ = [
     "Collectives",
     "CollectivesFreedError",
     "Schedule",
+    "available_algorithms",
     "chunk_counts",
     "load_table",
 ]

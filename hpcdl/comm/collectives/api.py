@@ -25,7 +25,7 @@ from hpcdl.comm.context import node_memory
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "NODE_ALGORITHMS", "Collectives", "CollectivesFreedError"]
+__all__ = ["ALGORITHMS", "NODE_ALGORITHMS", "Collectives", "CollectivesFreedError", "available_algorithms"]
 
 #: allreduce algorithms by name: ``schedule(comm, src, dst, op, tag)`` (flat arrays, ``src is
 #: dst`` for in place). ``"mpi"`` is the MPI library's own ``Iallreduce`` (``Allreduce`` when
@@ -41,6 +41,19 @@ ALGORITHMS: dict[str, Callable[[Communicator, Any, Any, Any, int], Schedule]] = 
 #: every rank are read where they lie (:mod:`~hpcdl.comm.collectives.shm`). ``"auto"`` picks
 #: one only for such a buffer (elsewhere, MPI's own in its place).
 NODE_ALGORITHMS = ("shm",)
+
+
+def available_algorithms(comm: Communicator) -> tuple[str, ...]:
+    """The allreduce algorithms worth timing on ``comm`` (collective): :data:`ALGORITHMS`, and
+    :data:`NODE_ALGORITHMS` when every rank shares this rank's node under MPI (a simulated
+    world runs them, but its network model does not charge memory: not there)."""
+    from hpcdl.comm.context import host_ranks
+
+    if getattr(comm, "alpha_beta", None) is not None or comm.Get_size() < 2:
+        return tuple(ALGORITHMS)
+    one_node = len(host_ranks(comm)) == comm.Get_size()
+    return (*ALGORITHMS, *NODE_ALGORITHMS) if one_node else tuple(ALGORITHMS)
+
 
 #: Tags cycle through [0, TAG_SPAN): MPI guarantees tags up to 32767. Operations in flight
 #: at once on one Collectives object must number fewer than this.
@@ -209,6 +222,7 @@ class Collectives:
         algorithm: str | None = None,
         *,
         narrow: str | None = None,
+        scale: float | None = None,
     ) -> CollRequest:
         """Start an allreduce of every rank's ``sendbuf`` into every rank's ``recvbuf``.
 
@@ -221,6 +235,9 @@ class Collectives:
             narrow: ``"float16"`` or ``"bfloat16"``: the buffers hold 2-byte floats
                 (float16, or bfloat16 bits in uint16) to be summed in float32 and rounded
                 once (:mod:`~hpcdl.comm.collectives.widening`, whatever ``algorithm``).
+            scale: multiply the result by it, in ``recvbuf``'s dtype: the bits of
+                ``recvbuf *= dtype(scale)`` after, at less cost (``ring`` and ``shm`` scale the
+                chunk each rank completes, before it is passed on; the others scale at the end).
 
         Returns:
             The request of the operation.
@@ -233,6 +250,8 @@ class Collectives:
         name = _check_algorithm(algorithm or self.algorithm)
         src, dst = check_pair(sendbuf, recvbuf, "allreduce")
         if narrow is not None:
+            if scale is not None:
+                raise ValueError(f"narrow={narrow!r} rounds the sum once: scale it after (got scale={scale})")
             return self._start_widening(src, dst, op, narrow)
         red = self._reduction(op, dst)
         if name == "auto":
@@ -244,11 +263,21 @@ class Collectives:
                 return self._start(
                     f"allreduce[{name}]",
                     lambda comm, tag, alloc: shm.allreduce(
-                        comm, src, dst, red, tag, alloc=alloc, memory=memory, offset=at
+                        comm, src, dst, red, tag, alloc=alloc, memory=memory, offset=at, scale=scale
                     ),
                 )
             name = "mpi"  # auto's pick on ordinary memory
         schedule = ALGORITHMS[name]
+        if scale is not None and name == "ring":
+            return self._start(
+                f"allreduce[{name}]",
+                lambda comm, tag, alloc: ring.allreduce(comm, src, dst, red, tag, alloc=alloc, scale=scale),
+            )
+        if scale is not None:
+            return self._start(
+                f"allreduce[{name}]",
+                lambda comm, tag, alloc: _scaled(schedule(comm, src, dst, red, tag, alloc=alloc), dst, scale),
+            )
         return self._start(
             f"allreduce[{name}]", lambda comm, tag, alloc: schedule(comm, src, dst, red, tag, alloc=alloc)
         )
@@ -275,6 +304,7 @@ class Collectives:
         algorithm: str | None = None,
         *,
         narrow: str | None = None,
+        scale: float | None = None,
     ) -> None:
         """Allreduce, blocking: :meth:`Iallreduce` waited on (``"mpi"``: ``comm.Allreduce``)."""
         name = _check_algorithm(algorithm or self.algorithm)
@@ -288,8 +318,10 @@ class Collectives:
                 red = self._reduction(op, dst)
                 self._seq += 1
                 self.comm.Allreduce(self._in_place if src is dst else src, dst, op=red.op)
+                if scale is not None:
+                    _scale(dst, scale)
                 return
-        self.Iallreduce(sendbuf, recvbuf, op, name, narrow=narrow).Wait()
+        self.Iallreduce(sendbuf, recvbuf, op, name, narrow=narrow, scale=scale).Wait()
 
     def _start_widening(self, src: Any, dst: Any, op: Any, wire: str) -> CollRequest:
         want = widening.WIRE_FORMATS.get(wire)
@@ -446,6 +478,17 @@ class Collectives:
     def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
         """Broadcast, blocking: :meth:`Ibcast` waited on."""
         self.Ibcast(buf, root).Wait()
+
+
+def _scale(dst: Any, scale: float) -> None:
+    """``dst *= scale`` in ``dst``'s dtype."""
+    get_array_module(dst).multiply(dst, dst.dtype.type(scale), out=dst)
+
+
+def _scaled(schedule: Schedule, dst: Any, scale: float) -> Schedule:
+    """``schedule``, then ``dst *= scale``."""
+    yield from schedule
+    _scale(dst, scale)
 
 
 def _check_algorithm(name: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hpcdl.backend import get_array_module
 from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, reduction, scratch
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
@@ -75,20 +76,42 @@ def _ring_allgather(comm: Communicator, dst: Any, tag: int) -> Schedule:
 
 
 def allreduce(
-    comm: Communicator, src: Any, dst: Any, op: Any, tag: int, *, alloc: Alloc = scratch
+    comm: Communicator,
+    src: Any,
+    dst: Any,
+    op: Any,
+    tag: int,
+    *,
+    alloc: Alloc = scratch,
+    scale: float | None = None,
 ) -> Schedule:
-    """Ring allreduce of the flat ``src`` into the flat ``dst`` (``src is dst``: in place)."""
-    size = comm.Get_size()
+    """Ring allreduce of the flat ``src`` into the flat ``dst`` (``src is dst``: in place).
+
+    ``scale``: each rank multiplies the chunk it completes by it (in ``dst``'s dtype) before
+    the allgather passes it on: the bits of a multiplication after, on ``1 / size`` of the vector.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1 or dst.size == 0:
         if src is not dst:
             dst[...] = src
+        if scale is not None:
+            _scale(dst, scale)
         return
 
     def in_dst(step: int, lo: int, hi: int) -> Any:
         return dst[lo:hi]
 
     yield from _ring_reduce_scatter(comm, src, reduction(op, dst), tag, in_dst, alloc)
+    if scale is not None:
+        q, r = divmod(dst.size, size)
+        lo = rank * q + min(rank, r)
+        _scale(dst[lo : lo + q + (rank < r)], scale)
     yield from _ring_allgather(comm, dst, tag)
+
+
+def _scale(x: Any, scale: float) -> None:
+    """``x *= scale`` in ``x``'s dtype (as a multiplication after the allreduce would)."""
+    get_array_module(x).multiply(x, x.dtype.type(scale), out=x)
 
 
 def reduce_scatter(

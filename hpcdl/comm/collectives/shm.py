@@ -114,15 +114,20 @@ def allreduce(
     alloc: Alloc = scratch,
     memory: NodeMemory,
     offset: int,
+    scale: float | None = None,
 ) -> Schedule:
     """Allreduce of ``src`` into ``dst``, which lies at ``offset`` of ``memory`` on every rank.
 
-    ``src is dst``: in place; otherwise ``src`` is first copied into ``dst``.
+    ``src is dst``: in place; otherwise ``src`` is first copied into ``dst``. ``scale``: each
+    rank multiplies its reduced chunk by it (in ``dst``'s dtype), while the chunk is in its
+    cache: the bits of a multiplication after the allreduce.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     if src is not dst:
         dst[...] = src
     if size == 1 or dst.size == 0:
+        if scale is not None:
+            np.multiply(dst, dst.dtype.type(scale), out=dst)
         return
     reduce = reduction(op, dst)
     views = memory.peers(dst, offset)
@@ -140,6 +145,8 @@ def allreduce(
     for p in range(size):
         if p != rank:
             reduce(acc, views[p][lo:hi], out=acc)
+    if scale is not None:
+        np.multiply(acc, acc.dtype.type(scale), out=acc)
     memory.sync()
     yield from barrier(comm, tag, alloc, dst)  # every chunk is reduced
     memory.sync()

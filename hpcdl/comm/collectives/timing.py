@@ -15,15 +15,16 @@ from typing import Any
 import numpy as np
 
 from hpcdl.comm import MAX, wtime
-from hpcdl.comm.collectives.api import ALGORITHMS, Collectives
+from hpcdl.comm.collectives.api import ALGORITHMS, NODE_ALGORITHMS, Collectives
 from hpcdl.comm.collectives.auto import AutoTable
 from hpcdl.comm.contract import Communicator
+from hpcdl.errors import ConfigError
 
 __all__ = ["time_algorithms", "time_per_call"]
 
 
-def _caller(coll: Collectives, send: Any, recv: Any, algorithm: str) -> Any:
-    return lambda: coll.Allreduce(send, recv, algorithm=algorithm)
+def _caller(coll: Collectives, send: Any, recv: Any, algorithm: str, scale: float | None = None) -> Any:
+    return lambda: coll.Allreduce(send, recv, algorithm=algorithm, scale=scale)
 
 
 def time_per_call(comm: Communicator, call: Any, iters: int) -> float:
@@ -51,7 +52,9 @@ def time_algorithms(
     calls until that takes a quarter of ``min_time``, which sets its ``iters`` (so that a
     measurement takes about ``min_time``); then each repetition times
     ``iters`` calls of every algorithm in turn, after a barrier, taking the slowest rank's
-    time. Buffers are out of place (``sendbuf`` is not ``recvbuf``).
+    time. Buffers are out of place (``sendbuf`` is not ``recvbuf``); with ``"shm"`` among
+    ``algorithms``, every algorithm runs in place on one buffer in node memory instead and
+    takes the mean (``scale = 1 / size``), as the bucketed exchange runs them.
 
     Args:
         auto: the table ``auto`` picks from (``None``: the packaged default); the same on
@@ -72,7 +75,17 @@ def time_algorithms(
             n = max(nbytes // item, 1)
             send = np.random.default_rng([0, comm.Get_rank()]).standard_normal(n).astype(dtype)
             recv = np.empty_like(send)
-            calls = {a: _caller(coll, send, recv, a) for a in algorithms}
+            node = coll.node_empty(n, dtype) if set(algorithms) & set(NODE_ALGORITHMS) else None
+            if node is None and set(algorithms) & set(NODE_ALGORITHMS):
+                raise ConfigError(
+                    f"{', '.join(NODE_ALGORITHMS)} runs in memory the ranks of one node share: these "
+                    f"{size_n} ranks are not all on one node (leave it out of --algorithms)"
+                )
+            mean = None
+            if node is not None:  # in place in node memory, taking the mean, as the exchange runs them
+                node[...] = send
+                send, recv, mean = node, node, 1.0 / size_n
+            calls = {a: _caller(coll, send, recv, a, mean) for a in algorithms}
             iters = {}
             for name, call in calls.items():
                 call()

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.atomic import write_text_atomic
-from hpcdl.comm.collectives.api import ALGORITHMS
+from hpcdl.comm.collectives.api import ALGORITHMS, available_algorithms
 from hpcdl.comm.collectives.auto import AutoTable, format_segments, table_from_rows
 from hpcdl.comm.contract import Communicator
 from hpcdl.comm.objects import on_root
@@ -158,7 +158,7 @@ def tuned_table(
     *,
     mode: str = "first",
     cache: str | os.PathLike[str] | None = None,
-    algorithms: Sequence[str] = ALGORITHMS,
+    algorithms: Sequence[str] | None = None,
     repeat: int = REPEAT,
     min_time: float = MIN_TIME,
 ) -> Tuning:
@@ -170,7 +170,8 @@ def tuned_table(
         sizes: the message sizes in bytes (a run's bucket sizes).
         mode: ``"first"`` (time what the cache lacks) or ``"always"`` (time every size again).
         cache: the cache file (None: :func:`default_cache`).
-        algorithms: the algorithms to choose among.
+        algorithms: the algorithms to choose among (None: :func:`available_algorithms`; the
+            simulator's model: :data:`ALGORITHMS`).
         repeat: interleaved repetitions per size.
         min_time: seconds per algorithm and repetition.
     """
@@ -184,11 +185,11 @@ def tuned_table(
     alpha_beta = getattr(comm, "alpha_beta", None)
     if alpha_beta is not None:  # the simulator: its network's model, nothing timed
         alpha, beta = alpha_beta(ranks)
-        table = analytic_table(sizes, ranks, alpha, beta, algorithms)
+        table = analytic_table(sizes, ranks, alpha, beta, ALGORITHMS if algorithms is None else algorithms)
         return Tuning(table, "analytic")  # recorded in the run file; nothing to say per run
     per_node = len(host_ranks(comm))
     path = Path(cache) if cache else default_cache()
-    algorithms = tuple(algorithms)
+    algorithms = available_algorithms(comm) if algorithms is None else tuple(algorithms)
     found = on_root(comm, lambda: _lookup(comm, path, per_node, algorithms, sizes, mode))
     entry, missing, lines = found["entry"], tuple(found["missing"]), list(found["lines"])
     seconds = 0.0
