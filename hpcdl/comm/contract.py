@@ -212,6 +212,9 @@ class WorldHooks(Protocol):
       (:mod:`hpcdl.comm.collectives.schedule`) instead of its own loop;
     * ``host_ranks()``: the ranks that share this rank's memory, used by
       :func:`hpcdl.comm.host_ranks` (a simulated world: all of them, one process);
+    * ``node_segments(nbytes) -> (segments, sync, free)``: every rank's segment of memory
+      they all read directly (collective), used by :func:`hpcdl.comm.node_memory` (a
+      simulated world: arrays of its one process);
     * ``alpha_beta(ranks) -> (alpha, beta)``: a modelled network's latency (s) and inverse
       bandwidth (s/byte), used by ``auto`` in place of timing the algorithms
       (:func:`hpcdl.comm.collectives.tune.tuned_table`; the simulator's communicators).
