@@ -142,12 +142,14 @@ class BucketedExchange(LocalExchange):
             ConfigError: ``algorithm = "shm"`` and no node memory.
         """
         plan, wire = self.buckets.plan.buckets, self.buckets.wire_dtype
+        if not plan:  # no gradient to exchange
+            return False
         align = max(64 // wire.itemsize, 1)
         starts, total = [], 0
         for b in range(len(plan)):
             starts.append(total)
             total += -(-self.buckets.packer(b).total // align) * align
-        block = self.coll.node_empty(total, wire) if self.buckets.xp is np and plan else None
+        block = self.coll.node_empty(total, wire) if self.buckets.xp is np else None
         if block is None:
             if self.coll.algorithm == "shm":
                 raise ConfigError(
