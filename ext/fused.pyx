@@ -683,3 +683,97 @@ def batchnorm_backward(gy, xhat, gamma, inv_std, gbeta, ggamma, gx) -> bool:
     finally:
         PyMem_Free(acc)
     return True
+
+
+# -- the allreduce shm: one chunk summed, scaled and spread ----------------------------------
+
+cdef enum:
+    _BLOCK = 512  # elements summed at once on the stack (general rank counts)
+
+
+cdef void _spread(floating** bufs, Py_ssize_t nbuf, Py_ssize_t own, Py_ssize_t lo, Py_ssize_t hi,
+                  floating scale, bint scaled) noexcept nogil:
+    """``s = bufs[own][i] + bufs[0][i] + bufs[1][i] + ...`` (the others in order, left to right),
+    ``s *= scale`` if ``scaled``, then ``s`` stored into every buffer, for ``lo <= i < hi``."""
+    cdef floating* a = bufs[own]
+    cdef floating* o
+    cdef floating s
+    cdef floating acc[_BLOCK]
+    cdef Py_ssize_t i, p, b, end, k
+    if nbuf == 2:
+        o = bufs[1 - own]
+        if scaled:
+            for i in range(lo, hi):
+                s = (a[i] + o[i]) * scale
+                a[i] = s
+                o[i] = s
+        else:
+            for i in range(lo, hi):
+                s = a[i] + o[i]
+                a[i] = s
+                o[i] = s
+        return
+    b = lo
+    while b < hi:
+        end = b + _BLOCK if b + _BLOCK < hi else hi
+        k = end - b
+        for i in range(k):
+            acc[i] = a[b + i]
+        for p in range(nbuf):
+            if p != own:
+                o = bufs[p]
+                for i in range(k):
+                    acc[i] = acc[i] + o[b + i]
+        if scaled:
+            for i in range(k):
+                acc[i] = acc[i] * scale
+        for p in range(nbuf):
+            o = bufs[p]
+            for i in range(k):
+                o[b + i] = acc[i]
+        b = end
+
+
+def sum_spread(list bufs, Py_ssize_t own, Py_ssize_t lo, Py_ssize_t hi, scale) -> bool:
+    """The reducing rank's pass of the allreduce ``shm`` (:mod:`hpcdl.comm.collectives.shm`):
+    elements ``[lo, hi)`` of every rank's buffer summed (``bufs[own]``'s first, then the others
+    in rank order), multiplied by ``scale`` (None: not), and written into every buffer.
+
+    The bits of NumPy's ``acc = bufs[own][lo:hi]; np.add(acc, bufs[p][lo:hi], out=acc)`` for
+    each other ``p`` in order, ``np.multiply(acc, dtype(scale), out=acc)``, then the copies.
+
+    Returns:
+        False (nothing written) unless ``bufs`` are 1-D float32 or float64 arrays of one
+        dtype and size, C-contiguous, aligned and writeable, and ``0 <= lo <= hi <= size``.
+    """
+    cdef Py_ssize_t n = len(bufs), p, size
+    cdef int t
+    cdef void** ptrs
+    cdef bint scaled = scale is not None
+    cdef double factor = 1.0 if scale is None else <double>scale
+    if n < 1 or not 0 <= own < n:
+        return False
+    t = _float_type(bufs[0])
+    if t < 0:
+        return False
+    size = cnp.PyArray_SIZE(<cnp.ndarray>bufs[0])
+    if not 0 <= lo <= hi <= size:
+        return False
+    for p in range(n):
+        if not _like(bufs[p], t, size, True) or cnp.PyArray_NDIM(<cnp.ndarray>bufs[p]) != 1:
+            return False
+    ptrs = <void**>PyMem_Malloc(n * sizeof(void*))
+    if ptrs == NULL:
+        raise MemoryError()
+    try:
+        for p in range(n):
+            ptrs[p] = _data(bufs[p])
+        if t == cnp.NPY_FLOAT:
+            with nogil:
+                _spread(<float**>ptrs, n, own, lo, hi, <float>factor, scaled)
+        else:
+            with nogil:
+                _spread(<double**>ptrs, n, own, lo, hi, factor, scaled)
+    finally:
+        PyMem_Free(ptrs)
+    return True

@@ -432,3 +432,52 @@ def test_batchnorm_eval_mode_is_unchanged(monkeypatch) -> None:
 
     for a, b in zip(run(True), run(False), strict=True):
         assert_same_bits(a, b)
+
+
+# -- sum_spread: the allreduce shm's pass --------------------------------------------------------
+
+
+def _spread_numpy(bufs: list[np.ndarray], own: int, lo: int, hi: int, scale: float | None) -> None:
+    """What shm does without the kernel (hpcdl.comm.collectives.shm)."""
+    acc = bufs[own][lo:hi]
+    for p, b in enumerate(bufs):
+        if p != own:
+            np.add(acc, b[lo:hi], out=acc)
+    if scale is not None:
+        np.multiply(acc, acc.dtype.type(scale), out=acc)
+    for p, b in enumerate(bufs):
+        if p != own:
+            b[lo:hi] = acc
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5])
+@pytest.mark.parametrize("scale", [None, 1 / 3])
+def test_sum_spread_is_numpys_passes_bit_for_bit(dtype: type, ranks: int, scale: float | None) -> None:
+    rng = np.random.default_rng([ranks, np.dtype(dtype).itemsize])
+    n = 3000  # several of the kernel's 512-element blocks, and a part block
+    for own in range(ranks):
+        for lo, hi in ((0, n), (7, 1500), (n, n), (513, 1026)):
+            bufs = [
+                (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype) for _ in range(ranks)
+            ]
+            want = [b.copy() for b in bufs]
+            _spread_numpy(want, own, lo, hi, scale)
+            assert fused.sum_spread(bufs, own, lo, hi, scale) is True
+            for b, w in zip(bufs, want):
+                assert b.tobytes() == w.tobytes(), (own, lo, hi)
+
+
+def test_sum_spread_declines_what_it_cannot_take() -> None:
+    a, b = np.ones(10, np.float32), np.ones(10, np.float32)
+    before = a.copy()
+    assert fused.sum_spread([a, np.ones(10)], 0, 0, 10, None) is False  # two dtypes
+    assert fused.sum_spread([a, np.ones(9, np.float32)], 0, 0, 10, None) is False  # two sizes
+    assert fused.sum_spread([a, np.ones(20, np.float32)[::2]], 0, 0, 10, None) is False  # not contiguous
+    assert fused.sum_spread([a, b], 2, 0, 10, None) is False  # no such rank
+    assert fused.sum_spread([a, b], 0, 4, 11, None) is False  # past the end
+    frozen = b.copy()
+    frozen.flags.writeable = False
+    assert fused.sum_spread([a, frozen], 0, 0, 10, None) is False
+    assert fused.sum_spread([a.astype(np.int32), b.astype(np.int32)], 0, 0, 10, None) is False
+    assert np.array_equal(a, before)

@@ -3,20 +3,22 @@
 When every rank of a communicator runs on one node, each can read the others' buffers
 directly if those buffers live in memory the node shares (an MPI-3 shared window,
 ``MPI_Win_allocate_shared``; in the simulator, the one process's memory). The allreduce then
-moves no message but three barriers' worth:
+moves no message but two barriers' worth:
 
 1. a barrier: every rank's contribution is in place in its own segment;
 2. rank ``r`` reduces chunk ``r`` (:func:`~hpcdl.comm.collectives.buffers.chunk_counts`) of
-   every rank's buffer, read where it lies, into its own buffer (its own value first, then
-   the others' in rank order); a barrier;
-3. rank ``r`` copies every other chunk ``q`` from rank ``q``'s buffer; a barrier (no rank
-   writes its buffer again before every other rank has read it).
+   every rank's buffer, read where it lies (its own value first, then the others' in rank
+   order), scales it if asked, and writes the result into every rank's buffer; a barrier
+   (after it no rank reads or writes another's buffer, so each may write its own again).
 
-Each rank reads ``(2 n - 1) / n`` of the vector and writes ``1`` of it; the ring also sends
-and receives ``2 (n - 1) / n`` through the MPI library's copies. Each element is reduced
-on one rank only, so every rank ends with the same bits. The barriers are dissemination
-barriers of empty point-to-point messages on the operation's tag (``ceil(log2 n)`` rounds
-each), so that operations in flight at once stay apart, like the other schedules.
+Each rank reads its chunk of every buffer and writes it into every buffer: the vector's
+size read and written once, in one compiled pass (``hpcdl._ext.fused.sum_spread``, the bits
+of NumPy's passes, which run when it is not built or the operation is MAX or MIN); the ring
+also sends and receives ``2 (n - 1) / n`` of it through the MPI library's copies. Each
+element is reduced on one rank only, so every rank ends with the same bits. The barriers are
+dissemination barriers of empty point-to-point messages on the operation's tag
+(``ceil(log2 n)`` rounds each), so that operations in flight at once stay apart, like the
+other schedules.
 
 The buffer must be node memory a :class:`~hpcdl.comm.collectives.Collectives` object gave
 out (:meth:`~hpcdl.comm.collectives.Collectives.node_empty`), at the same place on every
@@ -36,6 +38,11 @@ import numpy as np
 from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
+
+try:  # the compiled pass (sum, scale, spread in one)
+    from hpcdl._ext import fused as _fused
+except ImportError:  # not built: NumPy's passes
+    _fused = None
 
 __all__ = ["NodeMemory", "allreduce", "barrier"]
 
@@ -119,8 +126,8 @@ def allreduce(
     """Allreduce of ``src`` into ``dst``, which lies at ``offset`` of ``memory`` on every rank.
 
     ``src is dst``: in place; otherwise ``src`` is first copied into ``dst``. ``scale``: each
-    rank multiplies its reduced chunk by it (in ``dst``'s dtype), while the chunk is in its
-    cache: the bits of a multiplication after the allreduce.
+    rank multiplies its reduced chunk by it (in ``dst``'s dtype) before spreading it: the
+    bits of a multiplication after the allreduce.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     if src is not dst:
@@ -132,26 +139,20 @@ def allreduce(
     reduce = reduction(op, dst)
     views = memory.peers(dst, offset)
     q, r = divmod(dst.size, size)
-
-    def bounds(c: int) -> tuple[int, int]:
-        lo = c * q + min(c, r)
-        return lo, lo + q + (c < r)
-
+    lo = rank * q + min(rank, r)
+    hi = lo + q + (rank < r)
     memory.sync()
     yield from barrier(comm, tag, alloc, dst)  # every contribution is in place
     memory.sync()
-    lo, hi = bounds(rank)
-    acc = dst[lo:hi]
-    for p in range(size):
-        if p != rank:
-            reduce(acc, views[p][lo:hi], out=acc)
-    if scale is not None:
-        np.multiply(acc, acc.dtype.type(scale), out=acc)
+    if not (reduce is np.add and _fused is not None and _fused.sum_spread(views, rank, lo, hi, scale)):
+        acc = dst[lo:hi]
+        for p in range(size):
+            if p != rank:
+                reduce(acc, views[p][lo:hi], out=acc)
+        if scale is not None:
+            np.multiply(acc, acc.dtype.type(scale), out=acc)
+        for p in range(size):
+            if p != rank:
+                views[p][lo:hi] = acc
     memory.sync()
-    yield from barrier(comm, tag, alloc, dst)  # every chunk is reduced
-    memory.sync()
-    for p in range(size):
-        if p != rank:
-            a, b = bounds(p)
-            dst[a:b] = views[p][a:b]
-    yield from barrier(comm, tag, alloc, dst)  # every rank has read the others' chunks
+    yield from barrier(comm, tag, alloc, dst)  # every chunk is in every buffer; none is read any more
