@@ -292,3 +292,51 @@ def test_gradients_in_their_buckets_memory_sum_bit_for_bit_as_packed_ones(dtype:
         ex.free()
     for a, b in zip(grads[False], grads[True]):
         assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_buckets_in_node_memory_are_reduced_where_they_lie(dtype: type) -> None:
+    """On one node the buckets are node memory and ``shm`` sums them there: the means equal the
+    ring's (packing, ``debug``) to rounding, bit for bit at 2 ranks (both add the owner's value
+    first), and are the same bits on every rank."""
+    import hashlib
+
+    from hpcdl.models import build_model
+    from hpcdl.nn import SoftmaxCrossEntropy, observe
+    from hpcdl.rng import generator
+
+    comm = world()
+    rng = np.random.default_rng(comm.Get_rank())
+    x, y = rng.standard_normal((8, 64)).astype(dtype), rng.integers(0, 10, 8)
+    grads = {}
+    for algorithm, debug in (("shm", False), ("ring", True)):
+        model = build_model("mlp", (64,), 10, rng=generator(0, "init"), depth=4, width=48, dtype=dtype)
+        ex = make_exchange(
+            "bucketed", comm, model.parameters(), debug=debug, bucket_mb=0.01, algorithm=algorithm
+        )
+        assert ex.node_memory is not debug
+        loss = SoftmaxCrossEntropy()
+        with observe(ex):
+            loss.forward(model.forward(x), y)
+            model.backward(loss.backward())
+        ex.exchange()
+        grads[algorithm] = [p.grad.copy() for p in model.parameters()]
+        ex.free()
+    digest = hashlib.sha256(b"".join(g.tobytes() for g in grads["shm"])).hexdigest()
+    assert len(set(comm.allgather(digest))) == 1
+    for a, b in zip(grads["shm"], grads["ring"]):
+        if comm.Get_size() == 2:
+            assert a.tobytes() == b.tobytes()
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shm_needs_the_gradients_in_their_buckets() -> None:
+    from hpcdl.errors import ConfigError
+
+    comm = world()
+    for options in ({"debug": True}, {"compression": "float16"}, {"in_place": False}):
+        with pytest.raises(ConfigError, match="needs exchange.in_place = true, no compression"):
+            make_exchange("bucketed", comm, _params(comm.Get_rank()), algorithm="shm", **options)

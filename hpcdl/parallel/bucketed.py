@@ -101,6 +101,11 @@ class BucketedExchange(LocalExchange):
         # (and not over gradients already in another exchange's buckets: they stay where they are)
         own = all(getattr(p.grad, "base", None) is None for p in self.params)
         self.in_place = in_place and mode == "plain" and not debug and own
+        if algorithm == "shm" and not self.in_place:
+            raise ConfigError(
+                "exchange.algorithm = 'shm' reduces the gradients where they lie, in their buckets: it "
+                "needs exchange.in_place = true, no compression and exchange.debug = false"
+            )
         self.coll = Collectives(comm, algorithm, auto=auto)
         #: the buckets lie in node memory (every rank on one node, NumPy, in place): what the
         #: algorithm ``shm`` reduces where it lies
@@ -108,11 +113,6 @@ class BucketedExchange(LocalExchange):
         if self.in_place:
             self.node_memory = self._to_node_memory()
             self._bind_grads()
-        elif algorithm == "shm":
-            raise ConfigError(
-                "exchange.algorithm = 'shm' reduces the gradients where they lie, in their buckets: it "
-                "needs exchange.in_place = true, no compression and exchange.debug = false"
-            )
         self._qscales: list[float | None] = [None] * len(self.buckets)
         self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place (max rule)
         self._exponent = np.zeros(1, np.int32)  # ... of the pow2 rule
@@ -152,6 +152,7 @@ class BucketedExchange(LocalExchange):
         block = self.coll.node_empty(total, wire) if self.buckets.xp is np else None
         if block is None:
             if self.coll.algorithm == "shm":
+                self.coll.free()
                 raise ConfigError(
                     "exchange.algorithm = 'shm' reduces in memory the ranks of one node share: these "
                     "ranks span nodes (or the gradients are not NumPy arrays); choose another algorithm"
