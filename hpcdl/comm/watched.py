@@ -235,6 +235,23 @@ class WatchedComm:
         self.Barrier()
         return mpi.host_ranks(self._comm)
 
+    def node_segments(self, nbytes: int) -> Any:
+        """:func:`hpcdl.comm.mpi.node_segments`, watched (a watched barrier before MPI's blocking
+        ``Split_type``, ``Win.Allocate_shared`` and, in ``free``, ``Win.Free``)."""
+        from hpcdl.comm import mpi
+
+        self.Barrier()
+        found = mpi.node_segments(self._comm, nbytes)
+        if found is None:
+            return None
+        segments, sync, free = found
+
+        def watched_free() -> None:
+            self.Barrier()
+            free()
+
+        return segments, sync, watched_free
+
     def Free(self) -> None:  # noqa: N802
         self._comm.Free()
 

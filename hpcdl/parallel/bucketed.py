@@ -305,7 +305,13 @@ class BucketedExchange(LocalExchange):
         self.comm_time += dt
 
     def free(self) -> None:
-        """Release the duplicated communicator of the collectives (collective)."""
+        """Release the duplicated communicator of the collectives (collective). Gradients in node
+        memory are copied out first (the memory is unmapped), so ``p.grad`` stays readable and
+        another exchange can take it in place."""
+        if self.node_memory:
+            for p in self.params:
+                p.grad = p.grad.copy()
+            self.node_memory = False
         self.coll.free()
 
 

@@ -245,3 +245,13 @@ def test_a_request_due_long_ago_that_has_come_is_no_stall(
             assert hc.waitany([req]) == 0 and buf[0] == 1.0
         world.Barrier()
     assert "longer than debug.stall_s" not in capfd.readouterr().err
+
+
+def test_node_memory_and_shm_on_a_watched_world(comm: Communicator) -> None:
+    """Node memory through a watched world (its ``node_segments``: watched barriers around MPI's
+    blocking window calls) and the allreduce ``shm`` on it equal MPI's."""
+    from .test_collectives import check_shm_equals_mpi, check_shm_in_flight_with_others
+
+    with watch(60.0) as watched:
+        for check in (check_shm_equals_mpi, check_shm_in_flight_with_others):
+            run_everywhere(check, watched)

@@ -183,7 +183,8 @@ class Collectives:
 
         Returns:
             The array (uninitialised), or None on every rank when the ranks are not all on
-            one node.
+            one node. It is valid until :meth:`free`, which unmaps it: copy out what must
+            outlive this object.
         """
         nbytes = int(n) * np.dtype(dtype).itemsize
         memory = node_memory(self.comm, nbytes)
