@@ -19,6 +19,7 @@ from hpcdl.comm.collectives.buffers import (
     chunk_counts,
     flat,
     is_in_place,
+    scale_in_place,
 )
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
 from hpcdl.comm.context import node_memory
@@ -320,7 +321,7 @@ class Collectives:
                 self._seq += 1
                 self.comm.Allreduce(self._in_place if src is dst else src, dst, op=red.op)
                 if scale is not None:
-                    _scale(dst, scale)
+                    scale_in_place(dst, scale)
                 return
         self.Iallreduce(sendbuf, recvbuf, op, name, narrow=narrow, scale=scale).Wait()
 
@@ -481,15 +482,10 @@ class Collectives:
         self.Ibcast(buf, root).Wait()
 
 
-def _scale(dst: Any, scale: float) -> None:
-    """``dst *= scale`` in ``dst``'s dtype."""
-    get_array_module(dst).multiply(dst, dst.dtype.type(scale), out=dst)
-
-
 def _scaled(schedule: Schedule, dst: Any, scale: float) -> Schedule:
     """``schedule``, then ``dst *= scale``."""
     yield from schedule
-    _scale(dst, scale)
+    scale_in_place(dst, scale)
 
 
 def _check_algorithm(name: str) -> str:

@@ -15,7 +15,7 @@ __all__ = [
     "Lease",
     "Workspace",
     "Reduction", "check_pair", "chunk_counts", "chunk_offsets", "flat", "is_in_place", "mpi_op", "reduction",
-    "scratch",
+    "scale_in_place", "scratch",
 ]  # fmt: skip
 
 #: MPI's reduction operations, by the name of the ufunc that applies them elementwise.
@@ -202,3 +202,9 @@ def check_pair(sendbuf: Any, recvbuf: Any, what: str) -> tuple[Any, Any]:
             "must have the same size and dtype"
         )
     return src, dst
+
+
+def scale_in_place(x: Any, scale: float) -> None:
+    """``x *= scale`` in ``x``'s dtype (the scalar rounded to it first, as NumPy does): the
+    ``scale=`` of :meth:`~hpcdl.comm.collectives.Collectives.Iallreduce`, wherever it is applied."""
+    get_array_module(x).multiply(x, x.dtype.type(scale), out=x)

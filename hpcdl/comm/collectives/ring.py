@@ -13,8 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from hpcdl.backend import get_array_module
-from hpcdl.comm.collectives.buffers import Alloc, chunk_counts, chunk_offsets, reduction, scratch
+from hpcdl.comm.collectives.buffers import (
+    Alloc,
+    chunk_counts,
+    chunk_offsets,
+    reduction,
+    scale_in_place,
+    scratch,
+)
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
 
@@ -95,7 +101,7 @@ def allreduce(
         if src is not dst:
             dst[...] = src
         if scale is not None:
-            _scale(dst, scale)
+            scale_in_place(dst, scale)
         return
 
     def in_dst(step: int, lo: int, hi: int) -> Any:
@@ -105,13 +111,8 @@ def allreduce(
     if scale is not None:
         q, r = divmod(dst.size, size)
         lo = rank * q + min(rank, r)
-        _scale(dst[lo : lo + q + (rank < r)], scale)
+        scale_in_place(dst[lo : lo + q + (rank < r)], scale)
     yield from _ring_allgather(comm, dst, tag)
-
-
-def _scale(x: Any, scale: float) -> None:
-    """``x *= scale`` in ``x``'s dtype (as a multiplication after the allreduce would)."""
-    get_array_module(x).multiply(x, x.dtype.type(scale), out=x)
 
 
 def reduce_scatter(

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.comm.collectives.buffers import Alloc, reduction, scratch
+from hpcdl.comm.collectives.buffers import Alloc, reduction, scale_in_place, scratch
 from hpcdl.comm.collectives.schedule import Schedule, sendrecv
 from hpcdl.comm.contract import Communicator
 
@@ -134,7 +134,7 @@ def allreduce(
         dst[...] = src
     if size == 1 or dst.size == 0:
         if scale is not None:
-            np.multiply(dst, dst.dtype.type(scale), out=dst)
+            scale_in_place(dst, scale)
         return
     reduce = reduction(op, dst)
     views = memory.peers(dst, offset)
@@ -150,7 +150,7 @@ def allreduce(
             if p != rank:
                 reduce(acc, views[p][lo:hi], out=acc)
         if scale is not None:
-            np.multiply(acc, acc.dtype.type(scale), out=acc)
+            scale_in_place(acc, scale)
         for p in range(size):
             if p != rank:
                 views[p][lo:hi] = acc
