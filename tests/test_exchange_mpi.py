@@ -342,3 +342,32 @@ def test_shm_needs_the_gradients_in_their_buckets() -> None:
     for options in ({"debug": True}, {"compression": "float16"}, {"in_place": False}):
         with pytest.raises(ConfigError, match="needs exchange.in_place = true, no compression"):
             make_exchange("bucketed", comm, _params(comm.Get_rank()), algorithm="shm", **options)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_node_memory_only_where_an_algorithm_may_use_it() -> None:
+    """Buckets go into node memory for ``shm``, or ``auto`` whose table picks it; not for the
+    others (a shared window costs /dev/shm); a resume's table that picks it moves them there."""
+    from hpcdl.comm.collectives import AutoTable
+
+    comm = world()
+    shm_table = AutoTable(fallback=((None, "shm"),))
+    ring_table = AutoTable(fallback=((None, "ring"),))
+    for algorithm, table, want in (("ring", None, False), ("auto", ring_table, False),
+                                   ("auto", shm_table, True), ("shm", None, True)):  # fmt: skip
+        ex = make_exchange("bucketed", comm, _params(comm.Get_rank()), algorithm=algorithm, auto=table)
+        assert ex.node_memory is want, (algorithm, table)
+        ex.free()
+    params = _params(comm.Get_rank())
+    grads = [p.grad.copy() for p in params]
+    ex = make_exchange("bucketed", comm, params, algorithm="auto", auto=ring_table)
+    ex.auto = shm_table  # as a resume puts back its checkpoint's table
+    assert ex.node_memory and all(a.tobytes() == p.grad.tobytes() for a, p in zip(grads, params))
+    ex.exchange()
+    expected = [np.empty_like(g) for g in grads]
+    for g, e in zip(grads, expected):
+        comm.Allreduce(g, e, op=SUM)
+        e /= comm.Get_size()
+    for p, e in zip(params, expected):
+        np.testing.assert_allclose(p.grad, e, rtol=1e-6)
+    ex.free()

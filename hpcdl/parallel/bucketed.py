@@ -12,7 +12,7 @@ from hpcdl import comm as ops  # ops.MAX resolved at use: importing this module 
 from hpcdl.backend import synchronize
 from hpcdl.comm import Communicator, notes, waitall, wtime
 from hpcdl.comm.buckets import Buckets
-from hpcdl.comm.collectives import Collectives, CollRequest
+from hpcdl.comm.collectives import NODE_ALGORITHMS, Collectives, CollRequest
 from hpcdl.comm.collectives.auto import AutoTable
 from hpcdl.comm.pack import INT32_NONFINITE_EXPONENT, int32_exponent, int32_pow2_scale, int32_scale
 from hpcdl.errors import ConfigError
@@ -111,7 +111,8 @@ class BucketedExchange(LocalExchange):
         #: algorithm ``shm`` reduces where it lies
         self.node_memory = False
         if self.in_place:
-            self.node_memory = self._to_node_memory()
+            if self._wants_node_memory():
+                self.node_memory = self._to_node_memory()
             self._bind_grads()
         self._qscales: list[float | None] = [None] * len(self.buckets)
         self._maxabs = np.zeros(1)  # the MAX allreduce of int32 compression, in place (max rule)
@@ -133,6 +134,19 @@ class BucketedExchange(LocalExchange):
         """The gradients as they are now (another exchange over the same parameters may have
         moved them into its buckets)."""
         return [p.grad for p in self.params]
+
+    def _wants_node_memory(self) -> bool:
+        """Whether a bucket may be summed by a node algorithm: ``shm`` named, or ``auto`` whose
+        table picks it at some bucket's size (node memory costs a shared window, which a
+        small ``/dev/shm`` may refuse: none is taken that no algorithm would use)."""
+        algorithm = self.coll.algorithm
+        if algorithm == "auto":
+            size = self.comm.Get_size()
+            return any(
+                self.coll.auto.choose(int(self.buckets.buffer(b).nbytes), size) in NODE_ALGORITHMS
+                for b in range(len(self.buckets))
+            )
+        return algorithm in NODE_ALGORITHMS
 
     def _to_node_memory(self) -> bool:
         """Move the buckets' buffers into one block of node memory (collective), each bucket at a
@@ -181,7 +195,11 @@ class BucketedExchange(LocalExchange):
 
     @auto.setter
     def auto(self, table: AutoTable) -> None:
+        """Collective when the new table needs node memory the buckets are not in yet (a resume)."""
         self.coll.auto = table
+        if self.in_place and not self.node_memory and self._wants_node_memory():
+            self.node_memory = self._to_node_memory()
+            self._bind_grads()
 
     def broadcast_parameters(self, root: int = 0) -> None:
         broadcast_parameters(self.comm, self.params, root)
@@ -311,6 +329,9 @@ class BucketedExchange(LocalExchange):
         if self.node_memory:
             for p in self.params:
                 p.grad = p.grad.copy()
+            for b in range(len(self.buckets)):  # nothing left pointing into the unmapped window
+                packer = self.buckets.packer(b)
+                packer.place(np.empty(packer.total, self.buckets.wire_dtype))
             self.node_memory = False
         self.coll.free()
 

@@ -108,9 +108,13 @@ class SimComm(CommBase):
         """Every rank: the virtual ranks all run in this one process, sharing its memory."""
         return list(range(self._size))
 
-    def node_segments(self, nbytes: int) -> tuple[list[Any], Any, Any]:
+    def node_segments(self, nbytes: int) -> tuple[list[Any], Any, Any] | None:
         """Every rank's ``nbytes`` (collective): the virtual ranks share this process's memory,
-        so each rank's segment is an array the others read directly (no sync needed)."""
+        so each rank's segment is an array the others read directly (no sync needed). None, as
+        under MPI, when the network puts this communicator's ranks on more than one node."""
+        per_node = int(getattr(self._engine.network, "ranks_per_node", 0))
+        if per_node and len({r // per_node for r in self._group}) > 1:
+            return None
         self._children += 1
         key = (self._context, "node", self._children)
         board = self._engine.node_boards.setdefault(key, {})

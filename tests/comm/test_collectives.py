@@ -517,6 +517,58 @@ def check_shm_needs_node_memory(comm: Communicator) -> None:
         assert np.array_equal(node, expected)
 
 
+def check_shm_refuses_buffers_that_differ(comm: Communicator) -> None:
+    """Ranks that pass another place (an odd rank one element further) or another block: every
+    rank raises the same ValueError before any memory is touched, and the next allreduce runs."""
+    from hpcdl.comm.collectives import shm
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with Collectives(comm) as coll:
+        blocks = [coll.node_empty(64, np.float64) for _ in range(2)]
+        for block in blocks:
+            block[...] = rank
+        cases = [blocks[0][rank % 2 : rank % 2 + 8], blocks[rank % 2][:8]]
+        for buf in cases if size > 1 else ():
+            before = [b.copy() for b in blocks]
+            with pytest.raises(ValueError, match="the ranks passed different buffers"):
+                coll.Allreduce(buf, buf, algorithm="shm")
+            assert all(np.array_equal(a, b) for a, b in zip(blocks, before))
+        good = blocks[0][:8]
+        coll.Allreduce(good, good, algorithm="shm")
+        assert np.array_equal(good, np.full(8, float(sum(range(size)))))
+        # the NumPy passes (no compiled pass): the same bits as the compiled one
+        x = random_values(rank, 1001, np.float32)
+        outs = []
+        kernel = shm._fused
+        for fused in (kernel, None):
+            shm._fused = fused
+            try:
+                buf = coll.node_empty(1001, np.float32)
+                buf[...] = x
+                coll.Allreduce(buf, buf, algorithm="shm", scale=1 / 3)
+                outs.append(buf.copy())
+            finally:
+                shm._fused = kernel
+        assert outs[0].tobytes() == outs[1].tobytes()
+
+
+def check_node_empty_with_operations_in_flight(comm: Communicator) -> None:
+    """``node_empty`` while this object's allreduces are in flight, reached by the ranks at
+    different points of their waits: it completes them first, so no rank blocks another."""
+    rank = comm.Get_rank()
+    with Collectives(comm) as coll:
+        x = integer_values(rank, 5000, np.float64)
+        expected = mpi_allreduce(comm, x)
+        reqs = [coll.Iallreduce(x.copy(), out := np.empty_like(x), algorithm="ring"), coll.Iallreduce(x, x)]
+        if rank == 0:
+            node = coll.node_empty(10, np.float64)
+            hc.waitall(reqs)
+        else:
+            hc.waitall(reqs)
+            node = coll.node_empty(10, np.float64)
+        assert node is not None and np.array_equal(out, expected) and np.array_equal(x, expected)
+
+
 CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_allreduce_exact,
     check_allreduce_random,
@@ -537,6 +589,8 @@ CHECKS: tuple[Callable[[Communicator], None], ...] = (
     check_shm_equals_mpi,
     check_shm_in_flight_with_others,
     check_shm_needs_node_memory,
+    check_shm_refuses_buffers_that_differ,
+    check_node_empty_with_operations_in_flight,
 )
 
 world_of_one = pytest.mark.skipif(hc.world().Get_size() != 1, reason="world-of-one tests run without mpiexec")

@@ -22,7 +22,7 @@ from hpcdl.comm.collectives.buffers import (
     scale_in_place,
 )
 from hpcdl.comm.collectives.schedule import CollRequest, Schedule
-from hpcdl.comm.context import node_memory
+from hpcdl.comm.context import node_memory, waitall
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
 
@@ -182,15 +182,25 @@ class Collectives:
         node reads directly, for the algorithm ``"shm"`` (collective: every rank asks for the
         same, in the same order; freed with the object).
 
+        Operations of this object still in flight are completed first (the window calls
+        block); those of other objects, and the caller's own messages, must not wait on
+        this rank meanwhile.
+
         Returns:
             The array (uninitialised), or None on every rank when the ranks are not all on
             one node. It is valid until :meth:`free`, which unmaps it: copy out what must
             outlive this object.
         """
+        comm = self.comm
+        # MPI's window calls block, and this object's schedules advance only in Test/Wait: finish
+        # them first (every rank does so at the same point of its sequence), or a rank blocked
+        # here would never take its part in a round another rank waits for
+        waitall([r for r in self._inflight if not r.finished])
         nbytes = int(n) * np.dtype(dtype).itemsize
-        memory = node_memory(self.comm, nbytes)
+        memory = node_memory(comm, nbytes)
         if memory is None:
             return None
+        memory.ident = len(self._node)
         self._node.append(memory)
         return memory.segments[memory.rank][:nbytes].view(dtype)
 
@@ -250,7 +260,9 @@ class Collectives:
                 is unknown, its buffers are not of its dtype, or ``op`` is not SUM.
         """
         name = _check_algorithm(algorithm or self.algorithm)
+        self.comm  # noqa: B018  (raises CollectivesFreedError after free())
         src, dst = check_pair(sendbuf, recvbuf, "allreduce")
+        _check_scale(dst, scale)
         if narrow is not None:
             if scale is not None:
                 raise ValueError(f"narrow={narrow!r} rounds the sum once: scale it after (got scale={scale})")
@@ -261,6 +273,7 @@ class Collectives:
         if name in NODE_ALGORITHMS:
             node = self._node_place(dst, explicit=(algorithm or self.algorithm) != "auto")
             if node is not None:
+                self._check_host(src)
                 memory, at = node
                 return self._start(
                     f"allreduce[{name}]",
@@ -298,6 +311,18 @@ class Collectives:
             )
         return node
 
+    @staticmethod
+    def _check_host(src: Any) -> None:
+        """Raise unless ``src`` is a NumPy array (node memory is host memory).
+
+        Raises:
+            ValueError: ``src`` is on a GPU.
+        """
+        if not isinstance(src, np.ndarray):
+            raise ValueError(
+                f"allreduce 'shm' sums host memory: sendbuf must be a NumPy array (got {type(src).__name__})"
+            )
+
     def Allreduce(  # noqa: N802  (MPI's name)
         self,
         sendbuf: Any,
@@ -317,6 +342,7 @@ class Collectives:
                 if name in NODE_ALGORITHMS and self._in_node(dst) is None:
                     name = "mpi"
             if name == "mpi":
+                _check_scale(dst, scale)
                 red = self._reduction(op, dst)
                 self._seq += 1
                 self.comm.Allreduce(self._in_place if src is dst else src, dst, op=red.op)
@@ -480,6 +506,16 @@ class Collectives:
     def Bcast(self, buf: Any, root: int = 0) -> None:  # noqa: N802
         """Broadcast, blocking: :meth:`Ibcast` waited on."""
         self.Ibcast(buf, root).Wait()
+
+
+def _check_scale(dst: Any, scale: float | None) -> None:
+    """Raise unless ``scale`` is None or ``dst`` holds floats.
+
+    Raises:
+        ValueError: a scale for integers (it would truncate, unlike a multiplication after).
+    """
+    if scale is not None and dst.dtype.kind != "f":
+        raise ValueError(f"allreduce: scale= multiplies floats, not {dst.dtype} (got scale={scale})")
 
 
 def _scaled(schedule: Schedule, dst: Any, scale: float) -> Schedule:

@@ -22,7 +22,9 @@ other schedules.
 
 The buffer must be node memory a :class:`~hpcdl.comm.collectives.Collectives` object gave
 out (:meth:`~hpcdl.comm.collectives.Collectives.node_empty`), at the same place on every
-rank: that is what lets a rank find the others' copy of it. Memory is not a message, so
+rank: that is what lets a rank find the others' copy of it. The first barrier's messages
+carry each rank's (block, offset, size, dtype) and a flag that travels on with the rounds, so
+ranks that passed different places all raise the same error before any memory is touched. Memory is not a message, so
 the simulator charges the reductions and copies as the compute model charges any work
 between communication calls; ``auto`` there never picks ``"shm"`` (its α-β model has no
 term for them).
@@ -30,7 +32,7 @@ term for them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,7 +46,7 @@ try:  # the compiled pass (sum, scale, spread in one)
 except ImportError:  # not built: NumPy's passes
     _fused = None
 
-__all__ = ["NodeMemory", "allreduce", "barrier"]
+__all__ = ["NodeMemory", "agreeing_barrier", "allreduce", "barrier"]
 
 
 class NodeMemory:
@@ -57,14 +59,22 @@ class NodeMemory:
         sync: makes this rank's writes visible to the others and theirs to it (MPI's
             ``Win_sync``), called around each barrier.
         free: releases the memory (collective; MPI's ``Win_free``).
+        ident: which block this is among those of one owner (the same on every rank), so
+            that the ranks can check they reduce the same one.
     """
 
-    __slots__ = ("_free", "rank", "segments", "start", "stop", "sync")
+    __slots__ = ("_free", "ident", "rank", "segments", "start", "stop", "sync")
 
     def __init__(
-        self, segments: Sequence[Any], rank: int, sync: Callable[[], None], free: Callable[[], None]
+        self,
+        segments: Sequence[Any],
+        rank: int,
+        sync: Callable[[], None],
+        free: Callable[[], None],
+        ident: int = 0,
     ) -> None:
         self.segments = list(segments)
+        self.ident = ident
         self.rank = rank
         self.sync = sync
         self._free: Callable[[], None] | None = free
@@ -111,6 +121,29 @@ def barrier(comm: Communicator, tag: int, alloc: Alloc = scratch, like: Any = No
         k <<= 1
 
 
+def agreeing_barrier(comm: Communicator, tag: int, mine: Sequence[int]) -> Generator[Any, None, bool]:
+    """A dissemination barrier whose messages carry ``mine`` (a few integers) and a flag: a rank
+    that receives other integers than its own raises the flag, and the flag travels on with the
+    rounds, which reach every rank from every other.
+
+    Returns (as the value of ``yield from``):
+        True on every rank when some two ranks passed different integers.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n = len(mine)
+    out = np.zeros(n + 1, np.int64)
+    out[:n] = mine
+    bad = False
+    k = 1
+    while k < size:
+        got = np.empty(n + 1, np.int64)
+        out[n] = bad
+        yield sendrecv(comm, out, (rank + k) % size, got, (rank - k) % size, tag)
+        bad = bad or bool(got[n]) or not np.array_equal(got[:n], out[:n])
+        k <<= 1
+    return bad
+
+
 def allreduce(
     comm: Communicator,
     src: Any,
@@ -141,8 +174,15 @@ def allreduce(
     q, r = divmod(dst.size, size)
     lo = rank * q + min(rank, r)
     hi = lo + q + (rank < r)
+    mine = (memory.ident, offset, dst.nbytes, dst.dtype.num)
     memory.sync()
-    yield from barrier(comm, tag, alloc, dst)  # every contribution is in place
+    differ = yield from agreeing_barrier(comm, tag, mine)  # every contribution is in place
+    if differ:  # on every rank, before any rank touches another's memory
+        raise ValueError(
+            f"allreduce 'shm': the ranks passed different buffers (here node block {mine[0]}, byte "
+            f"{offset}, {dst.nbytes} bytes of {dst.dtype}): every rank must pass the same place of the "
+            "same Collectives.node_empty array, as MPI wants the same count and type"
+        )
     memory.sync()
     if not (reduce is np.add and _fused is not None and _fused.sum_spread(views, rank, lo, hi, scale)):
         acc = dst[lo:hi]
@@ -156,3 +196,4 @@ def allreduce(
                 views[p][lo:hi] = acc
     memory.sync()
     yield from barrier(comm, tag, alloc, dst)  # every chunk is in every buffer; none is read any more
+    memory.sync()  # the others' stores into this rank's buffer are visible to it

@@ -71,18 +71,21 @@ def time_algorithms(
     item = np.dtype(dtype).itemsize
     rows: list[dict[str, Any]] = []
     with Collectives(comm, auto=auto) as coll:
-        for nbytes in sizes:
-            n = max(nbytes // item, 1)
-            send = np.random.default_rng([0, comm.Get_rank()]).standard_normal(n).astype(dtype)
-            recv = np.empty_like(send)
-            node = coll.node_empty(n, dtype) if set(algorithms) & set(NODE_ALGORITHMS) else None
-            if node is None and set(algorithms) & set(NODE_ALGORITHMS):
+        block = None  # node memory for the largest size, each size at its start
+        if set(algorithms) & set(NODE_ALGORITHMS):
+            block = coll.node_empty(max(max(nbytes // item, 1) for nbytes in sizes), dtype)
+            if block is None:
                 raise ConfigError(
                     f"{', '.join(NODE_ALGORITHMS)} runs in memory the ranks of one node share: these "
                     f"{size_n} ranks are not all on one node (leave it out of --algorithms)"
                 )
+        for nbytes in sizes:
+            n = max(nbytes // item, 1)
+            send = np.random.default_rng([0, comm.Get_rank()]).standard_normal(n).astype(dtype)
+            recv = np.empty_like(send)
             mean = None
-            if node is not None:  # in place in node memory, taking the mean, as the exchange runs them
+            if block is not None:  # in place in node memory, taking the mean, as the exchange runs them
+                node = block[:n]
                 node[...] = send
                 send, recv, mean = node, node, 1.0 / size_n
             calls = {a: _caller(coll, send, recv, a, mean) for a in algorithms}
@@ -104,7 +107,9 @@ def time_algorithms(
                 rows.append(
                     {
                         "algorithm": name,
-                        "picked": coll.auto.choose(n * item, size_n) if name == "auto" else name,
+                        "picked": _picked(coll, n * item, size_n, block is not None)
+                        if name == "auto"
+                        else name,
                         "size_bytes": n * item,
                         "ranks": size_n,
                         "time_s": t,
@@ -120,3 +125,12 @@ def time_algorithms(
             for row in rows[-len(times) :]:
                 row["time_vs_mpi"] = row["time_s"] / ref if ref else None
     return rows
+
+
+def _picked(coll: Collectives, algorithm: str, nbytes: int, ranks: int, node: bool) -> str:
+    """The algorithm that ran: ``auto``'s choice from its table (MPI's own where that is a node
+    algorithm and the buffer ordinary memory), else ``algorithm``."""
+    if algorithm != "auto":
+        return algorithm
+    name = coll.auto.choose(nbytes, ranks)
+    return "mpi" if name in NODE_ALGORITHMS and not node else name
