@@ -23,11 +23,11 @@ other schedules.
 The buffer must be node memory a :class:`~hpcdl.comm.collectives.Collectives` object gave
 out (:meth:`~hpcdl.comm.collectives.Collectives.node_empty`), at the same place on every
 rank: that is what lets a rank find the others' copy of it. The first barrier's messages
-carry each rank's (block, offset, size, dtype) and a flag that travels on with the rounds, so
-ranks that passed different places all raise the same error before any memory is touched. Memory is not a message, so
-the simulator charges the reductions and copies as the compute model charges any work
-between communication calls; ``auto`` there never picks ``"shm"`` (its α-β model has no
-term for them).
+carry each rank's (block, offset, size, dtype) and a flag that travels on with the rounds,
+so ranks that passed different places all raise the same error before any memory is
+touched. Memory is not a message, so the simulator charges the reductions and copies as
+the compute model charges any work between communication calls; ``auto`` there never
+picks ``"shm"`` (its α-β model has no term for them).
 """
 
 from __future__ import annotations

@@ -107,9 +107,7 @@ def time_algorithms(
                 rows.append(
                     {
                         "algorithm": name,
-                        "picked": _picked(coll, n * item, size_n, block is not None)
-                        if name == "auto"
-                        else name,
+                        "picked": _picked(coll, name, n * item, size_n, block is not None),
                         "size_bytes": n * item,
                         "ranks": size_n,
                         "time_s": t,
