@@ -15,9 +15,12 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 
 
-def _check_planes(Py_ssize_t row, Py_ssize_t item, Py_ssize_t cols, Py_ssize_t itemsize):
-    """The planes ξ of a (16, rows, cols) array must each be C-contiguous (they may be apart)."""
-    if item != itemsize or row != cols * itemsize:
+def _check_planes(Py_ssize_t row, Py_ssize_t item, Py_ssize_t rows, Py_ssize_t cols, Py_ssize_t itemsize):
+    """The planes ξ of a (16, rows, cols) array must each be C-contiguous (they may be apart).
+
+    The stride of an axis of length 1 is never used (NumPy may give it any value).
+    """
+    if (cols > 1 and item != itemsize) or (rows > 1 and row != cols * itemsize):
         raise ValueError(f"planes are not C-contiguous (strides ({row}, {item}) bytes, {cols} columns)")
 
 
@@ -28,7 +31,7 @@ def input_transform(const floating[:, :, :, ::1] x, floating[:, :, :] v, int pad
     cdef Py_ssize_t t = th * tw, wq = 2 * tw + 2
     if v.shape[0] != 16 or v.shape[1] != c or v.shape[2] != n * t:
         raise ValueError(f"v is {tuple(v.shape)[:3]}, expected (16, C, N*th*tw) = (16, {c}, {n * t})")
-    _check_planes(v.strides[1], v.strides[2], v.shape[2], sizeof(floating))
+    _check_planes(v.strides[1], v.strides[2], v.shape[1], v.shape[2], sizeof(floating))
     if padding < 0 or 2 * th + 2 < h + 2 * padding or 2 * tw + 2 < w + 2 * padding:
         raise ValueError(f"{th}x{tw} tiles do not cover a {h}x{w} input padded by {padding}")
     # a tile row's four padded input rows, then its d B (16 rows of tw: row i's column k at 4 i + k)
@@ -99,7 +102,7 @@ def output_transform(const floating[:, :, :] m, floating[:, :, :, ::1] y, const 
     cdef Py_ssize_t th = (ho + 1) // 2, tw = (wo + 1) // 2, t = th * tw
     if m.shape[0] != 16 or m.shape[1] != o or m.shape[2] != n * t:
         raise ValueError(f"m is {tuple(m.shape)[:3]}, expected (16, O, N*th*tw) = (16, {o}, {n * t})")
-    _check_planes(m.strides[1], m.strides[2], m.shape[2], sizeof(floating))
+    _check_planes(m.strides[1], m.strides[2], m.shape[1], m.shape[2], sizeof(floating))
     if with_bias and bias.shape[0] != o:
         raise ValueError(f"bias has {bias.shape[0]} elements, expected {o}")
     # one tile row's M A (8 rows of tw: row i's column b at 2 i + b), then its 2 x 2tw outputs
@@ -146,7 +149,7 @@ def filter_transform(const floating[:, :, :, ::1] w, floating[:, :, :] u):
         raise ValueError(f"w is {tuple(w.shape)[:4]}, expected (O, C, 3, 3)")
     if u.shape[0] != 16 or u.shape[1] != o or u.shape[2] != c:
         raise ValueError(f"u is {tuple(u.shape)[:3]}, expected (16, O, C) = (16, {o}, {c})")
-    _check_planes(u.strides[1], u.strides[2], u.shape[2], sizeof(floating))
+    _check_planes(u.strides[1], u.strides[2], u.shape[1], u.shape[2], sizeof(floating))
     cdef const floating* g
     cdef floating* up
     cdef floating r[4][3]

@@ -249,8 +249,9 @@ class Conv2d(Layer):
     gradient of a 3x3, stride-1 layer with padding <= 2 (the same on both axes): ``True``
     Winograd F(2x2, 3x3), ``False`` im2row, ``None`` (default) Winograd when both channel
     counts are at least :data:`WINOGRAD_MIN_CHANNELS`. The weight gradient is im2row's
-    product either way (the matrix is built in the forward). ``True`` on a layer that is not
-    eligible raises ``ValueError``.
+    product either way; on the Winograd path the cache is the input (as a ``Linear``'s is),
+    and backward builds its windows a chunk at a time (:meth:`windows` gives them whole).
+    ``True`` on a layer that is not eligible raises ``ValueError``.
 
     Args:
         in_channels: Input channels C.
@@ -430,6 +431,21 @@ class Conv2d(Layer):
             gc = xp.matmul(gy2[:, r0:r1].T, w2, out=gcols[: r1 - r0])  # rows, C*kh*kw
             row2im(gc, gx[n0:n1].shape, self.kernel_size, self.stride, self.padding, out=gx[n0:n1])
         return gx
+
+    def windows(self) -> Any:
+        """The last forward's input windows, ``(N*Ho*Wo, C*kh*kw)`` (:func:`im2row`; K-FAC's factor).
+
+        The im2row path's cached matrix; on the Winograd path, which keeps the input instead,
+        a new matrix built from it.
+
+        Raises:
+            RuntimeError: no forward has run.
+        """
+        if self._cols is not None:
+            return self._cols
+        if self._x is None:
+            raise RuntimeError(f"{self.name or 'Conv2d'}: windows asked for before forward")
+        return im2row(self._x, self.kernel_size, self.stride, self.padding)
 
     def _weight_grad_by_chunks(self, xp: ModuleType, gy2: Any, n: int, p: int) -> None:
         """The weight gradient ``gy2 @ im2row(x)``, the windows of a chunk of samples at a time.

@@ -81,7 +81,8 @@ def planes(xp: Any, rows: int, cols: int, dtype: Any, buffer: Any = None) -> Any
 def _planar(a: Any) -> bool:
     """Whether ``a`` (16, rows, cols) has C-contiguous planes (the transforms' layout)."""
     itemsize = a.dtype.itemsize
-    return a.strides[2] == itemsize and a.strides[1] == a.shape[2] * itemsize
+    _, rows, cols = a.shape  # an axis of length 1 may have any stride
+    return (cols == 1 or a.strides[2] == itemsize) and (rows == 1 or a.strides[1] == cols * itemsize)
 
 
 def _kernel_takes(*arrays: Any) -> bool:
