@@ -96,9 +96,11 @@ def model_of(kind: str) -> tuple[Sequential, np.ndarray]:
     if kind == "linear":
         net = Sequential([Flatten(), Linear(12, 5, bias=True, **kw), ReLU(), Linear(5, 3, bias=False, **kw)])
         x = RNG.standard_normal((6, 3, 2, 2))
-    elif kind == "conv":
+    elif kind in {"conv", "conv-winograd"}:  # Winograd's layers keep their input, not its windows
+        wino = True if kind == "conv-winograd" else None
         net = Sequential([
-            Conv2d(2, 3, 3, padding=1, bias=True, **kw), ReLU(), Conv2d(3, 2, 2, stride=2, bias=False, **kw),
+            Conv2d(2, 3, 3, padding=1, bias=True, winograd=wino, **kw), ReLU(),
+            Conv2d(3, 2, 2, stride=2, bias=False, **kw),
             Flatten(), Linear(8, 3, **kw),
         ])  # fmt: skip
         x = RNG.standard_normal((4, 2, 4, 4))
@@ -109,7 +111,7 @@ def model_of(kind: str) -> tuple[Sequential, np.ndarray]:
     return net, x
 
 
-@pytest.mark.parametrize("kind", ["linear", "conv", "residual"])
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv-winograd", "residual"])
 @pytest.mark.parametrize("kl_clip", [0.0, 1e-4])
 def test_factors_and_the_first_update_match_the_formulas_in_float64(kind: str, kl_clip: float) -> None:
     net, x = model_of(kind)

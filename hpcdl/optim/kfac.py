@@ -156,9 +156,9 @@ class _Collector:
             entry = self.kfac.by_layer.get(id(layer))
             if entry is not None:
                 t0 = self.kfac.clock()
-                rows = layer._x.shape[0] if isinstance(layer, Linear) else layer._cols.shape[0]  # B or B*T
-                with hooks.op("factor", rows, entry.dims[0]):
-                    _add(entry, "batch_A", _a_factor(layer))
+                a = _a_rows(layer)  # B, in or B*T, C*kh*kw
+                with hooks.op("factor", a.shape[0], entry.dims[0]):
+                    _add(entry, "batch_A", _a_factor(layer, a))
                 entry.micro += 1
                 self.kfac.seconds["factors"] += self.kfac.clock() - t0
 
@@ -171,12 +171,14 @@ def _add(entry: KfacLayer, attr: str, value: Any) -> None:
         held += value
 
 
-def _a_factor(layer: Layer) -> Any:
-    """(1/B) Σ ā āᵀ of a Linear's cached input, (1/(B T)) Σ ā āᵀ of a convolution's im2col patches."""
-    if isinstance(layer, Linear):
-        a = layer._x  # B, in
-    else:
-        a = layer._cols  # B*T, C*kh*kw
+def _a_rows(layer: Layer) -> Any:
+    """A Linear's cached input (B, in), or a convolution's input windows (B*T, C*kh*kw)."""
+    return layer._x if isinstance(layer, Linear) else layer.windows()
+
+
+def _a_factor(layer: Layer, a: Any) -> Any:
+    """(1/B) Σ ā āᵀ of a Linear's cached input, (1/(B T)) Σ ā āᵀ of a convolution's im2col patches
+    (``a``: :func:`_a_rows`)."""
     xp = get_array_module(a)
     if layer.bias is not None:
         a = xp.concatenate([a, xp.ones((a.shape[0], 1), dtype=a.dtype)], axis=1)

@@ -39,6 +39,7 @@ LAYERS: dict[str, tuple[Callable[[np.random.Generator], Layer], tuple[int, ...]]
     "relu": (lambda r: ReLU(inplace=False), (4, 5)),
     "relu-inplace": (lambda r: ReLU(), (4, 5)),
     "conv": (lambda r: Conv2d(2, 3, 3, stride=1, padding=1, rng=r, **F64), (2, 2, 5, 4)),
+    "conv-winograd": (lambda r: Conv2d(2, 3, 3, padding=1, rng=r, winograd=True, **F64), (2, 2, 5, 4)),
     "batchnorm1d": (lambda r: BatchNorm1d(5, **F64), (6, 5)),
     "batchnorm2d": (lambda r: BatchNorm2d(2, **F64), (3, 2, 4, 4)),
     "maxpool": (lambda r: MaxPool2d(2), (2, 2, 4, 4)),
