@@ -53,8 +53,9 @@ def time_algorithms(
     measurement takes about ``min_time``); then each repetition times
     ``iters`` calls of every algorithm in turn, after a barrier, taking the slowest rank's
     time. Buffers are out of place (``sendbuf`` is not ``recvbuf``); with ``"shm"`` among
-    ``algorithms``, every algorithm runs in place on one buffer in node memory instead and
-    takes the mean (``scale = 1 / size``), as the bucketed exchange runs them.
+    ``algorithms``, every algorithm runs in place and takes the mean (``scale = 1 / size``),
+    as the bucketed exchange runs them: the node algorithms (and ``auto`` where it picks one)
+    on node memory, the others on ordinary memory.
 
     Args:
         auto: the table ``auto`` picks from (``None``: the packaged default); the same on
@@ -83,12 +84,20 @@ def time_algorithms(
             n = max(nbytes // item, 1)
             send = np.random.default_rng([0, comm.Get_rank()]).standard_normal(n).astype(dtype)
             recv = np.empty_like(send)
-            mean = None
-            if block is not None:  # in place in node memory, taking the mean, as the exchange runs them
+            if block is None:
+                calls = {a: _caller(coll, send, recv, a) for a in algorithms}
+            else:  # in place, taking the mean, as the exchange runs them: a node algorithm (and auto's
+                # pick of one) on node memory, the others on ordinary memory, where the exchange keeps
+                # their buckets (MPICH was up to 1.6x slower on a shared window's pages here)
                 node = block[:n]
                 node[...] = send
-                send, recv, mean = node, node, 1.0 / size_n
-            calls = {a: _caller(coll, send, recv, a, mean) for a in algorithms}
+                recv[...] = send
+                calls = {
+                    a: _caller(coll, node, node, a, 1.0 / size_n)
+                    if _picked(coll, a, n * item, size_n, True) in NODE_ALGORITHMS
+                    else _caller(coll, recv, recv, a, 1.0 / size_n)
+                    for a in algorithms
+                }
             iters = {}
             for name, call in calls.items():
                 call()
