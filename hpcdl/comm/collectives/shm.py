@@ -82,11 +82,6 @@ class NodeMemory:
         self.start = int(own.__array_interface__["data"][0])
         self.stop = self.start + own.nbytes
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of each rank's segment."""
-        return int(self.segments[self.rank].nbytes)
-
     def offset(self, arr: Any) -> int | None:
         """Where the C-contiguous NumPy array ``arr`` starts in this rank's segment (None: outside)."""
         if not isinstance(arr, np.ndarray):
