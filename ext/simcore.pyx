@@ -613,6 +613,16 @@ cdef class Core:
         if t:
             self.poll_clean[r] = 0  # compute between two polls: no jump to the next event
 
+    def unmeasured(self, int r, work):
+        """Run ``work()`` on rank ``r`` outside its compute segments: the compute model charges
+        the segment so far, and nothing for ``work`` (whose cost a model charges instead)."""
+        self._check(r)
+        self._account(r, False)
+        try:
+            return work()
+        finally:
+            self.seg_start[r] = _wall()
+
     cdef void _sync(self, int r) except *:
         """Return once rank ``r`` is the earliest thing that can happen (it may run others first)."""
         cdef Event* top

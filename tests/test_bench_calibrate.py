@@ -12,7 +12,7 @@ import pytest
 
 import hpcdl.comm as hc
 from hpcdl.bench import SUBCOMMANDS, build_parser, main
-from hpcdl.bench.calibrate import fit, placement
+from hpcdl.bench.calibrate import fit, fit_memory, placement
 from hpcdl.bench.contention import KERNELS, factors, levels
 from hpcdl.errors import ConfigError, FileError
 from hpcdl.sim.network import load_network
@@ -49,6 +49,20 @@ def test_fit_errors() -> None:
         fit([65536, 1 << 20], [1e-5, 1e-4])
     with pytest.raises(ConfigError, match="do not grow with the size"):
         fit([8, 1 << 20], [1e-5, 1e-5])
+
+
+@pytest.mark.parametrize("fixed, rate", [(3e-5, 27e9), (8e-6, 15e9), (0.0, 4e9)])
+def test_fit_memory_recovers_the_fixed_cost_and_the_rate(fixed: float, rate: float) -> None:
+    sizes = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
+    got = fit_memory(sizes, [fixed + 2 * s / rate for s in sizes])
+    assert got is not None
+    assert got[0] == pytest.approx(fixed, abs=1e-12) and got[1] == pytest.approx(rate, rel=1e-9)
+
+
+def test_fit_memory_declines_times_that_do_not_grow() -> None:
+    assert fit_memory([1 << 20, 4 << 20], [2e-4, 1e-4]) is None
+    assert fit_memory([1 << 20, 4 << 20], [1e-4, 1e-4]) is None
+    assert fit_memory([1 << 20], [1e-4]) is None  # one size: no slope
 
 
 def test_placement() -> None:
@@ -96,6 +110,43 @@ def test_calibrate_under_the_simulator_writes_its_network_and_a_contention(tmp_p
 
 
 @pytest.mark.skipif(hc.world().Get_size() != 1, reason="runs without mpiexec")
+def test_calibrate_under_the_simulator_recovers_its_memory_rate(tmp_path: Path, capsys) -> None:
+    """On one simulated node whose network gives node memory a rate, the allreduce shm is timed
+    and the rate written back (compute none: the fit is exact); without the rate, it is not
+    measured, and the file says why."""
+    from hpcdl.simulate import main as simulate
+
+    net = tmp_path / "node.toml"
+    net.write_text(
+        "ranks_per_node = 0\n[intra]\nlatency_us = 2.0\nbandwidth_GBps = 10.0\nmemory_GBps = 15.0\n"
+    )
+    out = tmp_path / "out.toml"
+    argv = ["-n", "3", "--network", str(net), "--compute", "none", "-m", "hpcdl.bench", "calibrate"]
+    argv += [
+        "--out",
+        str(out),
+        "--sizes",
+        "8",
+        "64K",
+        "1M",
+        "4M",
+        "--repeat",
+        "2",
+        "--contention-repeat",
+        "0",
+    ]
+    assert simulate(argv) == 0
+    got = load_network(out, 3).describe()["intra"]
+    assert got["memory_GBps"] == pytest.approx(15.0, rel=1e-3)
+    assert got["latency_us"] == pytest.approx(2.0, rel=1e-3)
+    assert "memory: 15 GB/s read plus written per rank (3 ranks at once)" in capsys.readouterr().out
+    net.write_text("ranks_per_node = 0\n[intra]\nlatency_us = 2.0\nbandwidth_GBps = 10.0\n")
+    assert simulate(argv) == 0
+    assert "memory_GBps" not in load_network(out, 3).describe()["intra"]
+    assert "# memory: not measured (these ranks have no memory they can all read" in out.read_text()
+
+
+@pytest.mark.skipif(hc.world().Get_size() != 1, reason="runs without mpiexec")
 def test_calibrate_needs_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "net.toml"
     with pytest.raises(ConfigError, match="run it under mpiexec -n 2 or more"):
@@ -135,6 +186,7 @@ def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixtur
     hosts = comm.allgather(socket.gethostname())
     host = hosts.count(hosts[0])  # ranks on rank 0's host
     kernel_rows = [r for r in rows if "kernel" in r]
+    memory_rows = [r for r in rows if "memory" in r]
     rows = [r for r in rows if "link" in r]
     rpn, intra_peer, inter_peer, _ = placement(hosts)
     links = [link for link, peer in (("intra", intra_peer), ("inter", inter_peer)) if peer is not None]
@@ -170,6 +222,13 @@ def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixtur
         assert "# contention: step" in out.read_text()
     else:
         assert kernel_rows == [] and net.contention == ()
+    # the memory rate of rank 0's host, where its ranks share node memory: the shm allreduce timed
+    if rpn == 0:
+        assert [(r["memory"], r["size_bytes"], r["ranks"]) for r in memory_rows] == [
+            ("shm", s, host) for s in (256 << 10, 4 << 20)
+        ]
+        assert d["intra"]["memory_GBps"] == pytest.approx(memory_rows[0]["memory_GBps"], rel=1e-3)
+        assert d["intra"]["memory_GBps"] > 0 and "# memory: the allreduce shm on" in out.read_text()
 
     # an --out that cannot be written stops every rank before the measurement
     with pytest.raises(FileError, match="does not exist"):

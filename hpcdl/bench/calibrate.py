@@ -17,7 +17,10 @@ Rank 0 prints the fit and the residual per size, and writes a TOML file that
 When rank 0's host has several ranks, it also measures the compute contention of a node
 (:mod:`hpcdl.bench.contention`: kernels timed on rank 0 alone and on the host's ranks at
 once) and writes ``[compute] contention``, the slow-down of hpcdl's training step by the
-number of ranks on a node, with every kernel's figures as comments.
+number of ranks on a node, with every kernel's figures as comments. And it measures the rate
+at which those ranks reduce in the memory they share (:func:`memory_rate`: the allreduce
+``"shm"`` timed at the sizes from 64 KiB up), written as ``[intra] memory_GBps``, by which the
+simulator charges ``"shm"`` and ``auto`` prices it there.
 """
 
 from __future__ import annotations
@@ -39,7 +42,20 @@ from hpcdl.driver.cli import parse_size, positive_float
 from hpcdl.errors import ConfigError
 from hpcdl.sim.network import load_network, network_toml, parse_network
 
-__all__ = ["DEFAULT_SIZES", "TINY", "add_parser", "calibrate", "fit", "placement", "pingpong", "run"]
+__all__ = [
+    "COLD_BYTES",
+    "DEFAULT_SIZES",
+    "MEMORY_MIN",
+    "TINY",
+    "add_parser",
+    "calibrate",
+    "fit",
+    "fit_memory",
+    "memory_rate",
+    "placement",
+    "pingpong",
+    "run",
+]
 
 #: 8 bytes to 16 MiB, powers of 8 and 4 (gradient buckets reach megabytes): the default ``--sizes``
 DEFAULT_SIZES: tuple[int, ...] = (8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 << 20, 16 << 20)
@@ -47,6 +63,10 @@ DEFAULT_SIZES: tuple[int, ...] = (8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 <<
 TINY = 1024
 #: the smallest size may not exceed this (alpha is measured on it when no size is tiny)
 MAX_LATENCY_SIZE = 4096
+#: the memory rate is fitted on the sizes from this many bytes up (below, the barriers dominate)
+MEMORY_MIN = 64 << 10
+#: bytes of node memory per rank that the memory rate's calls cycle through: more than a cache
+COLD_BYTES = 64 << 20
 _TAG = 77
 
 
@@ -186,6 +206,123 @@ def fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
     return alpha, den / num
 
 
+def fit_memory(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float] | None:
+    """The memory rate of the allreduce ``"shm"``: ``T(n) = c + 2 n / M`` (each rank reads and
+    writes ``2 n`` bytes of an ``n``-byte vector) through the times of two sizes or more,
+    ``c`` and ``1 / M`` by least squares of the *relative* residuals, as :func:`fit`'s.
+
+    ``c`` is the call's fixed cost: its barriers, and the Python around them, which the
+    simulator measures as compute (only ``M`` goes into the network file).
+
+    Returns:
+        ``(c_s, M_bytes_per_second)``; None when the times do not grow with the size.
+    """
+    a = b = d = e = f = 0.0  # sums of w, w x, w x^2, w t, w x t with x = 2 n, w = 1 / t^2
+    for s, t in zip(sizes, times):
+        x, w = 2.0 * s, 1.0 / (t * t)
+        a, b, d, e, f = a + w, b + w * x, d + w * x * x, e + w * t, f + w * x * t
+    det = a * d - b * b
+    if len(sizes) < 2 or det <= 0:
+        return None
+    slope = (a * f - b * e) / det
+    return ((e - b * slope) / a, 1.0 / slope) if slope > 0 else None
+
+
+def memory_rate(
+    comm: Communicator,
+    host: Sequence[int],
+    sizes: Sequence[int],
+    repeat: int,
+    min_time: float,
+) -> tuple[float | None, list[dict[str, Any]], str]:
+    """How fast the ranks of rank 0's host reduce in the memory they share (collective).
+
+    The ranks ``host`` time the allreduce ``"shm"`` in place, taking the mean as the exchange
+    does, at each of ``sizes`` from :data:`MEMORY_MIN` up, all at once, as in a run (so the
+    rate is a rank's share of the node's memory bandwidth at that many ranks). Each call
+    takes the next vector of a block of :data:`COLD_BYTES` per rank (at least two vectors),
+    so that it finds its buffers out of the caches, as a run's buckets are after the
+    backward pass that filled them; a vector reduced again and again in cache went 2-3x
+    faster on the machine this was written on. :func:`fit_memory` gives the rate.
+
+    Returns:
+        ``(bytes_per_second, rows, why)``, the same on every rank: None and ``why`` (what
+        to do) when nothing was measured or the times did not grow; a row per size:
+        ``memory``, ``size_bytes``, ``ranks``, ``time_s`` (the fastest of ``repeat``
+        samples of about ``min_time``), ``median_s``, ``calls`` per sample, ``model_s``,
+        ``residual_s``, ``memory_GBps``, ``fixed_s`` (the fit's fixed cost per call).
+    """
+    from hpcdl.comm.collectives import NODE_ALGORITHMS, available_algorithms
+
+    rank = comm.Get_rank()
+    sizes = sorted({s // 4 * 4 for s in sizes if s >= MEMORY_MIN})
+    sub = comm.Split(0 if rank in host else 1, rank)
+    out: tuple[float | None, list[dict[str, Any]], str] = (None, [], "")
+    try:
+        if len(sizes) < 2:
+            out = (None, [], f"fewer than two --sizes of {MEMORY_MIN // 1024} KiB or more (add 1M 4M)")
+        elif rank in host and not set(NODE_ALGORITHMS) <= set(available_algorithms(sub)):
+            out = (None, [], "these ranks have no memory they can all read (node memory)")
+        elif rank in host:
+            out = _time_memory(sub, sizes, repeat, min_time)
+    finally:
+        sub.Free()
+    return comm.bcast(out if rank == 0 else None, root=0)
+
+
+def _time_memory(
+    comm: Communicator, sizes: Sequence[int], repeat: int, min_time: float
+) -> tuple[float | None, list[dict[str, Any]], str]:
+    """:func:`memory_rate`'s timing on the host's ranks ``comm``."""
+    from hpcdl.comm.collectives import Collectives
+    from hpcdl.comm.collectives.timing import time_per_call
+
+    ranks = comm.Get_size()
+    block_len = max(COLD_BYTES, 2 * max(sizes)) // 4
+    times: dict[int, list[float]] = {}
+    calls: dict[int, int] = {}
+    with Collectives(comm, "shm") as coll:
+        block = coll.node_empty(block_len, "float32")
+        block[...] = 1.0  # the mean of ones stays one: no overflow, no denormals
+        for nbytes in sizes:
+            n = nbytes // 4
+            slots = block_len // n
+            turn = [0]
+
+            def call(n: int = n, slots: int = slots, turn: list[int] = turn) -> None:
+                at = turn[0] % slots * n
+                turn[0] += 1
+                coll.Allreduce(block[at : at + n], block[at : at + n], scale=1.0 / ranks)
+
+            k = 1
+            while (t := time_per_call(comm, call, k)) * k < min_time / 4:  # the same t on every rank
+                k *= 2
+            calls[nbytes] = max(1, math.ceil(min_time / t))
+            times[nbytes] = [time_per_call(comm, call, calls[nbytes]) for _ in range(repeat)]
+    best = [min(times[s]) for s in sizes]
+    fitted = fit_memory(sizes, best)
+    overhead, rate = fitted if fitted is not None else (0.0, None)
+    rows = []
+    for s, t in zip(sizes, best):
+        model = overhead + 2 * s / rate if rate else None
+        rows.append(
+            {
+                "memory": "shm",
+                "size_bytes": s,
+                "ranks": ranks,
+                "time_s": t,
+                "median_s": statistics.median(times[s]),
+                "calls": calls[s],
+                "model_s": model,
+                "residual_s": t - model if model is not None else None,
+                "memory_GBps": rate / 1e9 if rate else None,
+                "fixed_s": overhead if rate else None,
+            }
+        )
+    why = "" if rate else "the times do not grow with the size: add larger --sizes or raise --repeat"
+    return rate, rows, why
+
+
 _WHAT = "the network file"
 
 
@@ -274,8 +411,13 @@ def calibrate(
     kernel_rows = (
         contention.measure(comm, host, contention_repeat) if contention_repeat and len(host) > 1 else []
     )
-    on_root(comm, lambda: _report(rows, links, out, name, rpn, hosts, note, kernel_rows))
-    return rows + kernel_rows
+    memory: tuple[float | None, list[dict[str, Any]], str] = (None, [], "")
+    if "intra" in links:
+        memory = memory_rate(comm, host, sizes, repeat, min_time)
+        if memory[0]:
+            links["intra"]["memory_GBps"] = round(memory[0] / 1e9, 4)
+    on_root(comm, lambda: _report(rows, links, out, name, rpn, hosts, note, kernel_rows, memory))
+    return rows + kernel_rows + memory[1]
 
 
 def _report(
@@ -287,6 +429,7 @@ def _report(
     hosts: list[str],
     note: str | None,
     kernel_rows: list[dict[str, Any]],
+    memory: tuple[float | None, list[dict[str, Any]], str] = (None, [], ""),
 ) -> None:
     """Print the fit (and the contention) and write ``out`` atomically (rank 0).
 
@@ -341,6 +484,8 @@ def _report(
     ]
     if kernel_rows:
         data["compute"] = {"contention": _report_contention(kernel_rows, comments)}
+    if "intra" in links:
+        _report_memory(memory, comments)
     if rpn == 0:
         comments.append("ranks_per_node = 0: every rank was on one host, so all ranks are on one node")
     if note:
@@ -350,6 +495,39 @@ def _report(
     write_text_atomic(out, network_toml(data, comments), what=_WHAT)
     load_network(out)
     print(f"network written to {out} (ranks_per_node = {rpn})")
+
+
+def _report_memory(memory: tuple[float | None, list[dict[str, Any]], str], comments: list[str]) -> None:
+    """Print the memory rate's fit per size (or why there is none), add it to ``comments``."""
+    rate, rows, why = memory
+    if rate is None:
+        line = f"memory: not measured ({why}); without intra.memory_GBps the simulator's auto never picks shm"
+        print(line)
+        comments.append(line)
+        return
+    ranks = rows[0]["ranks"]
+    print(
+        f"bench calibrate: memory of rank 0's host, the allreduce shm in place on {ranks} ranks at once, "
+        "fastest repetition per size"
+    )
+    comments.append(
+        f"memory: the allreduce shm on {ranks} ranks at once; size, us, model us, residual us, residual"
+    )
+    print(f"{'size':>10}{'us':>12}{'model us':>11}{'residual us':>13}{'residual':>10}")
+    for r in rows:
+        line = (
+            f"{r['size_bytes']:>10}{1e6 * r['time_s']:>12.3f}{1e6 * r['model_s']:>11.3f}"
+            f"{1e6 * r['residual_s']:>13.3f}{100 * r['residual_s'] / r['time_s']:>9.1f}%"
+        )
+        print(line)
+        comments.append(f"memory: {line}")
+    fixed = 1e6 * rows[0]["fixed_s"]
+    line = (
+        f"memory: {rate / 1e9:.4g} GB/s read plus written per rank ({ranks} ranks at once), "
+        f"a fixed {fixed:.3g} us per call"
+    )
+    print(line)
+    comments.append(line)
 
 
 def _report_contention(kernel_rows: list[dict[str, Any]], comments: list[str]) -> list[float]:

@@ -218,6 +218,10 @@ class WorldHooks(Protocol):
     * ``alpha_beta(ranks) -> (alpha, beta)``: a modelled network's latency (s) and inverse
       bandwidth (s/byte), used by ``auto`` in place of timing the algorithms
       (:func:`hpcdl.comm.collectives.tune.tuned_table`; the simulator's communicators).
+    * ``memory_beta() -> float | None`` and ``memory_pass(work, nbytes)``: a modelled node's
+      seconds per byte of memory read or written (None: not modelled here), by which ``auto``
+      prices the allreduce ``"shm"``, and the call that runs its pass charged at that rate
+      instead of measured (:mod:`hpcdl.comm.collectives.shm`; the simulator's communicators).
     """
 
     def wtime(self) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -128,6 +128,24 @@ class SimComm(CommBase):
             self.Barrier()
 
         return segments, _no_sync, free
+
+    def memory_beta(self) -> float | None:
+        """Seconds per byte a rank of this communicator takes to read or write node memory
+        (:meth:`~hpcdl.sim.network.Network.memory_beta`): what the allreduce ``"shm"`` is
+        charged and ``auto`` prices it at; None when its ranks span nodes or the network has
+        no ``intra.memory_GBps`` (``auto`` then does not choose ``"shm"``)."""
+        memory_beta = getattr(self._engine.network, "memory_beta", None)
+        return None if memory_beta is None else memory_beta(self._group)
+
+    def memory_pass(self, work: Callable[[], Any], nbytes: int) -> Any:
+        """Run ``work()``, a pass that reads plus writes ``nbytes`` of node memory, charged at
+        :meth:`memory_beta` per byte instead of measured (measured compute, when None)."""
+        beta = self.memory_beta()
+        if beta is None:
+            return work()
+        out = self._engine.unmeasured(self._world_rank, work)
+        self._engine.charge(self._world_rank, ticks(nbytes * beta))
+        return out
 
     def alpha_beta(self, ranks: int) -> tuple[float, float]:
         """The simulated network's α (s) and β (s/byte) between two of ``ranks`` ranks

@@ -42,6 +42,7 @@ _SCHEMA: dict[str, dict[str, tuple[type, float | None, bool, str]]] = {
     "intra": {
         "latency_us": (float, 0.0, False, "intra-node latency in microseconds"),
         "bandwidth_GBps": (float, 0.0, True, "intra-node bandwidth in GB/s"),
+        "memory_GBps": (float, 0.0, True, "node memory a rank reads plus writes per second, in GB/s"),
     },
     "inter": {
         "latency_us": (float, 0.0, False, "inter-node latency in microseconds"),
@@ -109,6 +110,10 @@ class Network(NetCore):
             ranks, the last for more); empty: none. The compute model applies it
             (:class:`hpcdl.sim.compute.Contention`); the network only carries it.
         switch: the rank that is an aggregating switch, or its host baseline (None: none).
+        memory_GBps: the bytes per second, in GB/s, that a rank reads plus writes when it
+            reduces in memory its node shares (the allreduce ``"shm"``, charged as
+            :meth:`memory_beta` says); None: not modelled (the pass is measured compute, and
+            ``auto`` does not choose ``"shm"``).
         source: where the figures come from.
         path: the file it was read from, if any.
     """
@@ -127,6 +132,7 @@ class Network(NetCore):
         leaf_latency_us: float = 0.0,
         contention: Sequence[float] = (),
         switch: Switch | None = None,
+        memory_GBps: float | None = None,
         source: str = "",
         path: str | None = None,
     ) -> None:
@@ -141,6 +147,8 @@ class Network(NetCore):
             )
         if any(not f >= 1.0 for f in contention):
             raise ValueError(f"contention factors must be >= 1 (got {list(contention)})")
+        if memory_GBps is not None and (intra is None or not memory_GBps > 0):
+            raise ValueError(f"memory_GBps needs an intra-node link and must be positive (got {memory_GBps})")
         if switch is not None and switch.mode == "switch" and (inter is None or kind != "switch"):
             raise ValueError('a switch rank in mode "switch" needs an inter-node link and kind "switch"')
         self.name = name
@@ -156,6 +164,7 @@ class Network(NetCore):
         self.leaf_latency_us = float(leaf_latency_us)
         self.contention = tuple(float(f) for f in contention)
         self.switch = switch
+        self.memory_GBps = None if memory_GBps is None else float(memory_GBps)
         self.fat_tree = kind == "fat-tree"
         self._nic_node = nic == "node"
         #: capacity of a leaf's uplink and downlink, bytes per second
@@ -230,6 +239,26 @@ class Network(NetCore):
         chosen = self.intra if shared else self.inter
         return chosen.latency_us * 1e-6, 1.0 / (chosen.bandwidth_GBps * 1e9)
 
+    def one_node(self, ranks: Sequence[int]) -> bool:
+        """Whether the world ranks ``ranks`` all run on one node."""
+        per_node = self.ranks_per_node
+        return per_node == 0 or len({r // per_node for r in ranks}) <= 1
+
+    def memory_beta(self, ranks: Sequence[int]) -> float | None:
+        """Seconds per byte that a rank of ``ranks`` (world ranks) takes to read or write memory
+        the others read too: ``1 / memory_GBps``, when they all run on one node and the model
+        has ``intra.memory_GBps``; else None (nothing of theirs is summed in node memory).
+
+        The allreduce ``"shm"`` charges its pass at this rate (each rank reads and writes its
+        chunk of every rank's buffer: ``2 n`` bytes of an ``n``-byte vector), in place of
+        measuring it: the virtual ranks run one at a time, each with the machine's memory
+        to itself, where real ranks of a node share it. A calibrated figure is the rate of
+        the node's ranks reducing at once (``bench calibrate``).
+        """
+        if self.memory_GBps is None or not self.one_node(ranks):
+            return None
+        return 1.0 / (self.memory_GBps * 1e9)
+
     def describe(self) -> dict[str, Any]:
         """The model's parameters, JSON-able (for run-file attributes)."""
         out: dict[str, Any] = {
@@ -241,6 +270,8 @@ class Network(NetCore):
             out["file"] = self.path
         if self.intra is not None:
             out["intra"] = self.intra.describe()
+            if self.memory_GBps is not None:
+                out["intra"]["memory_GBps"] = self.memory_GBps
         if self.inter is not None:
             out["inter"] = {**self.inter.describe(), "nic": self.nic}
         topo: dict[str, Any] = {"kind": self.kind}
@@ -379,6 +410,7 @@ def parse_network(data: dict[str, Any], name: str, *, where: str, path: str | No
         leaf_latency_us=topo.get("leaf_latency_us", 0.0),
         contention=contention,
         switch=switch,
+        memory_GBps=intra.get("memory_GBps") if links["intra"] is not None else None,
         source=top.get("source", ""),
         path=path,
     )

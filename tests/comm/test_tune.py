@@ -70,6 +70,77 @@ def test_the_alpha_beta_model_is_the_simulators_time(net: Path, n: int, algorith
         assert want < got <= want + rounds * nbytes * BETA
 
 
+GAMMA = 1 / 4e9  # 4 GB/s read plus written per rank
+
+
+def _node(tmp_path: Path, memory: bool = True, per_node: int = 0) -> Path:
+    """The ranks on nodes of ``per_node`` (0: all on one) sharing a 2 us, 1 GB/s link and, with
+    ``memory``, reading plus writing node memory at 4 GB/s."""
+    path = tmp_path / "node.toml"
+    text = f"ranks_per_node = {per_node}\n[intra]\nlatency_us = 2.0\nbandwidth_GBps = 1.0\n"
+    text += "memory_GBps = 4.0\n" if memory else ""
+    text += "[inter]\nlatency_us = 2.0\nbandwidth_GBps = 1.0\n" if per_node else ""
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_the_shm_model_is_the_simulators_time(tmp_path: Path, n: int) -> None:
+    """``shm`` on one node: two dissemination barriers (the first's messages carry the place) and a
+    pass of ``2 n`` bytes charged at the network's memory rate, exactly, at any rank count."""
+    nbytes = 4 * 120 * 1024
+
+    def body() -> float:
+        comm = hc.world()
+        with Collectives(comm, "shm") as coll:
+            x = coll.node_empty(nbytes // 4, np.float32)
+            x[...] = comm.Get_rank() + 1
+            comm.Barrier()
+            t0 = hc.wtime()
+            coll.Allreduce(x, x)
+            assert np.all(x == n * (n + 1) // 2)
+            return hc.wtime() - t0
+
+    result = simulate(n, body, network=load_network(_node(tmp_path), n), compute=make_compute("none"))
+    assert max(result.results) == pytest.approx(analytic_time("shm", nbytes, n, ALPHA, BETA, GAMMA), rel=1e-9)
+
+
+def test_with_a_memory_rate_every_algorithm_pays_for_its_reductions() -> None:
+    """``gamma`` prices the message algorithms' reductions too (3 bytes moved per byte reduced),
+    so that ``shm``'s pass is not weighed against free reductions; without it, none cost."""
+    n = 1 << 20
+    for algorithm, reduced in [("ring", n / 2), ("doubling", n), ("rabenseifner", n / 2), ("mpi", n / 2)]:
+        plain = analytic_time(algorithm, n, 2, ALPHA, BETA)
+        assert analytic_time(algorithm, n, 2, ALPHA, BETA, GAMMA) == pytest.approx(
+            plain + 3 * reduced * GAMMA
+        )
+    # folded (3 ranks, q = 2): half a vector among the two, and the fold a whole vector more
+    plain = analytic_time("rabenseifner", n, 3, ALPHA, BETA)
+    assert analytic_time("rabenseifner", n, 3, ALPHA, BETA, GAMMA) == pytest.approx(plain + 4.5 * n * GAMMA)
+    with pytest.raises(ValueError, match="only with gamma"):
+        analytic_time("shm", n, 2, ALPHA, BETA)
+
+
+def test_in_the_simulator_auto_prices_shm_where_the_network_gives_node_memory_a_rate(tmp_path: Path) -> None:
+    """One node with a memory rate: ``shm`` is among the algorithms and wins the large sizes (here
+    its ``2 n γ`` against the ring's ``n β + 1.5 n γ``); without the rate, or over two nodes,
+    ``auto`` does not price it."""
+    sizes = (1024, 4 << 20)
+
+    def body() -> dict:
+        return tuned_table(hc.world(), sizes, cache="/nonexistent/never-written.json").table.to_dict()
+
+    for memory, per_node, want in [(True, 0, "shm"), (False, 0, None), (True, 2, None)]:
+        net = load_network(_node(tmp_path, memory, per_node), 4)
+        got = simulate(4, body, network=net, compute=make_compute("none")).results[0]
+        gamma = GAMMA if want else None
+        algorithms = (*ALGORITHMS, "shm") if want else tuple(ALGORITHMS)
+        assert got == analytic_table(sizes, 4, ALPHA, BETA, algorithms, gamma).to_dict()
+        segments = got["ranks"]["4"]["segments"]
+        assert (segments[-1]["algorithm"] == "shm") == (want == "shm")
+        assert ("gamma_s_per_byte" in got["ranks"]["4"]["meta"]) == (want == "shm")
+
+
 def test_the_analytic_table_takes_latency_bound_and_bandwidth_bound_sides() -> None:
     """Small messages: few rounds (doubling, or MPI's own, which is doubling there); large: the
     bandwidth-optimal ring or Rabenseifner (fewer rounds at 8 ranks: Rabenseifner)."""

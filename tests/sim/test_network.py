@@ -356,6 +356,25 @@ def test_compute_contention_key() -> None:
         Network("x", inter=Link(1.0, 1.0), contention=[0.5])
 
 
+def test_memory_rate_key() -> None:
+    """``intra.memory_GBps``: the seconds per byte of node memory for ranks of one node, round-tripped
+    by ``describe``; None without the key, or for ranks on two nodes."""
+    intra = {"latency_us": 1.0, "bandwidth_GBps": 10.0, "memory_GBps": 25.0}
+    n = net(ranks_per_node=2, intra=intra)
+    assert n.memory_beta([0, 1]) == pytest.approx(1 / 25e9) and n.memory_beta([2, 3]) == n.memory_beta([0, 1])
+    assert n.memory_beta([1, 2]) is None and n.one_node([2, 3]) and not n.one_node([1, 2])
+    d = n.describe()
+    assert d["intra"]["memory_GBps"] == 25.0
+    again = parse_network(tomllib.loads(network_toml(d)), "x", where="round trip")
+    assert again.describe() == d
+    everyone = net(ranks_per_node=0, intra=intra)
+    assert everyone.memory_beta(list(range(64))) == pytest.approx(1 / 25e9)
+    plain = net(ranks_per_node=0, intra={"latency_us": 1.0, "bandwidth_GBps": 10.0})
+    assert plain.memory_beta([0, 1]) is None and "memory_GBps" not in plain.describe()["intra"]
+    with pytest.raises(ValueError, match="memory_GBps needs an intra-node link"):
+        Network("x", inter=Link(1.0, 1.0), memory_GBps=10.0)
+
+
 def test_link_rounds_like_the_docs() -> None:
     link = Link(0.3, 12.2)
     assert link.alpha == 300_000 and link.bps == 12_200_000_000
@@ -440,6 +459,18 @@ BAD = [
     ("[compute]\nfactor = 1.1\n", "unknown key 'compute.factor'; nearest valid key: 'compute.contention'"),
     ("compute = 1.1\n", r"'compute' must be a table: write \[compute\]"),
     ("[comptue]\n", r"unknown section \[comptue\] \(did you mean \[compute\]\?\)"),
+    (
+        "ranks_per_node = 0\n[intra]\nlatency_us = 1\nbandwidth_GBps = 1\nmemory_GBps = 0\n",
+        r"key .intra.memory_GBps. \(node memory a rank reads plus writes .*\) must be positive \(got 0.0\)",
+    ),
+    (
+        "ranks_per_node = 0\n[intra]\nmemory_GBps = 20\n",
+        r"key 'intra.latency_us' is missing \(\[intra\] needs both latency_us and bandwidth_GBps\)",
+    ),
+    (
+        "ranks_per_node = 0\n[intra]\nlatency_us = 1\nbandwidth_GBps = 1\nmemory_gbps = 20\n",
+        "unknown key 'intra.memory_gbps'; nearest valid key: 'intra.memory_GBps'",
+    ),
 ]
 
 

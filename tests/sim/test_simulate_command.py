@@ -62,7 +62,8 @@ def test_simulated_bench_writes_the_same_rows_as_a_real_one(tmp_path: Path) -> N
             "--repeat", "1", "--min-time", "0.0001", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())
-    assert {r["algorithm"] for r in rows} == {"ring", "doubling", "rabenseifner", "mpi", "auto"}
+    # shm-local: one node with a memory rate, so "shm" is timed, as on one real node
+    assert {r["algorithm"] for r in rows} == {"ring", "doubling", "rabenseifner", "mpi", "shm", "auto"}
     assert all(r["ranks"] == 3 and r["time_s"] > 0 and "busbw_GBps" in r for r in rows)
     where = rows[0]["machine"]  # the simulator is the "MPI library", its ranks one process's
     assert where["mpi"] == "hpcdl.sim (virtual ranks)" and where["ranks"] == where["ranks_per_node"] == 3

@@ -45,14 +45,18 @@ NODE_ALGORITHMS = ("shm",)
 
 
 def available_algorithms(comm: Communicator) -> tuple[str, ...]:
-    """The allreduce algorithms worth timing on ``comm`` (collective): :data:`ALGORITHMS`, and
-    :data:`NODE_ALGORITHMS` when every rank shares this rank's node under MPI (a simulated
-    world runs them, but its network model does not charge memory: not there)."""
+    """The allreduce algorithms worth timing (or, simulated, pricing) on ``comm`` (collective):
+    :data:`ALGORITHMS`, and :data:`NODE_ALGORITHMS` when every rank shares this rank's node
+    (a simulated world: and its network prices memory, ``comm.memory_beta()``)."""
     from hpcdl.comm.context import host_ranks
 
-    if getattr(comm, "alpha_beta", None) is not None or comm.Get_size() < 2:
+    if comm.Get_size() < 2:
         return tuple(ALGORITHMS)
-    one_node = len(host_ranks(comm)) == comm.Get_size()
+    if getattr(comm, "alpha_beta", None) is not None:
+        memory_beta = getattr(comm, "memory_beta", None)
+        one_node = memory_beta is not None and memory_beta() is not None
+    else:
+        one_node = len(host_ranks(comm)) == comm.Get_size()
     return (*ALGORITHMS, *NODE_ALGORITHMS) if one_node else tuple(ALGORITHMS)
 
 

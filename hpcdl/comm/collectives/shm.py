@@ -25,9 +25,15 @@ out (:meth:`~hpcdl.comm.collectives.Collectives.node_empty`), at the same place 
 rank: that is what lets a rank find the others' copy of it. The first barrier's messages
 carry each rank's (block, offset, size, dtype) and a flag that travels on with the rounds,
 so ranks that passed different places all raise the same error before any memory is
-touched. Memory is not a message, so the simulator charges the reductions and copies as
-the compute model charges any work between communication calls; ``auto`` there never
-picks ``"shm"`` (its α-β model has no term for them).
+touched.
+
+In the simulator the pass is charged by the network model, not measured: ``2 n`` bytes (its
+chunk of each of the ``size`` buffers read and written) at the network file's
+``intra.memory_GBps`` (the communicator's ``memory_pass``,
+:meth:`hpcdl.sim.network.Network.memory_beta`), so that ``auto`` can price it
+(:func:`hpcdl.comm.collectives.tune.analytic_time`). A network without that figure leaves
+the pass to the compute model, like any work between communication calls, and ``auto``
+there does not choose ``"shm"``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,11 @@ try:  # the compiled pass (sum, scale, spread in one)
 except ImportError:  # not built: NumPy's passes
     _fused = None
 
-__all__ = ["NodeMemory", "agreeing_barrier", "allreduce", "barrier"]
+__all__ = ["PLACE_BYTES", "NodeMemory", "agreeing_barrier", "allreduce", "barrier"]
+
+#: bytes of each message of the allreduce's first barrier: the place (block, offset, size,
+#: dtype) and the flag, as int64
+PLACE_BYTES = 5 * 8
 
 
 class NodeMemory:
@@ -179,7 +189,10 @@ def allreduce(
             "same Collectives.node_empty array, as MPI wants the same count and type"
         )
     memory.sync()
-    if not (reduce is np.add and _fused is not None and _fused.sum_spread(views, rank, lo, hi, scale)):
+
+    def reduce_and_spread() -> None:
+        if reduce is np.add and _fused is not None and _fused.sum_spread(views, rank, lo, hi, scale):
+            return
         acc = dst[lo:hi]
         for p in range(size):
             if p != rank:
@@ -189,6 +202,12 @@ def allreduce(
         for p in range(size):
             if p != rank:
                 views[p][lo:hi] = acc
+
+    memory_pass = getattr(comm, "memory_pass", None)  # a simulated world charges it by its model
+    if memory_pass is None:
+        reduce_and_spread()
+    else:  # its chunk of every rank's buffer read, and written
+        memory_pass(reduce_and_spread, 2 * size * (hi - lo) * dst.itemsize)
     memory.sync()
     yield from barrier(comm, tag, alloc, dst)  # every chunk is in every buffer; none is read any more
     memory.sync()  # the others' stores into this rank's buffer are visible to it

@@ -22,7 +22,9 @@ recorded machine is not its key's (a file copied from elsewhere) is ignored with
 replaced. ``mode = "never"`` skips all of this (the packaged or named table is used).
 
 In the simulator nothing is timed: the table is the α-β model's (:func:`analytic_table`), from
-the network file's latency and bandwidth (``Communicator.alpha_beta``), the same in every run.
+the network file's latency and bandwidth (``Communicator.alpha_beta``) and, where every rank
+shares a node and the file gives ``intra.memory_GBps``, its memory rate, which prices ``shm``
+(``Communicator.memory_beta``): the same in every run.
 
 A run records the table its exchange uses (rank 0's, in the run file; each rank's, in each
 checkpoint); a resume takes the checkpoint's, so that the summation order, and the trajectory,
@@ -43,6 +45,7 @@ from typing import Any
 from hpcdl.atomic import write_text_atomic
 from hpcdl.comm.collectives.api import ALGORITHMS, available_algorithms
 from hpcdl.comm.collectives.auto import AutoTable, format_segments, table_from_rows
+from hpcdl.comm.collectives.shm import PLACE_BYTES
 from hpcdl.comm.contract import Communicator
 from hpcdl.comm.objects import on_root
 from hpcdl.errors import HpcdlError
@@ -110,8 +113,10 @@ def cache_key(machine: Mapping[str, Any]) -> str:
     return " | ".join(f"{k}={machine.get(k)}" for k in KEY_FIELDS)
 
 
-def analytic_time(algorithm: str, nbytes: int, ranks: int, alpha: float, beta: float) -> float:
-    """Seconds an allreduce of ``nbytes`` over ``ranks`` takes under the α-β model (no reduction cost).
+def analytic_time(
+    algorithm: str, nbytes: int, ranks: int, alpha: float, beta: float, gamma: float | None = None
+) -> float:
+    """Seconds an allreduce of ``nbytes`` over ``ranks`` takes under the α-β model.
 
     ring ``2 (p-1) α + 2 (p-1)/p n β``; recursive doubling ``log2(q) (α + n β)`` and
     Rabenseifner ``2 log2(q) α + 2 (q-1)/q n β`` among the ``q`` (a power of two) ranks
@@ -120,35 +125,68 @@ def analytic_time(algorithm: str, nbytes: int, ranks: int, alpha: float, beta: f
     agrees exactly for the ring and at powers of two; folded, it adds the fold's incast (the
     unfolded ranks' first rounds reach a rank still receiving its partner's vector), which the
     model leaves out: at most a vector per round.
+
+    ``shm`` (node memory, ``gamma`` seconds per byte read or written:
+    :meth:`hpcdl.sim.network.Network.memory_beta`): two barriers of ``ceil(log2 p)`` rounds,
+    the first's messages of :data:`~hpcdl.comm.collectives.shm.PLACE_BYTES`, and a pass that
+    reads and writes ``2 n`` bytes: ``ceil(log2 p) (2 α + 40 β) + 2 n γ``, as the simulator
+    charges it (exactly, when ``p`` divides the vector).
+
+    Without ``gamma`` the reductions cost nothing. With it, so that the message algorithms
+    and ``shm`` are priced alike, each byte a message algorithm reduces costs ``3 γ`` (two
+    read, one written): ``(p-1)/p n`` bytes for the ring, ``(q-1)/q n`` for Rabenseifner,
+    ``log2(q) n`` for doubling, and ``n`` more for a fold. The simulator measures those
+    reductions as compute (on the machine it runs on), so this part is an estimate.
+
+    Raises:
+        ValueError: an algorithm without a model (``shm`` without ``gamma``).
     """
     p = ranks
     if p < 2:
         return 0.0
     q = 1 << (p.bit_length() - 1)
     steps = q.bit_length() - 1
-    fold = 2 * (alpha + nbytes * beta) if p > q else 0.0
+    reduce = 3 * nbytes * gamma if gamma is not None else 0.0  # a whole vector reduced, in memory
+    fold = 2 * (alpha + nbytes * beta) + reduce if p > q else 0.0
     if algorithm == "mpi":
         short = nbytes <= _SHORT or nbytes // 4 < q
         algorithm = "doubling" if short else "rabenseifner"
     if algorithm == "ring":
-        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+        return 2 * (p - 1) * alpha + (p - 1) / p * (2 * nbytes * beta + reduce)
     if algorithm == "doubling":
-        return steps * (alpha + nbytes * beta) + fold
+        return steps * (alpha + nbytes * beta + reduce) + fold
     if algorithm == "rabenseifner":
-        return 2 * steps * alpha + 2 * (q - 1) / q * nbytes * beta + fold
+        return 2 * steps * alpha + (q - 1) / q * (2 * nbytes * beta + reduce) + fold
+    if algorithm == "shm" and gamma is not None:
+        rounds = (p - 1).bit_length()
+        return rounds * (2 * alpha + PLACE_BYTES * beta) + 2 * nbytes * gamma
+    if algorithm == "shm":
+        raise ValueError("the α-β model prices allreduce 'shm' only with gamma, the node's memory rate")
     raise ValueError(f"no α-β model for allreduce algorithm {algorithm!r}")
 
 
 def analytic_table(
-    sizes: Sequence[int], ranks: int, alpha: float, beta: float, algorithms: Sequence[str] = ALGORITHMS
+    sizes: Sequence[int],
+    ranks: int,
+    alpha: float,
+    beta: float,
+    algorithms: Sequence[str] = ALGORITHMS,
+    gamma: float | None = None,
 ) -> AutoTable:
     """The table of the α-β model at ``sizes`` (the fastest of :func:`analytic_time` at each)."""
     rows = [
-        {"algorithm": a, "size_bytes": n, "ranks": ranks, "time_s": analytic_time(a, n, ranks, alpha, beta)}
+        {
+            "algorithm": a,
+            "size_bytes": n,
+            "ranks": ranks,
+            "time_s": analytic_time(a, n, ranks, alpha, beta, gamma),
+        }
         for n in sizes
         for a in algorithms
     ]
     meta = {"source": "analytic", "alpha_s": alpha, "beta_s_per_byte": beta, "sizes": list(sizes)}
+    if gamma is not None:
+        meta["gamma_s_per_byte"] = gamma
     return AutoTable({ranks: table_from_rows(rows)}, {ranks: meta}, note="the simulator's alpha-beta model")
 
 
@@ -170,8 +208,7 @@ def tuned_table(
         sizes: the message sizes in bytes (a run's bucket sizes).
         mode: ``"first"`` (time what the cache lacks) or ``"always"`` (time every size again).
         cache: the cache file (None: :func:`default_cache`).
-        algorithms: the algorithms to choose among (None: :func:`available_algorithms`; the
-            simulator's model: :data:`ALGORITHMS`).
+        algorithms: the algorithms to choose among (None: :func:`available_algorithms`).
         repeat: interleaved repetitions per size.
         min_time: seconds per algorithm and repetition.
     """
@@ -185,7 +222,10 @@ def tuned_table(
     alpha_beta = getattr(comm, "alpha_beta", None)
     if alpha_beta is not None:  # the simulator: its network's model, nothing timed
         alpha, beta = alpha_beta(ranks)
-        table = analytic_table(sizes, ranks, alpha, beta, ALGORITHMS if algorithms is None else algorithms)
+        memory_beta = getattr(comm, "memory_beta", None)
+        gamma = memory_beta() if memory_beta is not None else None
+        algorithms = available_algorithms(comm) if algorithms is None else tuple(algorithms)
+        table = analytic_table(sizes, ranks, alpha, beta, algorithms, gamma)
         return Tuning(table, "analytic")  # recorded in the run file; nothing to say per run
     per_node = len(host_ranks(comm))
     path = Path(cache) if cache else default_cache()
