@@ -32,6 +32,10 @@ class FileError(HpcdlError):
     """A file or directory cannot be created, written or read (permissions, full disk, ...)."""
 
 
+class NodeMemoryError(HpcdlError):
+    """The memory the ranks of a node share (``/dev/shm`` under MPI) cannot hold what was asked for."""
+
+
 # h5py reports the C library's errno inside its message text:
 # "Unable to synchronously create file (unable to open file: name = 'x', errno = 13,
 #  error message = 'Permission denied', flags = 15, o_flags = c2)"

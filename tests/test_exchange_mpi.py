@@ -371,3 +371,62 @@ def test_node_memory_only_where_an_algorithm_may_use_it() -> None:
     for p, e in zip(params, expected):
         np.testing.assert_allclose(p.grad, e, rtol=1e-6)
     ex.free()
+
+
+@pytest.fixture
+def small_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/dev/shm with 1 MB free (a container's small /dev/shm), on every rank."""
+    import os
+
+    from hpcdl.comm import mpi
+
+    class Fake:
+        f_frsize, f_bavail, f_blocks = 4096, 256, 16384
+
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: Fake() if path == mpi.SHM_DIR else real(path))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(small_dev_shm: None) -> None:
+    """A window /dev/shm cannot hold would kill the ranks with SIGBUS when touched: it is refused
+    before it is mapped, on every rank. Named ``shm``: the error, with the fix; ``auto`` whose table
+    picks it: the buckets stay ordinary memory, MPI's own sums them, and a remark says why."""
+    from hpcdl.comm.collectives import AutoTable, Collectives
+    from hpcdl.errors import NodeMemoryError
+    from hpcdl.parallel.sync import auto_remarks
+
+    comm = world()
+    big = [Parameter(np.ones(300_000, np.float32), name="w")]  # 1.2 MB per rank: more than 1 MB
+    said = r"need [\d.]+ MB of /dev/shm for memory they share, and it has 1\.0 MB free of 67\.1 MB: "
+    said += r"give it more room \(a container: docker run --shm-size=1g\)"
+    with pytest.raises(NodeMemoryError, match=said):
+        with Collectives(comm) as coll:
+            coll.node_empty(300_000 * comm.Get_size(), np.float32)
+    with pytest.raises(NodeMemoryError, match="or choose another exchange.algorithm than 'shm'"):
+        make_exchange("bucketed", comm, big, algorithm="shm")
+    params = _params(comm.Get_rank(), (300_000, 5))
+    grads = [p.grad.copy() for p in params]
+    ex = make_exchange("bucketed", comm, params, algorithm="auto", auto=AutoTable(fallback=((None, "shm"),)))
+    assert not ex.node_memory
+    (remark,) = auto_remarks(ex)
+    assert "MB free" in remark and "auto runs MPI's own allreduce in place of shm" in remark
+    ex.exchange()
+    for p, g in zip(params, grads):
+        want = np.empty_like(g)
+        comm.Allreduce(g, want, op=SUM)
+        np.testing.assert_allclose(p.grad, want / comm.Get_size(), rtol=1e-6)
+    ex.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_calibrates_without_shm_when_dev_shm_is_too_small(small_dev_shm: None, tmp_path_factory) -> None:
+    from hpcdl.comm.collectives.tune import tuned_table
+
+    comm = world()
+    cache = comm.bcast(str(tmp_path_factory.mktemp("cache") / "auto.json") if comm.Get_rank() == 0 else None)
+    tuning = tuned_table(comm, (4096, 4 << 20), cache=cache, min_time=1e-4)
+    assert tuning.lines[0].startswith("auto leaves out shm: node memory: the ranks of this node need")
+    segments = tuning.table.segments[comm.Get_size()]
+    assert all(s.algorithm != "shm" for s in segments) and tuning.source == "calibrated"
+    assert tuning.table.meta[comm.Get_size()]["notes"] == tuning.lines

@@ -39,7 +39,7 @@ from hpcdl.atomic import check_writable, write_text_atomic
 from hpcdl.bench import contention
 from hpcdl.comm import Communicator, on_root, world, wtime
 from hpcdl.driver.cli import parse_size, positive_float
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, NodeMemoryError
 from hpcdl.sim.network import load_network, network_toml, parse_network
 
 __all__ = [
@@ -264,7 +264,10 @@ def memory_rate(
         elif rank in host and not set(NODE_ALGORITHMS) <= set(available_algorithms(sub)):
             out = (None, [], "these ranks have no memory they can all read (node memory)")
         elif rank in host:
-            out = _time_memory(sub, sizes, repeat, min_time)
+            try:
+                out = _time_memory(sub, sizes, repeat, min_time)
+            except NodeMemoryError as err:  # on every rank of the host, before anything was timed
+                out = (None, [], str(err))
     finally:
         sub.Free()
     return comm.bcast(out if rank == 0 else None, root=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hpcdl.errors import HpcdlError
+from hpcdl.errors import HpcdlError, NodeMemoryError
 
 try:
     from mpi4py import MPI
@@ -28,6 +28,7 @@ __all__ = [
     "MAX",
     "MIN",
     "PROC_NULL",
+    "SHM_DIR",
     "SUM",
     "WatchedRequest",
     "all_requests",
@@ -181,6 +182,11 @@ def node_segments(comm: Any, nbytes: int) -> tuple[list[Any], Any, Any] | None:
         ``(segments, sync, free)``: every rank's segment as a ``uint8`` NumPy array, by
         rank; ``Win_sync``; a collective free. None when ``comm``'s ranks are not all on one
         node (the same answer on every rank).
+
+    Raises:
+        NodeMemoryError: on every rank, when :data:`SHM_DIR` has less room free than the
+            window needs (MPICH maps it from a file there, and a page touched past the room a
+            tmpfs has left kills the process with SIGBUS: a container's 64 MB default).
     """
     import numpy as np
 
@@ -189,6 +195,9 @@ def node_segments(comm: Any, nbytes: int) -> tuple[list[Any], Any, Any] | None:
     try:
         if node.Get_size() != raw.Get_size():
             return None
+        short = node.bcast(_shm_short(int(nbytes) * node.Get_size()) if node.Get_rank() == 0 else None)
+        if short is not None:
+            raise NodeMemoryError(short)
         info = MPI.Info.Create()
         info.Set("alloc_shared_noncontig", "true")  # each segment on its own rank's pages
         try:
@@ -206,6 +215,28 @@ def node_segments(comm: Any, nbytes: int) -> tuple[list[Any], Any, Any] | None:
         win.Free()
 
     return segments, win.Sync, free
+
+
+#: where MPI libraries keep the files shared windows are mapped from (MPICH, Open MPI's default)
+SHM_DIR = "/dev/shm"
+
+
+def _shm_short(nbytes: int) -> str | None:
+    """Why :data:`SHM_DIR` cannot hold ``nbytes`` more (None: it can, or it cannot be asked)."""
+    import os
+
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:  # not there (another OS, another scheme): nothing to check
+        return None
+    free = st.f_bavail * st.f_frsize
+    if nbytes <= free:
+        return None
+    return (
+        f"node memory: the ranks of this node need {nbytes / 1e6:.1f} MB of {SHM_DIR} for memory "
+        f"they share, and it has {free / 1e6:.1f} MB free of {st.f_blocks * st.f_frsize / 1e6:.1f} MB: "
+        "give it more room (a container: docker run --shm-size=1g)"
+    )
 
 
 def is_null(comm: Any) -> bool:

@@ -15,7 +15,7 @@ from hpcdl.comm.buckets import Buckets
 from hpcdl.comm.collectives import NODE_ALGORITHMS, Collectives, CollRequest
 from hpcdl.comm.collectives.auto import AutoTable
 from hpcdl.comm.pack import INT32_NONFINITE_EXPONENT, int32_exponent, int32_pow2_scale, int32_scale
-from hpcdl.errors import ConfigError
+from hpcdl.errors import ConfigError, NodeMemoryError
 from hpcdl.nn.layer import Layer
 from hpcdl.nn.parameter import Parameter
 from hpcdl.parallel.exchange import ExchangeError, LocalExchange, broadcast_parameters
@@ -107,6 +107,8 @@ class BucketedExchange(LocalExchange):
                 "needs exchange.in_place = true, no compression and exchange.debug = false"
             )
         self.coll = Collectives(comm, algorithm, auto=auto)
+        #: what the exchange has to tell the user (node memory it could not have), printed once
+        self.node_memory_notes: list[str] = []
         #: the buckets lie in node memory (every rank on one node, NumPy, in place): what the
         #: algorithm ``shm`` reduces where it lies
         self.node_memory = False
@@ -154,6 +156,8 @@ class BucketedExchange(LocalExchange):
 
         Raises:
             ConfigError: ``algorithm = "shm"`` and no node memory.
+            NodeMemoryError: ``algorithm = "shm"`` and too little of it (with ``auto``: a
+                remark, and the buffers kept).
         """
         plan, wire = self.buckets.plan.buckets, self.buckets.wire_dtype
         if not plan:  # no gradient to exchange
@@ -163,7 +167,17 @@ class BucketedExchange(LocalExchange):
         for b in range(len(plan)):
             starts.append(total)
             total += -(-self.buckets.packer(b).total // align) * align
-        block = self.coll.node_empty(total, wire) if self.buckets.xp is np else None
+        try:
+            block = self.coll.node_empty(total, wire) if self.buckets.xp is np else None
+        except NodeMemoryError as err:  # on every rank
+            if self.coll.algorithm == "shm":
+                self.coll.free()
+                raise NodeMemoryError(f"{err}, or choose another exchange.algorithm than 'shm'") from None
+            self.node_memory_notes.append(
+                f"{err}; until then the buckets stay in ordinary memory, where auto runs MPI's own "
+                "allreduce in place of shm"
+            )
+            return False
         if block is None:
             if self.coll.algorithm == "shm":
                 self.coll.free()

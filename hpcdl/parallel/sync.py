@@ -433,11 +433,13 @@ def keep_auto_table(
 
 def auto_remarks(exchange: Any) -> list[str]:
     """What the calibration of the exchange's ``auto`` table has to say (:meth:`Strategy.remarks`):
-    a cache ignored, the choice, the time it took; [] for a table that was not calibrated."""
+    a cache ignored, the choice, the time it took (none for a table that was not calibrated);
+    and the exchange's own remarks (node memory it could not have)."""
     table = getattr(exchange, "auto", None)
     if table is None:
         return []
-    return [str(line) for meta in table.meta.values() for line in meta.get("notes", ())]
+    lines = [str(line) for meta in table.meta.values() for line in meta.get("notes", ())]
+    return lines + list(getattr(exchange, "node_memory_notes", ()))
 
 
 def auto_attrs(exchange: Any) -> dict[str, Any]:

@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.atomic import write_text_atomic
-from hpcdl.comm.collectives.api import ALGORITHMS, available_algorithms
+from hpcdl.comm.collectives.api import ALGORITHMS, NODE_ALGORITHMS, available_algorithms
 from hpcdl.comm.collectives.auto import AutoTable, format_segments, table_from_rows
 from hpcdl.comm.collectives.shm import PLACE_BYTES
 from hpcdl.comm.contract import Communicator
 from hpcdl.comm.objects import on_root
-from hpcdl.errors import HpcdlError
+from hpcdl.errors import HpcdlError, NodeMemoryError
 
 __all__ = [
     "CACHE_FORMAT",
@@ -237,7 +237,22 @@ def tuned_table(
         from hpcdl.comm.collectives.timing import time_algorithms
 
         t0 = wtime()
-        rows = time_algorithms(comm, missing, algorithms, repeat, min_time)
+        try:
+            rows = time_algorithms(comm, missing, algorithms, repeat, min_time)
+        except NodeMemoryError as err:  # on every rank, before anything was timed
+            without = tuple(a for a in algorithms if a not in NODE_ALGORITHMS)
+            if without == algorithms:
+                raise
+            tuning = tuned_table(
+                comm, sizes, mode=mode, cache=cache, algorithms=without, repeat=repeat, min_time=min_time
+            )
+            line = f"auto leaves out {', '.join(NODE_ALGORITHMS)}: {err}"
+            (meta,) = tuning.table.meta.values()
+            notes = (line, *meta["notes"])
+            table = AutoTable(
+                tuning.table.segments, {ranks: {**meta, "notes": notes}}, note=tuning.table.note
+            )
+            return Tuning(table, tuning.source, tuning.seconds, tuning.timed, notes)
         seconds = float(comm.bcast(wtime() - t0, root=0))
         for r in rows:
             entry["times"].setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = r["min_s"]
