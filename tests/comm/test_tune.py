@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -260,6 +261,33 @@ def test_a_cache_that_cannot_be_written_costs_a_line_not_the_run(tmp_path: Path)
     tuning = tuned_table(hc.world(), SIZES, cache=blocker / "auto.json", min_time=1e-4)
     assert tuning.source == "calibrated"
     assert any("not cached" in line and "exchange.auto_cache" in line for line in tuning.lines)
+
+
+def _store_many(cache: str, writer: int, count: int, start: Any) -> None:
+    from hpcdl.comm.collectives import tune
+
+    start.wait()  # both write at once
+    for k in range(count):
+        lines, _ = tune._store(Path(cache), f"writer={writer} | k={k}", {"times": {}})
+        assert not lines
+
+
+def test_jobs_calibrating_at_once_keep_each_others_entries(tmp_path: Path) -> None:
+    """Two processes adding entries to one cache as fast as they can (two jobs on one machine):
+    every entry of both is there at the end (each read-add-replace holds the lock)."""
+    import multiprocessing
+
+    cache, count = str(tmp_path / "auto.json"), 100
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(2)
+    procs = [ctx.Process(target=_store_many, args=(cache, w, count, start)) for w in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    entries = json.loads(Path(cache).read_text())["entries"]
+    assert sorted(entries) == sorted(f"writer={w} | k={k}" for w in range(2) for k in range(count))
 
 
 def test_the_timed_winner_is_the_cached_fastest(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ for the message sizes a run will send, made on the machine it runs on:
    together (:func:`~hpcdl.comm.collectives.timing.time_algorithms`: :data:`REPEAT`
    interleaved repetitions of about :data:`MIN_TIME` seconds, or of one call where a call takes
    longer, per algorithm and size; the fastest repetition is kept), and rank 0 writes them
-   into the entry (atomically; a cache that cannot be written costs a line, not the run).
+   into the entry (atomically, holding ``<cache>.lock`` so that jobs calibrating at once keep
+   each other's entries; a cache that cannot be written costs a line, not the run).
 3. The run's table is :func:`~hpcdl.comm.collectives.auto.table_from_rows` over the run's
    sizes: at each, the fastest algorithm (the previous size's winner kept within 3%).
 
@@ -362,14 +363,22 @@ def _stale(entry: Any, machine: Mapping[str, Any], algorithms: tuple[str, ...]) 
 
 def _store(path: Path, key: str, entry: Mapping[str, Any]) -> tuple[list[str], str]:
     """Rank 0: ``entry`` written into the cache under ``key`` (other entries kept), dated now; a
-    line if it cannot be, and the date (every rank's table carries rank 0's)."""
+    line if it cannot be, and the date (every rank's table carries rank 0's).
+
+    Jobs that calibrate on one machine at once share the file: each reads, adds its entry
+    and replaces it while holding a lock on ``<cache>.lock`` (``flock``), so that none loses
+    another's entry."""
+    import fcntl
+
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    entries, _ = _read(path)
-    entries[key] = {**entry, "date": date}
-    text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True) + "\n"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, text, what="the auto cache")
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            entries, _ = _read(path)
+            entries[key] = {**entry, "date": date}
+            text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True)
+            write_text_atomic(path, text + "\n", what="the auto cache")
     except (OSError, HpcdlError) as err:
         why = f"auto: the calibration was not cached ({err}); set exchange.auto_cache to a writable file"
         return [why], date
