@@ -373,7 +373,6 @@ def test_node_memory_only_where_an_algorithm_may_use_it() -> None:
     ex.free()
 
 
-@pytest.fixture
 def small_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
     """/dev/shm with 1 MB free (a container's small /dev/shm), on every rank."""
     import os
@@ -388,7 +387,9 @@ def small_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(small_dev_shm: None) -> None:
+def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A window /dev/shm cannot hold would kill the ranks with SIGBUS when touched: it is refused
     before it is mapped, on every rank. Named ``shm``: the error, with the fix; ``auto`` whose table
     picks it: the buckets stay ordinary memory, MPI's own sums them, and a remark says why."""
@@ -396,6 +397,7 @@ def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(small_dev_
     from hpcdl.errors import NodeMemoryError
     from hpcdl.parallel.sync import auto_remarks
 
+    small_dev_shm(monkeypatch)
     comm = world()
     big = [Parameter(np.ones(300_000, np.float32), name="w")]  # 1.2 MB per rank: more than 1 MB
     said = r"need [\d.]+ MB of /dev/shm for memory they share, and it has 1\.0 MB free of 67\.1 MB: "
@@ -420,13 +422,29 @@ def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(small_dev_
 
 
 @pytest.mark.mpi(min_size=2)
-def test_auto_calibrates_without_shm_when_dev_shm_is_too_small(small_dev_shm: None, tmp_path_factory) -> None:
+def test_auto_calibrates_without_shm_when_dev_shm_is_too_small(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Calibrated with room, then timed again without: this run chooses among the others and says
+    so; the cache keeps its entry with shm's times, for the next run that has the room."""
+    import json
+    from pathlib import Path
+
     from hpcdl.comm.collectives.tune import tuned_table
 
     comm = world()
     cache = comm.bcast(str(tmp_path_factory.mktemp("cache") / "auto.json") if comm.Get_rank() == 0 else None)
-    tuning = tuned_table(comm, (4096, 4 << 20), cache=cache, min_time=1e-4)
-    assert tuning.lines[0].startswith("auto leaves out shm: node memory: the ranks of this node need")
+    first = tuned_table(comm, (4096, 4 << 20), cache=cache, min_time=1e-4)
+    assert first.source == "calibrated"
+    before = Path(cache).read_text()
+    small_dev_shm(monkeypatch)
+    tuning = tuned_table(comm, (4096, 4 << 20), mode="always", cache=cache, min_time=1e-4)
+    assert tuning.lines[0].startswith("auto leaves out shm in this run: node memory: the ranks of this node")
+    assert tuning.lines[-1].startswith("auto calibrated 2 bucket sizes") and "not cached" in tuning.lines[-1]
     segments = tuning.table.segments[comm.Get_size()]
     assert all(s.algorithm != "shm" for s in segments) and tuning.source == "calibrated"
     assert tuning.table.meta[comm.Get_size()]["notes"] == tuning.lines
+    comm.Barrier()
+    assert Path(cache).read_text() == before  # nothing stored
+    (entry,) = json.loads(before)["entries"].values()
+    assert "shm" in entry["algorithms"] and all("shm" in t for t in entry["times"].values())

@@ -123,9 +123,9 @@ def test_with_a_memory_rate_every_algorithm_pays_for_its_reductions() -> None:
 
 
 def test_in_the_simulator_auto_prices_shm_where_the_network_gives_node_memory_a_rate(tmp_path: Path) -> None:
-    """One node with a memory rate: ``shm`` is among the algorithms and wins the large sizes (here
-    its ``2 n γ`` against the ring's ``n β + 1.5 n γ``); without the rate, or over two nodes,
-    ``auto`` does not price it."""
+    """One node with a memory rate: ``shm`` is among the algorithms and wins the large sizes (here,
+    at 4 ranks, its ``2 n γ`` against the ring's ``1.5 n β + 2.25 n γ``); without the rate, or
+    over two nodes, ``auto`` does not price it."""
     sizes = (1024, 4 << 20)
 
     def body() -> dict:
@@ -288,6 +288,38 @@ def test_jobs_calibrating_at_once_keep_each_others_entries(tmp_path: Path) -> No
         assert p.exitcode == 0
     entries = json.loads(Path(cache).read_text())["entries"]
     assert sorted(entries) == sorted(f"writer={w} | k={k}" for w in range(2) for k in range(count))
+
+
+def test_a_job_of_the_same_key_keeps_the_sizes_another_timed_meanwhile(tmp_path: Path) -> None:
+    """Two jobs of one machine and rank count, each looking the entry up before the other stored
+    it, each timing its own sizes: the entry ends with both's."""
+    from hpcdl.comm.collectives import tune
+
+    cache = tmp_path / "auto.json"
+    machine = {k: "x" for k in tune.KEY_FIELDS}
+    base = {"machine": machine, "algorithms": ["ring", "mpi"], "date": ""}
+    tune._store(cache, "k", {**base, "times": {"4096": {"ring": 1e-5, "mpi": 2e-5}}})
+    tune._store(cache, "k", {**base, "times": {"65536": {"ring": 3e-5, "mpi": 4e-5}}})
+    (entry,) = json.loads(cache.read_text())["entries"].values()
+    assert sorted(entry["times"]) == ["4096", "65536"]
+    # an entry for other algorithms is replaced, not merged
+    tune._store(cache, "k", {**base, "algorithms": ["ring"], "times": {"8": {"ring": 1e-6}}})
+    (entry,) = json.loads(cache.read_text())["entries"].values()
+    assert entry["times"] == {"8": {"ring": 1e-6}}
+
+
+def test_a_file_system_without_flock_still_gets_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import fcntl
+
+    def no_flock(fd: Any, op: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    tuning = tuned_table(hc.world(), SIZES, cache=tmp_path / "auto.json", min_time=1e-4)
+    assert not any("not cached" in line for line in tuning.lines) and (tmp_path / "auto.json").exists()
 
 
 def test_the_timed_winner_is_the_cached_fastest(tmp_path: Path) -> None:

@@ -233,7 +233,7 @@ def tuned_table(
     algorithms = available_algorithms(comm) if algorithms is None else tuple(algorithms)
     found = on_root(comm, lambda: _lookup(comm, path, per_node, algorithms, sizes, mode))
     entry, missing, lines = found["entry"], tuple(found["missing"]), list(found["lines"])
-    seconds = 0.0
+    seconds, cached = 0.0, True
     if missing:
         from hpcdl.comm.collectives.timing import time_algorithms
 
@@ -244,21 +244,18 @@ def tuned_table(
             without = tuple(a for a in algorithms if a not in NODE_ALGORITHMS)
             if without == algorithms:
                 raise
-            tuning = tuned_table(
-                comm, sizes, mode=mode, cache=cache, algorithms=without, repeat=repeat, min_time=min_time
-            )
-            line = f"auto leaves out {', '.join(NODE_ALGORITHMS)}: {err}"
-            (meta,) = tuning.table.meta.values()
-            notes = (line, *meta["notes"])
-            table = AutoTable(
-                tuning.table.segments, {ranks: {**meta, "notes": notes}}, note=tuning.table.note
-            )
-            return Tuning(table, tuning.source, tuning.seconds, tuning.timed, notes)
+            # this run chooses among the others; the cache keeps its entry for all of them, to be
+            # completed by a run that has the room
+            algorithms, cached = without, False
+            lines.append(f"auto leaves out {', '.join(NODE_ALGORITHMS)} in this run: {err}")
+            rows = time_algorithms(comm, missing, algorithms, repeat, min_time)
         seconds = float(comm.bcast(wtime() - t0, root=0))
         for r in rows:
             entry["times"].setdefault(str(r["size_bytes"]), {})[r["algorithm"]] = r["min_s"]
-        stored, entry["date"] = on_root(comm, lambda: _store(path, found["key"], entry))
-        lines += stored
+        if cached:
+            stored, entry["date"] = on_root(comm, lambda: _store(path, found["key"], entry))
+            lines += stored
+            cached = not stored
     rows = [
         {"algorithm": a, "size_bytes": n, "ranks": ranks, "time_s": entry["times"][str(n)][a]}
         for n in sizes
@@ -278,7 +275,8 @@ def tuned_table(
     if missing:
         lines.append(
             f"auto calibrated {len(missing)} bucket size{'s' * (len(missing) > 1)} at {ranks} ranks in "
-            f"{seconds:.2f} s: {choice}; cached in {path} (exchange.auto_calibrate = never skips this)"
+            f"{seconds:.2f} s: {choice}; {f'cached in {path}' if cached else 'not cached'} "
+            "(exchange.auto_calibrate = never skips this)"
         )
     else:
         lines.append(f"auto from {path} (calibrated {entry['date']}): {choice}")
@@ -366,17 +364,28 @@ def _store(path: Path, key: str, entry: Mapping[str, Any]) -> tuple[list[str], s
     line if it cannot be, and the date (every rank's table carries rank 0's).
 
     Jobs that calibrate on one machine at once share the file: each reads, adds its entry
-    and replaces it while holding a lock on ``<cache>.lock`` (``flock``), so that none loses
-    another's entry."""
+    and replaces it while holding a lock on ``<cache>.lock`` (``flock``; a file system
+    without it writes unlocked), so that none loses another's entry, nor the sizes another
+    job of the same key timed meanwhile."""
+    import errno
     import fcntl
 
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_name(path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+            except OSError as err:  # a file system without flock (Lustre without -o flock, some NFS)
+                if err.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
             entries, _ = _read(path)
-            entries[key] = {**entry, "date": date}
+            old, machine, timed = entries.get(key), entry.get("machine"), entry.get("algorithms")
+            times = dict(entry["times"])
+            same = isinstance(machine, dict) and isinstance(timed, list)
+            if same and not _stale(old, machine, tuple(timed)):
+                times = {**old["times"], **times}  # a job of this key that timed other sizes meanwhile
+            entries[key] = {**entry, "times": times, "date": date}
             text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True)
             write_text_atomic(path, text + "\n", what="the auto cache")
     except (OSError, HpcdlError) as err:
