@@ -616,12 +616,15 @@ cdef class Core:
     def unmeasured(self, int r, work):
         """Run ``work()`` on rank ``r`` outside its compute segments: the compute model charges
         the segment so far, and nothing for ``work`` (whose cost a model charges instead)."""
+        cdef double t0
         self._check(r)
         self._account(r, False)
+        t0 = _wall()
         try:
             return work()
         finally:
             self.seg_start[r] = _wall()
+            self.compute_wall += self.seg_start[r] - t0  # the ranks' work, not the engine's
 
     cdef void _sync(self, int r) except *:
         """Return once rank ``r`` is the earliest thing that can happen (it may run others first)."""

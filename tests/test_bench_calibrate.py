@@ -143,7 +143,7 @@ def test_calibrate_under_the_simulator_recovers_its_memory_rate(tmp_path: Path, 
     net.write_text("ranks_per_node = 0\n[intra]\nlatency_us = 2.0\nbandwidth_GBps = 10.0\n")
     assert simulate(argv) == 0
     assert "memory_GBps" not in load_network(out, 3).describe()["intra"]
-    assert "# memory: not measured (these ranks have no memory they can all read" in out.read_text()
+    assert "# memory: not measured (the simulated network gives node memory no rate" in out.read_text()
 
 
 @pytest.mark.skipif(hc.world().Get_size() != 1, reason="runs without mpiexec")
@@ -223,7 +223,8 @@ def test_calibrate_writes_a_network_file_that_loads(capsys: pytest.CaptureFixtur
     else:
         assert kernel_rows == [] and net.contention == ()
     # the memory rate of rank 0's host, where its ranks share node memory: the shm allreduce timed
-    if rpn == 0:
+    # (unless /dev/shm has no room for it: a container's, which the file says)
+    if rpn == 0 and "# memory: not measured (node memory: " not in out.read_text():
         assert [(r["memory"], r["size_bytes"], r["ranks"]) for r in memory_rows] == [
             ("shm", s, host) for s in (256 << 10, 4 << 20)
         ]

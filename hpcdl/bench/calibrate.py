@@ -262,7 +262,13 @@ def memory_rate(
         if len(sizes) < 2:
             out = (None, [], f"fewer than two --sizes of {MEMORY_MIN // 1024} KiB or more (add 1M 4M)")
         elif rank in host and not set(NODE_ALGORITHMS) <= set(available_algorithms(sub)):
-            out = (None, [], "these ranks have no memory they can all read (node memory)")
+            simulated = getattr(sub, "alpha_beta", None) is not None
+            why = (
+                "the simulated network gives node memory no rate, intra.memory_GBps"
+                if simulated
+                else "these ranks have no memory they can all read (node memory)"
+            )
+            out = (None, [], why)
         elif rank in host:
             try:
                 out = _time_memory(sub, sizes, repeat, min_time)
@@ -281,7 +287,9 @@ def _time_memory(
     from hpcdl.comm.collectives.timing import time_per_call
 
     ranks = comm.Get_size()
-    block_len = max(COLD_BYTES, 2 * max(sizes)) // 4
+    # simulated ranks are charged by the network's rate, not timed: no caches to leave
+    cold = COLD_BYTES if getattr(comm, "memory_pass", None) is None else 0
+    block_len = max(cold, 2 * max(sizes)) // 4
     times: dict[int, list[float]] = {}
     calls: dict[int, int] = {}
     with Collectives(comm, "shm") as coll:

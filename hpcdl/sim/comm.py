@@ -139,7 +139,10 @@ class SimComm(CommBase):
 
     def memory_pass(self, work: Callable[[], Any], nbytes: int) -> Any:
         """Run ``work()``, a pass that reads plus writes ``nbytes`` of node memory, charged at
-        :meth:`memory_beta` per byte instead of measured (measured compute, when None)."""
+        :meth:`memory_beta` per byte instead of measured (measured compute, when None).
+
+        Like a message's transfer time, the charge is the network model's: the compute
+        model's speed, stragglers, jitter and ``slow_down`` do not scale it."""
         beta = self.memory_beta()
         if beta is None:
             return work()
