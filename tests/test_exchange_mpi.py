@@ -392,7 +392,8 @@ def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(
 ) -> None:
     """A window /dev/shm cannot hold would kill the ranks with SIGBUS when touched: it is refused
     before it is mapped, on every rank. Named ``shm``: the error, with the fix; ``auto`` whose table
-    picks it: the buckets stay ordinary memory, MPI's own sums them, and a remark says why."""
+    picks it: the buckets stay ordinary memory, the table's message algorithm sums them, and a remark
+    says why."""
     from hpcdl.comm.collectives import AutoTable, Collectives
     from hpcdl.errors import NodeMemoryError
     from hpcdl.parallel.sync import auto_remarks
@@ -412,7 +413,7 @@ def test_too_little_dev_shm_is_one_line_for_shm_and_a_remark_for_auto(
     ex = make_exchange("bucketed", comm, params, algorithm="auto", auto=AutoTable(fallback=((None, "shm"),)))
     assert not ex.node_memory
     (remark,) = auto_remarks(ex)
-    assert "MB free" in remark and "auto runs MPI's own allreduce in place of shm" in remark
+    assert "MB free" in remark and "auto runs the fastest of the message algorithms in place of shm" in remark
     ex.exchange()
     for p, g in zip(params, grads):
         want = np.empty_like(g)

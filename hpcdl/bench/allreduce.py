@@ -21,8 +21,10 @@ from hpcdl.comm.collectives import ALGORITHMS, NODE_ALGORITHMS, AutoTable, avail
 from hpcdl.comm.collectives.auto import (
     TOLERANCE,
     format_bytes,
+    format_segments,
     load_table_bcast,
     merge,
+    ordinary_segments,
     save_table,
     table_from_rows,
     winners,
@@ -119,8 +121,9 @@ def calibrate(
             rows.append({**row, "run": run})
     earlier = [{**r, "run": runs + int(r.get("run", 0))} for r in also if r.get("ranks") == ranks]
     segments = table_from_rows([*rows, *earlier], tolerance)
+    ordinary = ordinary_segments([*rows, *earlier], tolerance)
     meta = _provenance(comm, [*rows, *earlier], tolerance, dtype=dtype, min_time=min_time)
-    table = merge(existing, ranks, segments, meta)
+    table = merge(existing, ranks, segments, meta, ordinary)
 
     def report() -> None:
         print_rows(rows)
@@ -129,6 +132,8 @@ def calibrate(
         for below, name in segments:
             print(f"  {format_bytes(low):>8} <= size < {format_bytes(below):<8} {name}")
             low = below
+        if ordinary is not None:
+            print(f"  in ordinary memory: {format_segments(ordinary)}")
         save_table(table, table_path)
         kept = [r for r in table.segments if r != ranks]
         others = f"; kept {', '.join(map(str, kept))} ranks from before" if kept else ""

@@ -174,8 +174,8 @@ class BucketedExchange(LocalExchange):
                 self.coll.free()
                 raise NodeMemoryError(f"{err}, or choose another exchange.algorithm than 'shm'") from None
             self.node_memory_notes.append(
-                f"{err}; until then the buckets stay in ordinary memory, where auto runs MPI's own "
-                "allreduce in place of shm"
+                f"{err}; until then the buckets stay in ordinary memory, where auto runs the fastest "
+                "of the message algorithms in place of shm"
             )
             return False
         if block is None:

@@ -16,6 +16,7 @@ from hpcdl.comm.collectives.auto import (
     format_segments,
     load_table,
     merge,
+    ordinary_segments,
     save_table,
     table_from_rows,
     winners,
@@ -290,3 +291,48 @@ def test_an_algorithm_missing_from_a_run_is_scored_on_the_runs_that_have_it() ->
     run0 = rows({4096: {"mpi": 1.0, "doubling": 2.0}})
     run1 = [{**r, "run": 1} for r in rows({4096: {"doubling": 1.0, "ring": 3.0}})]
     assert winners([*run0, *run1]) == [(4096, "mpi", 1.0)]
+
+
+# -- ordinary memory: where the winner is shm but the buffer is not node memory ---------------
+
+
+NODE_TABLE = AutoTable(
+    {2: ((64 * KB, "mpi"), (None, "shm")), 4: ((None, "shm"),)},
+    ordinary={2: ((64 * KB, "mpi"), (4096 * KB, "doubling"), (None, "ring"))},
+)
+
+
+def test_ordinary_memory_takes_the_message_algorithms_segments() -> None:
+    assert NODE_TABLE.choose(1 << 20, 2) == "shm" and NODE_TABLE.choose(1 << 20, 2, node=False) == "doubling"
+    assert (
+        NODE_TABLE.choose(1 << 30, 2, node=False) == "ring" and NODE_TABLE.choose(KB, 2, node=False) == "mpi"
+    )
+    assert NODE_TABLE.choose(1 << 30, 3, node=False) == "ring"  # 3 ranks: the nearest count, 2
+    assert NODE_TABLE.chooser(2, node=False)(1 << 20) == "doubling"
+    # a count without them (a table written before they were): MPI's own in shm's place
+    assert NODE_TABLE.choose(1 << 30, 4) == "shm" and NODE_TABLE.choose(1 << 30, 4, node=False) == "mpi"
+    assert TABLE.segments_for(2, node=False) == TABLE.segments[2]  # no node algorithm: the same
+
+
+def test_ordinary_segments_round_trip_merge_and_refusals() -> None:
+    back = AutoTable.from_dict(json.loads(json.dumps(NODE_TABLE.to_dict())))
+    assert back == NODE_TABLE and "ordinary" not in NODE_TABLE.to_dict()["ranks"]["4"]
+    kept = merge(NODE_TABLE, 4, [(None, "ring")], {})
+    assert kept.ordinary[2] == NODE_TABLE.ordinary[2] and 4 not in kept.ordinary
+    dropped = merge(NODE_TABLE, 2, [(None, "shm")], {}, [(None, "rabenseifner")])
+    assert dropped.choose(1, 2, node=False) == "rabenseifner"
+    with pytest.raises(ConfigError, match="ordinary memory: 'shm' needs node memory"):
+        AutoTable({2: ((None, "shm"),)}, ordinary={2: ((None, "shm"),)})
+    with pytest.raises(ConfigError, match="ordinary-memory segments for 3 ranks, which have no segments"):
+        AutoTable({2: ((None, "shm"),)}, ordinary={3: ((None, "ring"),)})
+
+
+def test_ordinary_segments_from_rows_leave_the_node_algorithm_out() -> None:
+    times = {
+        4 * KB: {"mpi": 1.0, "ring": 2.0, "shm": 3.0},
+        1 << 20: {"mpi": 3.0, "ring": 2.0, "shm": 1.0},
+    }
+    assert table_from_rows(rows(times)) == ((Segment(2048 * 32, "mpi"), Segment(None, "shm")))
+    assert ordinary_segments(rows(times)) == (Segment(2048 * 32, "mpi"), Segment(None, "ring"))
+    no_node = {n: {a: t for a, t in ts.items() if a != "shm"} for n, ts in times.items()}
+    assert ordinary_segments(rows(no_node)) is None

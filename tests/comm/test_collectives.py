@@ -492,7 +492,8 @@ def check_shm_in_flight_with_others(comm: Communicator) -> None:
 
 def check_shm_needs_node_memory(comm: Communicator) -> None:
     """``shm`` by name on ordinary memory is a ValueError (on every rank, nothing started);
-    ``auto`` that picks it runs MPI's own there, and ``shm`` on node memory."""
+    ``auto`` that picks it runs, there, its table's ordinary-memory segment (MPI's own if the
+    table has none), and ``shm`` on node memory."""
     rank = comm.Get_rank()
     table = AutoTable(fallback=((None, "shm"),))
     with Collectives(comm, "auto", auto=table) as coll:
@@ -513,6 +514,23 @@ def check_shm_needs_node_memory(comm: Communicator) -> None:
         node[...] = plain
         req = coll.Iallreduce(node, node)
         assert "allreduce[shm]" in repr(req), repr(req)
+        req.Wait()
+        assert np.array_equal(node, expected)
+    if comm.Get_size() < 2:
+        return  # one rank takes the fallback
+    size = comm.Get_size()
+    table = AutoTable({size: ((None, "shm"),)}, ordinary={size: ((None, "ring"),)})
+    with Collectives(comm, "auto", auto=table) as coll:
+        req = coll.Iallreduce(plain.copy(), out := np.empty_like(plain))
+        assert "allreduce[ring]" in repr(req), repr(req)
+        req.Wait()
+        assert np.array_equal(out, expected)
+        out[...] = np.nan
+        coll.Allreduce(plain, out)  # blocking: the same pick
+        assert np.array_equal(out, expected)
+        node = coll.node_empty(100, np.float32)
+        node[...] = plain
+        assert "allreduce[shm]" in repr(req := coll.Iallreduce(node, node))
         req.Wait()
         assert np.array_equal(node, expected)
 

@@ -107,7 +107,7 @@ def test_calibrate_writes_a_table_that_collectives_follow(capsys: pytest.Capture
             x = np.arange(nbytes // 4, dtype=np.float32) + rank
             expected = np.empty_like(x)
             comm.Allreduce(x, expected, op=hc.SUM)
-            # a node algorithm's pick runs on node memory (on ordinary memory auto runs MPI's own)
+            # a node algorithm's pick runs on node memory (ordinary memory: the table's `ordinary`)
             got = coll.node_empty(x.size, x.dtype) if name in NODE_ALGORITHMS else np.empty_like(x)
             req = coll.Iallreduce(x, got)
             assert f"allreduce[{name}]" in repr(req)

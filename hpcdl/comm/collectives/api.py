@@ -110,6 +110,7 @@ class Collectives:
         self._auto = auto if auto is not None else load_table(None)
         self._comm: Communicator | None = comm.Dup()
         self._auto_choose = self._auto.chooser(self._comm.Get_size())
+        self._auto_ordinary = self._auto.chooser(self._comm.Get_size(), node=False)
         self._seq = 0
         self._inflight: list[CollRequest] = []
         self._workspace = Workspace()  # scratch buffers reused across operations
@@ -132,7 +133,9 @@ class Collectives:
             raise TypeError(f"auto must be an AutoTable (got {type(table).__name__})")
         if self._comm is None:
             raise CollectivesFreedError("these collectives were freed: their auto table is of no use")
-        self._auto, self._auto_choose = table, table.chooser(self._comm.Get_size())
+        size = self._comm.Get_size()
+        self._auto, self._auto_choose = table, table.chooser(size)
+        self._auto_ordinary = table.chooser(size, node=False)
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -285,7 +288,7 @@ class Collectives:
                         comm, src, dst, red, tag, alloc=alloc, memory=memory, offset=at, scale=scale
                     ),
                 )
-            name = "mpi"  # auto's pick on ordinary memory
+            name = self._auto_ordinary(dst.nbytes)  # auto on ordinary memory: the best message one
         schedule = ALGORITHMS[name]
         if scale is not None and name == "ring":
             return self._start(
@@ -344,7 +347,7 @@ class Collectives:
             if name == "auto":
                 name = self._auto_choose(dst.nbytes)
                 if name in NODE_ALGORITHMS and self._in_node(dst) is None:
-                    name = "mpi"
+                    name = self._auto_ordinary(dst.nbytes)
             if name == "mpi":
                 _check_scale(dst, scale)
                 red = self._reduction(op, dst)

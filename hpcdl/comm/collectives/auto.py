@@ -23,6 +23,11 @@ The packaged default, ``auto_table.json`` beside this module, is read by
 previous (smaller) size's winner is kept while within ``tolerance`` (3%) of the fastest,
 so that noise between near-equal algorithms does not flap the choice; where the winner
 changes between two measured sizes, the boundary is their geometric mean.
+
+Where a node algorithm (``"shm"``) was timed, a rank count also has ``"ordinary"`` segments
+(:func:`ordinary_segments`: the same over the message algorithms only), which ``auto`` takes
+for a buffer in ordinary memory, where ``shm`` cannot run; a rank count without them (a table
+written before they were) takes MPI's own there.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ __all__ = [
     "load_table",
     "load_table_bcast",
     "merge",
+    "ordinary_segments",
     "save_table",
     "table_from_rows",
     "winners",
@@ -106,16 +112,21 @@ class AutoTable:
         fallback: the segments for one rank and for any rank count when ``segments`` is
             empty (default :data:`FALLBACK`).
         note: what the table is, in a sentence.
+        ordinary: rank count -> the segments among the message algorithms only, for buffers
+            in ordinary memory where ``segments`` picks a node algorithm (``"shm"``) that
+            cannot run there; a rank count without them takes MPI's own there.
 
     Raises:
         ConfigError: an algorithm is unknown, or bounds do not increase, or the last
-            segment has a bound.
+            segment has a bound; ``ordinary`` names a node algorithm or a rank count that
+            ``segments`` lacks.
     """
 
     segments: Mapping[int, tuple[Segment, ...]] = field(default_factory=dict)
     meta: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     fallback: tuple[Segment, ...] = FALLBACK
     note: str = ""
+    ordinary: Mapping[int, tuple[Segment, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         segs = {}
@@ -133,6 +144,17 @@ class AutoTable:
         object.__setattr__(self, "meta", MappingProxyType(meta))
         object.__setattr__(self, "fallback", _check_segments(self.fallback, "fallback"))
         object.__setattr__(self, "note", str(self.note))
+        from hpcdl.comm.collectives.api import NODE_ALGORITHMS  # api imports this module
+
+        ordinary = {}
+        for ranks, ss in self.ordinary.items():
+            if ranks not in segs:
+                raise ConfigError(f"ordinary-memory segments for {ranks} ranks, which have no segments")
+            ordinary[ranks] = _check_segments(ss, f"{ranks} ranks, ordinary memory")
+            node = sorted({s.algorithm for s in ordinary[ranks]} & set(NODE_ALGORITHMS))
+            if node:
+                raise ConfigError(f"{ranks} ranks, ordinary memory: {node[0]!r} needs node memory")
+        object.__setattr__(self, "ordinary", MappingProxyType(dict(sorted(ordinary.items()))))
 
     __hash__ = None  # type: ignore[assignment]  (mappings inside)
 
@@ -154,26 +176,36 @@ class AutoTable:
             fallback=rule, note=f"two-way override: {SMALL} below {threshold_bytes} bytes, else {LARGE}"
         )
 
-    def segments_for(self, ranks: int) -> tuple[Segment, ...]:
-        """The segments used at ``ranks``: its own, else the nearest measured count's (ties: the smaller)."""
+    def segments_for(self, ranks: int, node: bool = True) -> tuple[Segment, ...]:
+        """The segments used at ``ranks``: its own, else the nearest measured count's (ties: the
+        smaller). ``node=False``: for a buffer in ordinary memory, where a node algorithm
+        cannot run: that count's ``ordinary`` segments, else these with MPI's own in its place."""
         if ranks <= 1 or not self.segments:
-            return self.fallback
-        own = self.segments.get(ranks)
-        if own is not None:
-            return own
-        nearest = min(self.segments, key=lambda r: (abs(r - ranks), r))
-        return self.segments[nearest]
+            found, chosen = self.fallback, None
+        else:
+            chosen = (
+                ranks if ranks in self.segments else min(self.segments, key=lambda r: (abs(r - ranks), r))
+            )
+            found = self.segments[chosen]
+        if node:
+            return found
+        from hpcdl.comm.collectives.api import NODE_ALGORITHMS
 
-    def choose(self, nbytes: int, ranks: int) -> str:
-        """The algorithm ``auto`` runs for a message of ``nbytes`` over ``ranks`` ranks."""
-        for below, name in self.segments_for(ranks):
+        if chosen in self.ordinary:
+            return self.ordinary[chosen]
+        return tuple(Segment(b, SMALL if a in NODE_ALGORITHMS else a) for b, a in found)
+
+    def choose(self, nbytes: int, ranks: int, node: bool = True) -> str:
+        """The algorithm ``auto`` runs for a message of ``nbytes`` over ``ranks`` ranks (``node``:
+        in node memory; else in ordinary memory, :meth:`segments_for`)."""
+        for below, name in self.segments_for(ranks, node):
             if below is None or nbytes < below:
                 return name
         raise AssertionError("the last segment is unbounded")  # checked in __post_init__
 
-    def chooser(self, ranks: int) -> Callable[[int], str]:
+    def chooser(self, ranks: int, node: bool = True) -> Callable[[int], str]:
         """:meth:`choose` at a fixed rank count, as a fast function of ``nbytes`` (a bisection)."""
-        segments = self.segments_for(ranks)
+        segments = self.segments_for(ranks, node)
         bounds = [s.below for s in segments[:-1]]
         names = [s.algorithm for s in segments]
         return lambda nbytes: names[bisect.bisect_right(bounds, nbytes)]
@@ -185,7 +217,11 @@ class AutoTable:
             "note": self.note,
             "fallback": _segments_json(self.fallback),
             "ranks": {
-                str(r): {"segments": _segments_json(ss), "meta": _thaw(self.meta.get(r, {}))}
+                str(r): {
+                    "segments": _segments_json(ss),
+                    **({"ordinary": _segments_json(self.ordinary[r])} if r in self.ordinary else {}),
+                    "meta": _thaw(self.meta.get(r, {})),
+                }
                 for r, ss in self.segments.items()
             },
         }
@@ -206,7 +242,7 @@ class AutoTable:
         ranks = data.get("ranks", {})
         if not isinstance(ranks, Mapping):
             raise ConfigError('"ranks" must be an object: rank count -> {"segments": [...], "meta": {...}}')
-        segments, meta = {}, {}
+        segments, meta, ordinary = {}, {}, {}
         for key, entry in ranks.items():
             try:
                 r = int(key)
@@ -215,6 +251,8 @@ class AutoTable:
             if not isinstance(entry, Mapping) or "segments" not in entry:
                 raise ConfigError(f'ranks {key}: expected {{"segments": [...], "meta": {{...}}}}')
             segments[r] = _segments_from_json(entry["segments"], f"{key} ranks")
+            if "ordinary" in entry:
+                ordinary[r] = _segments_from_json(entry["ordinary"], f"{key} ranks, ordinary memory")
             m = entry.get("meta", {})
             if not isinstance(m, Mapping):
                 raise ConfigError(f'ranks {key}: "meta" must be an object')
@@ -225,6 +263,7 @@ class AutoTable:
             meta=meta,
             fallback=FALLBACK if fallback is None else _segments_from_json(fallback, "fallback"),
             note=str(data.get("note", "")),
+            ordinary=ordinary,
         )
 
 
@@ -247,12 +286,33 @@ def format_bytes(nbytes: int | None) -> str:
 
 
 def merge(
-    table: AutoTable, ranks: int, segments: Sequence[tuple[int | None, str]], meta: Mapping[str, Any]
+    table: AutoTable,
+    ranks: int,
+    segments: Sequence[tuple[int | None, str]],
+    meta: Mapping[str, Any],
+    ordinary: Sequence[tuple[int | None, str]] | None = None,
 ) -> AutoTable:
-    """A copy of ``table`` with the segments (and provenance) of ``ranks`` replaced."""
+    """A copy of ``table`` with the segments (and provenance, and ordinary-memory segments:
+    None, none) of ``ranks`` replaced."""
     new_segments = {**table.segments, ranks: tuple(Segment(*s) for s in segments)}
     new_meta = {**table.meta, ranks: meta}
-    return AutoTable(new_segments, new_meta, table.fallback, table.note)
+    new_ordinary = {r: ss for r, ss in table.ordinary.items() if r != ranks}
+    if ordinary is not None:
+        new_ordinary[ranks] = tuple(Segment(*s) for s in ordinary)
+    return AutoTable(new_segments, new_meta, table.fallback, table.note, new_ordinary)
+
+
+def ordinary_segments(
+    rows: Iterable[Mapping[str, Any]], tolerance: float = TOLERANCE
+) -> tuple[Segment, ...] | None:
+    """:func:`table_from_rows` over the message algorithms' rows only: the segments for buffers in
+    ordinary memory; None when the rows have no node algorithm (the segments serve both)."""
+    from hpcdl.comm.collectives.api import NODE_ALGORITHMS
+
+    rows = list(rows)
+    if not any(r["algorithm"] in NODE_ALGORITHMS for r in rows):
+        return None
+    return table_from_rows([r for r in rows if r["algorithm"] not in NODE_ALGORITHMS], tolerance)
 
 
 def winners(rows: Iterable[Mapping[str, Any]], tolerance: float = TOLERANCE) -> list[tuple[int, str, float]]:

@@ -135,9 +135,8 @@ def time_algorithms(
 
 
 def _picked(coll: Collectives, algorithm: str, nbytes: int, ranks: int, node: bool) -> str:
-    """The algorithm that ran: ``auto``'s choice from its table (MPI's own where that is a node
-    algorithm and the buffer ordinary memory), else ``algorithm``."""
+    """The algorithm that ran: ``auto``'s choice from its table (for ordinary memory where the
+    buffer is, :meth:`~hpcdl.comm.collectives.auto.AutoTable.segments_for`), else ``algorithm``."""
     if algorithm != "auto":
         return algorithm
-    name = coll.auto.choose(nbytes, ranks)
-    return "mpi" if name in NODE_ALGORITHMS and not node else name
+    return coll.auto.choose(nbytes, ranks, node)

@@ -45,7 +45,7 @@ from typing import Any
 
 from hpcdl.atomic import write_text_atomic
 from hpcdl.comm.collectives.api import ALGORITHMS, NODE_ALGORITHMS, available_algorithms
-from hpcdl.comm.collectives.auto import AutoTable, format_segments, table_from_rows
+from hpcdl.comm.collectives.auto import AutoTable, format_segments, ordinary_segments, table_from_rows
 from hpcdl.comm.collectives.shm import PLACE_BYTES
 from hpcdl.comm.contract import Communicator
 from hpcdl.comm.objects import on_root
@@ -188,7 +188,13 @@ def analytic_table(
     meta = {"source": "analytic", "alpha_s": alpha, "beta_s_per_byte": beta, "sizes": list(sizes)}
     if gamma is not None:
         meta["gamma_s_per_byte"] = gamma
-    return AutoTable({ranks: table_from_rows(rows)}, {ranks: meta}, note="the simulator's alpha-beta model")
+    ordinary = ordinary_segments(rows)
+    return AutoTable(
+        {ranks: table_from_rows(rows)},
+        {ranks: meta},
+        note="the simulator's alpha-beta model",
+        ordinary={} if ordinary is None else {ranks: ordinary},
+    )
 
 
 def tuned_table(
@@ -271,7 +277,10 @@ def tuned_table(
         "min_time_s": min_time,
     }
     segments = table_from_rows(rows)
+    ordinary = ordinary_segments(rows)
     choice = format_segments(segments)
+    if ordinary is not None and ordinary != segments:
+        choice += f" (in ordinary memory: {format_segments(ordinary)})"
     if missing:
         lines.append(
             f"auto calibrated {len(missing)} bucket size{'s' * (len(missing) > 1)} at {ranks} ranks in "
@@ -281,7 +290,12 @@ def tuned_table(
     else:
         lines.append(f"auto from {path} (calibrated {entry['date']}): {choice}")
     meta["notes"] = lines
-    table = AutoTable({ranks: segments}, {ranks: meta}, note="calibrated where it ran")
+    table = AutoTable(
+        {ranks: segments},
+        {ranks: meta},
+        note="calibrated where it ran",
+        ordinary={} if ordinary is None else {ranks: ordinary},
+    )
     return Tuning(table, meta["source"], seconds, missing, tuple(lines))
 
 
