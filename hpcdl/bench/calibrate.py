@@ -284,7 +284,7 @@ def _time_memory(
 ) -> tuple[float | None, list[dict[str, Any]], str]:
     """:func:`memory_rate`'s timing on the host's ranks ``comm``."""
     from hpcdl.comm.collectives import Collectives
-    from hpcdl.comm.collectives.timing import time_per_call
+    from hpcdl.comm.collectives.timing import calls_for, time_per_call
 
     ranks = comm.Get_size()
     # simulated ranks are charged by the network's rate, not timed: no caches to leave
@@ -305,10 +305,7 @@ def _time_memory(
                 turn[0] += 1
                 coll.Allreduce(block[at : at + n], block[at : at + n], scale=1.0 / ranks)
 
-            k = 1
-            while (t := time_per_call(comm, call, k)) * k < min_time / 4:  # the same t on every rank
-                k *= 2
-            calls[nbytes] = max(1, math.ceil(min_time / t))
+            calls[nbytes] = calls_for(comm, call, min_time)
             times[nbytes] = [time_per_call(comm, call, calls[nbytes]) for _ in range(repeat)]
     best = [min(times[s]) for s in sizes]
     fitted = fit_memory(sizes, best)

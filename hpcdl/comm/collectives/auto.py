@@ -183,9 +183,7 @@ class AutoTable:
         if ranks <= 1 or not self.segments:
             found, chosen = self.fallback, None
         else:
-            chosen = (
-                ranks if ranks in self.segments else min(self.segments, key=lambda r: (abs(r - ranks), r))
-            )
+            chosen = min(self.segments, key=lambda r: (abs(r - ranks), r))  # its own first: distance 0
             found = self.segments[chosen]
         if node:
             return found

@@ -20,7 +20,7 @@ from hpcdl.comm.collectives.auto import AutoTable
 from hpcdl.comm.contract import Communicator
 from hpcdl.errors import ConfigError
 
-__all__ = ["time_algorithms", "time_per_call"]
+__all__ = ["calls_for", "time_algorithms", "time_per_call"]
 
 
 def _caller(coll: Collectives, send: Any, recv: Any, algorithm: str, scale: float | None = None) -> Any:
@@ -34,6 +34,15 @@ def time_per_call(comm: Communicator, call: Any, iters: int) -> float:
     for _ in range(iters):
         call()
     return comm.allreduce((wtime() - t0) / iters, op=MAX)
+
+
+def calls_for(comm: Communicator, call: Any, min_time: float) -> int:
+    """How many calls of ``call`` take about ``min_time`` seconds (collective: the same on every
+    rank): timed over 1, 4, 16, ... calls until that takes a quarter of ``min_time``."""
+    k = 1
+    while (t := time_per_call(comm, call, k)) * k < min_time / 4:  # the same t on every rank
+        k *= 4
+    return max(1, math.ceil(min_time / t))
 
 
 def time_algorithms(
@@ -101,10 +110,7 @@ def time_algorithms(
             iters = {}
             for name, call in calls.items():
                 call()
-                k = 1
-                while (t := time_per_call(comm, call, k)) * k < min_time / 4:  # same t on every rank
-                    k *= 4
-                iters[name] = max(1, math.ceil(min_time / t))
+                iters[name] = calls_for(comm, call, min_time)
             times: dict[str, list[float]] = {a: [] for a in algorithms}
             for _ in range(repeat):
                 for name, call in calls.items():
