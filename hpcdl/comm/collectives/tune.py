@@ -35,7 +35,6 @@ stay those of the first run (a resume on a cache miss still calibrates first, th
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdl.atomic import write_text_atomic
+from hpcdl.cachefile import cache_dir, read_entries, update_entry
 from hpcdl.comm.collectives.api import ALGORITHMS, NODE_ALGORITHMS, available_algorithms
 from hpcdl.comm.collectives.auto import AutoTable, format_segments, ordinary_segments, table_from_rows
 from hpcdl.comm.collectives.shm import PLACE_BYTES
@@ -104,8 +103,7 @@ class Tuning:
 
 def default_cache() -> Path:
     """``$XDG_CACHE_HOME/hpcdl/auto-tables.json`` (``~/.cache`` when the variable is unset or empty)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hpcdl" / "auto-tables.json"
+    return cache_dir() / "auto-tables.json"
 
 
 def cache_key(machine: Mapping[str, Any]) -> str:
@@ -337,19 +335,7 @@ def _lookup(
 
 def _read(path: Path) -> tuple[dict[str, Any], str]:
     """The cache's entries, and why it was not usable ("" if it was, or is absent)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}, ""
-    except (OSError, UnicodeDecodeError) as err:
-        return {}, f"cannot be read: {getattr(err, 'strerror', None) or err}"
-    except json.JSONDecodeError as err:
-        return {}, f"not JSON: {err.msg}, line {err.lineno}"
-    if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-        return {}, 'not an auto cache: no "entries" object'
-    if data.get("format") != CACHE_FORMAT:
-        return {}, f"format {data.get('format')!r}, this hpcdl writes {CACHE_FORMAT}"
-    return data["entries"], ""
+    return read_entries(path, CACHE_FORMAT, "an auto cache")
 
 
 def _stale(entry: Any, machine: Mapping[str, Any], algorithms: tuple[str, ...]) -> str:
@@ -381,27 +367,18 @@ def _store(path: Path, key: str, entry: Mapping[str, Any]) -> tuple[list[str], s
     and replaces it while holding a lock on ``<cache>.lock`` (``flock``; a file system
     without it writes unlocked), so that none loses another's entry, nor the sizes another
     job of the same key timed meanwhile."""
-    import errno
-    import fcntl
-
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    machine, timed = entry.get("machine"), entry.get("algorithms")
+    same = isinstance(machine, dict) and isinstance(timed, list)
+
+    def merged(old: Any) -> dict[str, Any]:
+        times = dict(entry["times"])
+        if same and not _stale(old, machine, tuple(timed)):
+            times = {**old["times"], **times}  # a job of this key that timed other sizes meanwhile
+        return {**entry, "times": times, "date": date}
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(path.name + ".lock"), "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
-            except OSError as err:  # a file system without flock (Lustre without -o flock, some NFS)
-                if err.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-            entries, _ = _read(path)
-            old, machine, timed = entries.get(key), entry.get("machine"), entry.get("algorithms")
-            times = dict(entry["times"])
-            same = isinstance(machine, dict) and isinstance(timed, list)
-            if same and not _stale(old, machine, tuple(timed)):
-                times = {**old["times"], **times}  # a job of this key that timed other sizes meanwhile
-            entries[key] = {**entry, "times": times, "date": date}
-            text = json.dumps({"format": CACHE_FORMAT, "entries": entries}, indent=1, sort_keys=True)
-            write_text_atomic(path, text + "\n", what="the auto cache")
+        update_entry(path, key, merged, CACHE_FORMAT, what="the auto cache")
     except (OSError, HpcdlError) as err:
         why = f"auto: the calibration was not cached ({err}); set exchange.auto_cache to a writable file"
         return [why], date
