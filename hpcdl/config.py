@@ -53,6 +53,23 @@ DRIVER_KEYS: dict[str, Key] = {
     "model.width_mult": Key(float, 1.0, "cnn/vgg16/resnet: channel width multiplier", above=0.0),
     "model.channels": Key(int, 32, "cnn: channels of the first convolution", minimum=1),
     "model.dropout": Key(float, 0.0, "mlp/cnn: dropout probability before the head", minimum=0.0, below=1.0),
+    "model.winograd": Key(
+        str,
+        "measure",
+        "which 3x3 stride-1 convolutions multiply by Winograd: measure (each layer shape timed both "
+        "ways on this machine, once, and cached), rule (64+ channels), always, never",
+        choices=("measure", "rule", "always", "never"),
+        legacy="rule",
+    ),
+    "model.winograd_layers": Key(
+        list,
+        [],
+        "settled by model.winograd = measure: the layers where Winograd was faster (recorded; a resume "
+        "keeps them)",
+        item=str,
+        pattern=r"\S+",
+        pattern_doc="(layer names, as 3.conv1)",
+    ),
     "data.name": Key(str, "digits", "data set", choices=DATASETS),
     "data.path": Key(str, "", "file or directory of the data set (digits: bundled when empty)"),
     "data.batch_size": Key(int, 32, "samples per step PER RANK (global batch = ranks x batch)", minimum=1),
@@ -128,6 +145,7 @@ DRIVER_KEYS: dict[str, Key] = {
 #: the driver's keys that fix a run's trajectory: a resume with another value is refused
 DRIVER_FIT_KEYS = (
     "seed", "dtype", "model.name", "model.depth", "model.width", "model.width_mult", "model.channels",
+    "model.winograd", "model.winograd_layers",
     "data.name", "data.path", "data.batch_size", "data.sampler", "data.shape", "data.num_classes",
     "data.train_size", "data.test_size", "parallel.strategy",
 )  # fmt: skip

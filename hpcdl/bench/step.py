@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -20,6 +20,7 @@ import numpy as np
 from hpcdl.bench.torchref import torch_twin
 from hpcdl.comm import world, wtime
 from hpcdl.driver.cli import positive_int
+from hpcdl.driver.convplan import MODES, plan_model
 from hpcdl.errors import ConfigError
 from hpcdl.models import MODELS, build_model
 from hpcdl.nn import SoftmaxCrossEntropy, observe
@@ -35,12 +36,21 @@ INPUT_SHAPES: dict[str, tuple[int, ...]] = {"mlp": (1, 28, 28), "mlp32": (1, 28,
 CIFAR_SHAPE = (3, 32, 32)
 
 
-def _hpcdl_stepper(
-    model_name: str, batch: int, shape: tuple[int, ...], classes: int, seed: int, inv_every: int = 0
+def _hpcdl_stepper(  # noqa: PLR0917
+    model_name: str,
+    batch: int,
+    shape: tuple[int, ...],
+    classes: int,
+    seed: int,
+    inv_every: int = 0,
+    winograd: str = "measure",
 ):
     """A step of hpcdl's network: SGD with momentum, or K-FAC (``inv_every > 0``) with the
-    same momentum; returns the model, the step and the optimizer."""
+    same momentum, its 3x3 convolutions chosen as ``model.winograd = winograd`` chooses in a run;
+    returns the model, the step and the optimizer."""
     model = build_model(model_name, shape, classes, rng=generator(seed, "init"))
+    for line in plan_model(model, winograd, shape, batch, np.float32):
+        print(f"bench step: {line}", flush=True)
     if inv_every:
         opt: Any = KFAC(model, LR, momentum=MOMENTUM, inv_every=inv_every)
     else:
@@ -98,9 +108,14 @@ def bench_step(
     seed: int = 0,
     optimizer: str = "sgd",
     inv_every: int = 10,
+    winograd: Sequence[str] = ("measure",),
 ) -> list[dict[str, Any]]:
     """Forward + backward + SGD update samples/s of one process, optionally beside PyTorch, and
     with ``optimizer = "kfac"`` K-FAC's step beside it (module docstring).
+
+    ``winograd`` chooses the 3x3 convolutions as ``model.winograd`` does in a run; with more
+    than one value, the network steps once per value (rows ``hpcdl`` for the first,
+    ``hpcdl winograd=VALUE`` for the others), in the same interleaved repetitions.
 
     Repetitions alternate between the implementations (hpcdl, torch, hpcdl, …)
     so that drifts of the machine hit both alike; each figure is the median. Each model
@@ -108,11 +123,14 @@ def bench_step(
     """
     shape = INPUT_SHAPES.get(model, CIFAR_SHAPE)
     classes = 10
-    net, hp_step, _ = _hpcdl_stepper(model, batch, shape, classes, seed)
+    net, hp_step, _ = _hpcdl_stepper(model, batch, shape, classes, seed, winograd=winograd[0])
     impls: dict[str, Callable[[], None]] = {"hpcdl": hp_step}
+    for mode in winograd[1:]:
+        impls[f"hpcdl winograd={mode}"] = _hpcdl_stepper(model, batch, shape, classes, seed, winograd=mode)[1]
     kfac = None
     if optimizer == "kfac":
-        _, impls["hpcdl-kfac"], kfac = _hpcdl_stepper(model, batch, shape, classes, seed, inv_every)
+        kfac_net = _hpcdl_stepper(model, batch, shape, classes, seed, inv_every, winograd[0])
+        impls["hpcdl-kfac"], kfac = kfac_net[1], kfac_net[2]
     if vs == "torch":
         try:
             import torch  # noqa: F401
@@ -146,6 +164,7 @@ def bench_step(
                 "step_s_max": max(ts),
                 "repeat": repeat,
                 "threads": threads,
+                "winograd": name.partition("=")[2] or (winograd[0] if name != "torch" else None),
                 **({"inv_every": inv_every, **{f"{k}_s": statistics.median(v) for k, v in split.items()}}
                    if name == "hpcdl-kfac" else {}),
             }
@@ -160,11 +179,13 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         f"bench step: {rows[0]['model']}, batch {rows[0]['batch']}, median of {rows[0]['repeat']} "
         f"interleaved repetitions (OPENBLAS_NUM_THREADS={blas}, torch threads={rows[0]['threads']})"
     )
-    print(f"{'impl':<12}{'samples/s':>12}{'step ms':>10}{'min..max ms':>16}{'vs torch':>10}")
+    width = max(12, *(len(r["impl"]) + 2 for r in rows))
+    print(f"{'impl':<{width}}{'samples/s':>12}{'step ms':>10}{'min..max ms':>16}{'vs torch':>10}")
     for r in rows:
         ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.3f}" if ref else "-"
         span = f"{1e3 * r['step_s_min']:.1f}..{1e3 * r['step_s_max']:.1f}"
-        print(f"{r['impl']:<12}{r['samples_per_s']:>12.0f}{1e3 * r['step_s']:>10.2f}{span:>16}{ratio:>10}")
+        rate, ms = f"{r['samples_per_s']:>12.0f}", f"{1e3 * r['step_s']:>10.2f}"
+        print(f"{r['impl']:<{width}}{rate}{ms}{span:>16}{ratio:>10}")
     kfac = next((r for r in rows if r["impl"] == "hpcdl-kfac"), None)
     sgd = next((r for r in rows if r["impl"] == "hpcdl"), None)
     if kfac is not None and sgd is not None:
@@ -212,6 +233,14 @@ def add_parser(sub: Any) -> None:
         default=10,
         help="with --optimizer kfac: eigendecompose every this many steps (amortised in the split)",
     )
+    p.add_argument(
+        "--winograd",
+        nargs="+",
+        choices=MODES,
+        default=["measure"],
+        help="how the 3x3 convolutions are chosen, as model.winograd in a run (default: measure, timed on "
+        "this machine and cached); several: one row each, interleaved",
+    )
     p.add_argument("--repeat", type=int, default=5, help="interleaved repetitions; the median is reported")
     p.add_argument("--steps", type=int, default=20, help="steps per repetition")
     p.add_argument(
@@ -227,7 +256,8 @@ def run(args: Any) -> list[dict[str, Any]]:
     if args.batch < 1 or args.repeat < 1 or args.steps < 1:
         raise ConfigError("--batch, --repeat and --steps must be positive integers")
     rows = bench_step(args.model, args.batch, args.vs, args.repeat, args.steps, threads=args.threads,
-                      optimizer=args.optimizer, inv_every=args.inv_every)  # fmt: skip
+                      optimizer=args.optimizer, inv_every=args.inv_every,
+                      winograd=tuple(dict.fromkeys(args.winograd)))  # fmt: skip
     if world().Get_rank() == 0:
         print_rows(rows)
     return rows

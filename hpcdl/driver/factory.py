@@ -11,6 +11,7 @@ from hpcdl import comm as ops  # ops.SUM resolved at use: importing this module 
 from hpcdl.comm import Communicator
 from hpcdl.config import Config
 from hpcdl.data import Dataset, load_dataset
+from hpcdl.driver.convplan import apply_config
 from hpcdl.errors import ConfigError
 from hpcdl.models import build_model
 from hpcdl.nn import Parameter, Sequential
@@ -148,7 +149,7 @@ def build(
     seed = cfg["seed"]
     name = cfg["model.name"]
     try:
-        return build_model(
+        model = build_model(
             name,
             data.input_shape,
             data.num_classes,
@@ -170,6 +171,8 @@ def build(
         ) from None
     except ValueError as err:
         raise ConfigError(f"model.name = {name!r} does not fit data {data.name!r}: {err}") from None
+    apply_config(model, cfg)  # model.winograd: which 3x3 convolutions multiply by Winograd
+    return model
 
 
 def evaluate(

@@ -19,7 +19,7 @@ from hpcdl.driver.loop import Counters, Trainer
 from hpcdl.driver.memory import check as check_memory
 from hpcdl.driver.progress import Progress, choose_mode
 from hpcdl.driver.runlog import RunLog, checkpoint_attrs, open_run, peak_rss_mb
-from hpcdl.driver.settle import PlanInputs, continue_legacy, settle, stored_config
+from hpcdl.driver.settle import PlanInputs, continue_legacy, settle, settle_convolutions, stored_config
 from hpcdl.driver.signals import current_stop_request
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import LayerProfiler
@@ -99,7 +99,8 @@ def build(cfg: Config, comm: Communicator, stored: dict[str, Any] | None = None)
     benchmark (``bench train``) steps. First the strategy settles what it works out from the
     model (:func:`hpcdl.driver.settle.settle`; ``stored``: the config of the run being resumed);
     before it builds anything, the ranks check that they fit in memory
-    (:func:`hpcdl.driver.memory.check`).
+    (:func:`hpcdl.driver.memory.check`), and then settle which convolutions multiply by Winograd
+    (:func:`hpcdl.driver.settle.settle_convolutions`).
 
     Raises:
         HpcdlError: the strategy is unknown or does not fit, the data or model cannot be built,
@@ -108,6 +109,7 @@ def build(cfg: Config, comm: Communicator, stored: dict[str, Any] | None = None)
     cfg = settle(cfg, comm.Get_size(), comm, PlanInputs(cfg, stored=stored))
     ctx = Context(cfg, comm, plan(cfg, comm.Get_size()))
     check_memory(comm, cfg, ctx.placement, ctx.data())
+    cfg = ctx.cfg = settle_convolutions(cfg, comm, PlanInputs(cfg, ctx.data(), stored))
     cls = strategy_class(cfg["parallel.strategy"])
     strategy = cls(ctx)
     if comm.Get_rank() == 0:

@@ -3,7 +3,8 @@
 Rank 0 builds the inputs (:class:`PlanInputs`: a model, the data set, a network file's α-β,
 and on a resume the config the run file stores), asks the strategy, and hands every rank the
 updated config — or every rank the same error. The pipeline's planner (``pipeline.balance =
-"plan"``) settles this way; a strategy with nothing to settle costs one broadcast.
+"plan"``) settles this way, and so, after the memory check, does ``model.winograd = "measure"``
+for every strategy (:func:`settle_convolutions`); a run with nothing to settle costs a broadcast.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hpcdl.backend import array_module
 from hpcdl.comm import Communicator, on_root
 from hpcdl.config import Config, legacy_values, stored_values
 from hpcdl.data import Dataset, gather_batch
+from hpcdl.driver.convplan import settle_winograd
 from hpcdl.driver.factory import build, load_data
 from hpcdl.errors import HpcdlError
 from hpcdl.nn import Sequential
@@ -28,7 +30,7 @@ from hpcdl.sim.network import load_network
 from hpcdl.store.checkpoint import checkpoint_config
 from hpcdl.store.runfile import read_attrs
 
-__all__ = ["PlanInputs", "continue_legacy", "settle", "stored_config"]
+__all__ = ["PlanInputs", "continue_legacy", "settle", "settle_convolutions", "stored_config"]
 
 
 class PlanInputs:
@@ -114,8 +116,22 @@ def settle(
     """
     cls = strategy_class(cfg["parallel.strategy"])
     here = inputs or PlanInputs(cfg)
+
     if comm is None:
         updates = cls.settle(cfg, world, here)
     else:
         updates = on_root(comm, lambda: cls.settle(cfg, world, here))
+    return cfg.with_updates(updates) if updates else cfg
+
+
+def settle_convolutions(cfg: Config, comm: Communicator, inputs: PlanInputs) -> Config:
+    """``cfg`` with the 3x3 convolutions that multiply by Winograd (``model.winograd``:
+    :func:`~hpcdl.driver.convplan.settle_winograd`), worked out on rank 0 of ``comm`` and the same
+    on every rank. The driver asks after the memory check, so that a run that cannot fit is told
+    so before anything is timed (the check estimates by ``Conv2d``'s rule).
+
+    Raises:
+        HpcdlError: ``model.winograd_layers`` set beside ``measure``, on every rank alike.
+    """
+    updates = on_root(comm, lambda: settle_winograd(cfg, inputs))
     return cfg.with_updates(updates) if updates else cfg

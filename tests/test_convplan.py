@@ -1,0 +1,266 @@
+"""``model.winograd``: which 3x3 convolutions multiply by Winograd, timed per shape on the machine,
+cached, recorded in the run and kept by a resume (``hpcdl.nn.convplan``, ``hpcdl.driver.convplan``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.config import load_config, stored_values
+from hpcdl.driver import convplan
+from hpcdl.driver.settle import continue_legacy
+from hpcdl.errors import ConfigError
+from hpcdl.models import build_model
+from hpcdl.nn import Conv2d, Sequential, observe
+from hpcdl.nn.convplan import ConvShape, apply, layers, shapes, time_products
+from hpcdl.rng import generator
+from hpcdl.train import run
+
+# a CNN of two eligible 3x3 layers (1 -> 3 and 3 -> 6 channels at 8x8), a few steps
+CNN = ["model.channels=3", "train.steps=6", "checkpoint.every=0"]
+
+
+def _resnet() -> Sequential:
+    return build_model("resnet18", (3, 16, 16), 10, rng=generator(0, "init"), width_mult=0.125)
+
+
+class _Seen:
+    """Records the input shape of every eligible convolution a step runs."""
+
+    nested = True
+
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    def before(self, phase: str, layer: Any, x: Any) -> None:
+        if phase == "forward" and isinstance(layer, Conv2d) and layer.winograd_eligible:
+            self.shapes[layer.name] = tuple(x.shape)
+
+    def after(self, phase: str, layer: Any, y: Any) -> None:
+        pass
+
+
+def test_shapes_are_those_a_step_of_the_batch_gives_each_eligible_layer() -> None:
+    model = _resnet()
+    found = shapes(model, (3, 16, 16), 5)
+    seen = _Seen()
+    with observe(seen):
+        model.forward(np.zeros((5, 3, 16, 16), np.float32))
+    assert found and set(found) == set(seen.shapes) == {layer.name for layer in layers(model)}
+    for name, s in found.items():
+        assert (s.batch, s.in_channels, s.height, s.width) == seen.shapes[name]
+        assert s.dtype == "float32" and s.padding == 1
+    # the stride-2 3x3 convolutions are not eligible; the stem's is (3 -> 8 channels at 16x16)
+    assert all(c.stride == (1, 1) for c in layers(model))
+    assert found["0"] == ConvShape(5, 3, 8, 16, 16, 1, "float32")
+
+
+def test_shapes_leaves_the_model_as_it_was() -> None:
+    model = _resnet()
+    before = {k: v.copy() for k, v in model.state_dict().items()}  # BatchNorm statistics included
+    shapes(model, (3, 16, 16), 4)
+    assert model.training
+    assert all(np.array_equal(before[k], v) for k, v in model.state_dict().items())
+    model.eval()
+    shapes(model, (3, 16, 16), 4)
+    assert not model.training
+
+
+def test_time_products_times_each_product_as_a_layer_of_that_shape_runs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Both products are timed on layers of the shape, and a product's time is per call: the
+    Winograd layer's forward is made to cost 20 ms more, and its time shows it."""
+    import time
+
+    calls: dict[bool, list[tuple[int, ...]]] = {False: [], True: []}
+    forward = Conv2d.forward
+
+    def slow(self: Conv2d, x: Any) -> Any:
+        calls[bool(self.winograd)].append(tuple(x.shape))
+        if self.winograd:
+            time.sleep(0.02)
+        return forward(self, x)
+
+    monkeypatch.setattr(Conv2d, "forward", slow)
+    t = time_products(ConvShape(2, 3, 4, 6, 6, 1, "float32"), repeat=2, min_time=0.001)
+    assert set(calls[False]) == set(calls[True]) == {(2, 3, 6, 6)}
+    assert t["winograd"] >= 0.02 > t["im2row"]
+
+
+def test_apply_fixes_every_eligible_layer() -> None:
+    model = _resnet()
+    names = [layer.name for layer in layers(model)]
+    apply(model, names[:2])
+    assert [layer.winograd for layer in layers(model)] == [True, True] + [False] * (len(names) - 2)
+    assert all(layer.uses_winograd() == (layer.name in names[:2]) for layer in layers(model))
+
+
+def _fake_times(winograd_from: int) -> Any:
+    """Times that make Winograd faster from ``winograd_from`` input channels up; counts its calls."""
+
+    def fake(shape: ConvShape, **_: Any) -> dict[str, float]:
+        fake.timed.append(shape.key)
+        faster = shape.in_channels >= winograd_from
+        return {"im2row": 2e-3, "winograd": 1e-3 if faster else 3e-3}
+
+    fake.timed = []
+    return fake
+
+
+def test_measure_chooses_by_the_times_caches_them_and_times_nothing_the_second_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "conv.json"
+    model = _resnet()
+    fake = _fake_times(16)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    chosen, eligible, lines = convplan.measure(model, (3, 16, 16), 4, "float32", cache)
+    found = shapes(model, (3, 16, 16), 4)
+    assert eligible == len(found) and len(fake.timed) == len({s.key for s in found.values()})
+    assert chosen == [name for name, s in found.items() if s.in_channels >= 16] and chosen
+    assert any("timed" in line and "cached in" in line for line in lines)
+    entry = next(iter(json.loads(cache.read_text())["entries"].values()))
+    assert entry["machine"] == convplan.machine() and set(entry["times"]) == set(fake.timed)
+    fake.timed.clear()
+    again, _, lines = convplan.measure(_resnet(), (3, 16, 16), 4, "float32", cache)
+    assert again == chosen and fake.timed == [] and not any("timed" in line for line in lines)
+    # another batch is another shape: timed, and added beside the first
+    convplan.measure(_resnet(), (3, 16, 16), 8, "float32", cache)
+    assert fake.timed and all(k.startswith("n8 ") for k in fake.timed)
+    entry = next(iter(json.loads(cache.read_text())["entries"].values()))
+    assert {k.split()[0] for k in entry["times"]} == {"n4", "n8"}
+
+
+@pytest.mark.parametrize("damage", ["not json", '{"format": 99, "entries": {}}', "other machine"])
+def test_a_cache_that_does_not_fit_is_timed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    cache = tmp_path / "conv.json"
+    fake = _fake_times(16)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    convplan.measure(_resnet(), (3, 16, 16), 4, "float32", cache)
+    if damage == "other machine":
+        data = json.loads(cache.read_text())
+        for entry in data["entries"].values():
+            entry["machine"]["cpu"] = "elsewhere"
+        cache.write_text(json.dumps(data))
+    else:
+        cache.write_text(damage)
+    fake.timed.clear()
+    chosen, _, lines = convplan.measure(_resnet(), (3, 16, 16), 4, "float32", cache)
+    assert fake.timed and chosen
+    assert (damage == "other machine") != any("timing again" in line for line in lines)
+
+
+def test_a_cache_that_cannot_be_written_costs_a_line_not_the_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(convplan, "time_products", _fake_times(16))
+    chosen, _, lines = convplan.measure(_resnet(), (3, 16, 16), 4, "float32", blocker / "conv.json")
+    assert chosen and any("not cached" in line for line in lines)
+
+
+def test_a_model_without_eligible_layers_times_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _fake_times(0)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    mlp = build_model("mlp", (1, 8, 8), 10, rng=generator(0, "init"))
+    assert convplan.measure(mlp, (1, 8, 8), 4, "float32", tmp_path / "c.json") == ([], 0, [])
+    assert fake.timed == [] and not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("mode", ["rule", "always", "never"])
+def test_the_other_modes_fix_the_layers_without_timing(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake_times(0)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    model = _resnet()
+    assert convplan.plan_model(model, mode, (3, 16, 16), 4, "float32") == [] and fake.timed == []
+    used = [layer.uses_winograd() for layer in layers(model)]
+    rule = [min(c.in_channels, c.out_channels) >= 64 for c in layers(model)]
+    assert used == {"rule": rule, "always": [True] * len(used), "never": [False] * len(used)}[mode]
+
+
+def test_a_run_records_the_measured_layers_and_every_model_it_builds_follows_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """digits-cnn at 3 channels: the first layer (1 channel in) is made slower by Winograd, the
+    second faster; the run file's config names the second, and the trained model uses it alone."""
+    monkeypatch.setattr(convplan, "time_products", _fake_times(3))
+    result = run(load_config("digits-cnn", CNN), out=tmp_path / "r.h5")
+    with h5py.File(tmp_path / "r.h5", "r") as f:
+        stored = stored_values(f.attrs["config"])
+    eligible = [layer.name for layer in layers(result.model)]
+    assert len(eligible) == 2
+    assert stored["model.winograd"] == "measure" and stored["model.winograd_layers"] == eligible[1:]
+    assert [layer.uses_winograd() for layer in layers(result.model)] == [False, True]
+
+
+def test_a_resume_keeps_the_layers_the_run_began_with_and_continues_bitwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The times change between the stop and the resume (another machine, a new cache): the
+    resumed run keeps the first one's layers, and ends bit for bit as a run without a stop."""
+    monkeypatch.setattr(convplan, "time_products", _fake_times(3))
+    whole = run(load_config("digits-cnn", CNN), out=tmp_path / "whole.h5")
+    run(load_config("digits-cnn", [*CNN, "train.stop_at=3"]), out=tmp_path / "split.h5")
+    flipped = _fake_times(99)  # now Winograd loses everywhere, and nothing is cached
+    monkeypatch.setattr(convplan, "time_products", flipped)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
+    rest = run(load_config("digits-cnn", CNN), out=tmp_path / "split.h5", resume="auto")
+    assert flipped.timed == []
+    assert [layer.uses_winograd() for layer in layers(rest.model)] == [False, True]
+    assert all(np.array_equal(v, whole.model.state_dict()[k]) for k, v in rest.model.state_dict().items())
+
+
+def test_a_run_made_before_the_key_continues_by_the_rule() -> None:
+    stored = {k: v for k, v in load_config("digits-cnn").values.items() if not k.startswith("model.winograd")}
+    cfg, lines = continue_legacy(load_config("digits-cnn"), stored)
+    assert cfg["model.winograd"] == "rule" and any("model.winograd = 'rule'" in line for line in lines)
+
+
+def test_layers_set_by_hand_beside_measure_are_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match="model.winograd_layers is what model.winograd = 'measure' settles"):
+        run(load_config("digits-cnn", [*CNN, "model.winograd_layers=['1']"]))
+
+
+def test_a_shape_that_runs_out_of_memory_is_chosen_by_the_rule_and_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch too large to time (the run itself will say so, in its own words): the layers of that
+    shape take Conv2d's rule, the other shapes their times, and only the timed shapes are cached."""
+    fake = _fake_times(0)  # Winograd faster wherever timed
+
+    def short_of_memory(shape: ConvShape, **kw: Any) -> dict[str, float]:
+        if shape.in_channels == 8:
+            raise MemoryError
+        return fake(shape, **kw)
+
+    monkeypatch.setattr(convplan, "time_products", short_of_memory)
+    cache = tmp_path / "conv.json"
+    model = _resnet()
+    chosen, _, lines = convplan.measure(model, (3, 16, 16), 4, "float32", cache)
+    found = shapes(model, (3, 16, 16), 4)
+    starved = {name for name, s in found.items() if s.in_channels == 8}
+    assert starved and any("not timed (out of memory)" in line for line in lines)
+    assert set(chosen) == set(found) - starved  # the rule: 8 channels are below its 64
+    entry = next(iter(json.loads(cache.read_text())["entries"].values()))
+    assert not any(" c8 " in key for key in entry["times"])
+
+
+@pytest.mark.parametrize(("ratio", "winograd"), [(0.97, False), (0.93, True)])
+def test_a_near_tie_is_left_to_im2row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ratio: float, winograd: bool
+) -> None:
+    monkeypatch.setattr(convplan, "time_products", lambda s, **_: {"im2row": 1e-3, "winograd": ratio * 1e-3})
+    model = _resnet()
+    chosen, eligible, _ = convplan.measure(model, (3, 16, 16), 4, "float32", tmp_path / "c.json")
+    assert chosen == ([layer.name for layer in layers(model)] if winograd else []) and eligible
