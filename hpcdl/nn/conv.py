@@ -10,7 +10,8 @@ array-module reference, which the kernels equal bit for bit.
 3x3 stride-1 convolutions with enough channels (:data:`WINOGRAD_MIN_CHANNELS`) multiply by
 Winograd F(2x2, 3x3) instead (:mod:`hpcdl.nn.winograd`), forward and for the input gradient:
 2.25 times fewer multiplications, results that differ from im2row's in the last bits.
-``Conv2d.winograd`` chooses per layer.
+``Conv2d.winograd`` chooses per layer; :mod:`hpcdl.nn.convplan` sets it by timing both products
+at each layer's shape on the machine.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ CHUNK_ROWS = 1024
 
 #: eligible layers (3x3, stride 1, padding <= 2 alike on both axes) whose in and out channels
 #: are both at least this use Winograd when ``Conv2d.winograd`` is ``None``: below it the
-#: transforms' memory passes cost more than the products save (measured: see Conv2d)
+#: transforms' memory passes mostly cost more than the products save. Measured on one AMD EPYC,
+#: and not true of every shape even there (small images: 2x2, 4x4); a run times each layer's
+#: shape instead and fixes ``winograd`` (:mod:`hpcdl.nn.convplan`, ``model.winograd``)
 WINOGRAD_MIN_CHANNELS = 64
 
 
