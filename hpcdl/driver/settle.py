@@ -128,7 +128,8 @@ def settle_convolutions(cfg: Config, comm: Communicator, inputs: PlanInputs) -> 
     """``cfg`` with the 3x3 convolutions that multiply by Winograd (``model.winograd``:
     :func:`~hpcdl.driver.convplan.settle_winograd`), worked out on rank 0 of ``comm`` and the same
     on every rank. The driver asks after the memory check, so that a run that cannot fit is told
-    so before anything is timed (the check estimates by ``Conv2d``'s rule).
+    so before anything is timed; the check, and the pipeline's planner when it profiles, see the
+    layers by ``Conv2d``'s rule.
 
     Raises:
         HpcdlError: ``model.winograd_layers`` set beside ``measure``, on every rank alike.
