@@ -57,15 +57,16 @@ DRIVER_KEYS: dict[str, Key] = {
         str,
         "measure",
         "which 3x3 stride-1 convolutions multiply by Winograd: measure (each layer shape timed both "
-        "ways on this machine, once, and cached), rule (64+ channels), always, never",
-        choices=("measure", "rule", "always", "never"),
+        "ways on this machine, once, and cached; settles into layers), layers (model.winograd_layers), "
+        "rule (64+ channels), always, never",
+        choices=("measure", "layers", "rule", "always", "never"),
         legacy="rule",
     ),
     "model.winograd_layers": Key(
         list,
         [],
-        "settled by model.winograd = measure: the layers where Winograd was faster (recorded; a resume "
-        "keeps them)",
+        "model.winograd = layers: the layers that multiply by Winograd (what measure settles: those "
+        "where it was faster; recorded, and a resume keeps them)",
         item=str,
         pattern=r"\S+",
         pattern_doc="(layer names, as 3.conv1)",

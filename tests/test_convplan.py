@@ -57,7 +57,7 @@ def test_shapes_are_those_a_step_of_the_batch_gives_each_eligible_layer() -> Non
         assert s.dtype == "float32" and s.padding == 1
     # the stride-2 3x3 convolutions are not eligible; the stem's is (3 -> 8 channels at 16x16)
     assert all(c.stride == (1, 1) for c in layers(model))
-    assert found["0"] == ConvShape(5, 3, 8, 16, 16, 1, "float32")
+    assert found["0"] == ConvShape(5, 3, 8, 16, 16, 1, "float32", input_grad=False)  # the first layer
 
 
 def test_shapes_leaves_the_model_as_it_was() -> None:
@@ -200,8 +200,21 @@ def test_a_run_records_the_measured_layers_and_every_model_it_builds_follows_the
         stored = stored_values(f.attrs["config"])
     eligible = [layer.name for layer in layers(result.model)]
     assert len(eligible) == 2
-    assert stored["model.winograd"] == "measure" and stored["model.winograd_layers"] == eligible[1:]
+    assert stored["model.winograd"] == "layers" and stored["model.winograd_layers"] == eligible[1:]
     assert [layer.uses_winograd() for layer in layers(result.model)] == [False, True]
+
+
+def test_a_measure_that_chooses_no_layer_leaves_them_all_to_im2row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 64 channels Conv2d's rule gives the second layer Winograd; timed slower, it runs im2row."""
+    monkeypatch.setattr(convplan, "time_products", _fake_times(999))
+    result = run(load_config("digits-cnn", [*CNN, "model.channels=64"]), out=tmp_path / "r.h5")
+    with h5py.File(tmp_path / "r.h5", "r") as f:
+        stored = stored_values(f.attrs["config"])
+    assert (stored["model.winograd"], stored["model.winograd_layers"]) == ("layers", [])
+    assert [c.winograd_by_rule for c in layers(result.model)] == [False, True]
+    assert [c.uses_winograd() for c in layers(result.model)] == [False, False]
 
 
 def test_a_resume_keeps_the_layers_the_run_began_with_and_continues_bitwise(
@@ -227,9 +240,114 @@ def test_a_run_made_before_the_key_continues_by_the_rule() -> None:
     assert cfg["model.winograd"] == "rule" and any("model.winograd = 'rule'" in line for line in lines)
 
 
-def test_layers_set_by_hand_beside_measure_are_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError, match="model.winograd_layers is what model.winograd = 'measure' settles"):
-        run(load_config("digits-cnn", [*CNN, "model.winograd_layers=['1']"]))
+@pytest.mark.parametrize("mode", ["measure", "rule", "always", "never"])
+def test_layers_set_by_hand_beside_another_mode_are_refused_in_one_line(mode: str) -> None:
+    with pytest.raises(ConfigError, match=rf"model.winograd_layers names the layers of model.winograd = "
+                       rf"'layers'; with '{mode}' leave it unset"):  # fmt: skip
+        run(load_config("digits-cnn", [*CNN, f"model.winograd={mode!r}", "model.winograd_layers=['3']"]))
+
+
+def test_layers_by_hand_are_the_layers_that_multiply_by_winograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _fake_times(0)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    result = run(load_config("digits-cnn", [*CNN, "model.winograd='layers'", "model.winograd_layers=['0']"]))
+    assert [c.uses_winograd() for c in layers(result.model)] == [True, False] and fake.timed == []
+
+
+def test_a_checkpoint_resumed_into_a_new_run_file_keeps_its_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--resume CHECKPOINT --out NEW: the checkpoint's config is the run's (it was measured again,
+    and then refused by the checkpoint's fit with no way to set the layers)."""
+    monkeypatch.setattr(convplan, "time_products", _fake_times(3))
+    first = run(load_config("digits-cnn", [*CNN, "train.stop_at=3"]), out=tmp_path / "a.h5")
+    flipped = _fake_times(99)
+    monkeypatch.setattr(convplan, "time_products", flipped)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
+    rest = run(load_config("digits-cnn", CNN), out=tmp_path / "b.h5", resume=str(first.checkpoint))
+    assert flipped.timed == [] and rest.steps == 6
+    assert [layer.uses_winograd() for layer in layers(rest.model)] == [False, True]
+
+
+def test_the_first_layer_is_timed_without_the_input_gradient_it_does_not_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = _resnet()
+    found = shapes(model, (3, 16, 16), 4)
+    first = next(iter(layers(model)))
+    assert not first.needs_input_grad and not found[first.name].input_grad
+    assert found[first.name].key.endswith(" no-input-grad")
+    assert all(s.input_grad for name, s in found.items() if name != first.name)
+    formed: list[Any] = []
+    backward = Conv2d.backward
+
+    def record(self: Conv2d, gy: Any) -> Any:
+        gx = backward(self, gy)
+        formed.append(gx is not None)
+        return gx
+
+    monkeypatch.setattr(Conv2d, "backward", record)
+    time_products(found[first.name], repeat=1, min_time=0.0)
+    assert formed and not any(formed)
+    formed.clear()
+    time_products(ConvShape(2, 3, 4, 6, 6, 1, "float32"), repeat=1, min_time=0.0)
+    assert formed and all(formed)
+
+
+def test_timing_stops_at_the_budget_and_the_rest_take_the_rule(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = _fake_times(0)  # Winograd faster wherever timed
+    monkeypatch.setattr(convplan, "time_products", fake)
+    monkeypatch.setattr(convplan, "BUDGET", 0.0)  # the first shape only
+    model = _resnet()
+    cache = tmp_path / "c.json"
+    chosen, _, lines = convplan.measure(model, (3, 16, 16), 4, "float32", cache)
+    found = shapes(model, (3, 16, 16), 4)
+    (timed,) = fake.timed
+    said = "not timed within 0 s: Conv2d's rule chooses there (the next run times them)"
+    assert any(said in line for line in lines)
+    rule = {c.name: c.winograd_by_rule for c in layers(model)}  # 64 channels in the last stage
+    assert chosen == [name for name, s in found.items() if s.key == timed or rule[name]]
+    assert any(rule.values()) and not all(rule.values())
+    entry = next(iter(json.loads(cache.read_text())["entries"].values()))
+    assert list(entry["times"]) == [timed]
+    fake.timed.clear()
+    convplan.measure(_resnet(), (3, 16, 16), 4, "float32", cache)  # the next run times the next shape
+    assert len(fake.timed) == 1 and fake.timed[0] != timed
+
+
+def test_on_a_gpu_the_rule_chooses_without_timing(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    from hpcdl.driver.settle import PlanInputs
+
+    fake = _fake_times(0)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    cfg = load_config("digits-cnn", [*CNN, "device='gpu'"])
+    assert convplan.settle_winograd(cfg, PlanInputs(cfg)) == {"model.winograd": "rule"} and fake.timed == []
+    assert "on a GPU Conv2d's rule chooses" in capsys.readouterr().err
+
+
+def test_on_virtual_ranks_rank_0_times_and_every_rank_follows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hpcdl.simulate import main as simulate
+
+    fake = _fake_times(3)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built: list[list[bool]] = []
+    apply_config = convplan.apply_config
+
+    def record(model: Any, cfg: Any) -> None:
+        apply_config(model, cfg)
+        built.append([c.uses_winograd() for c in layers(model)])
+
+    monkeypatch.setattr("hpcdl.driver.factory.apply_config", record)
+    argv = ["-n", "3", "--network", "ib-hdr", "-m", "hpcdl.train", "--config", "digits-cnn",
+            "--progress", "none", "--out", str(tmp_path / "r.h5"), *(f"--set={x}" for x in CNN)]  # fmt: skip
+    assert simulate(argv) == 0
+    assert len(fake.timed) == 2  # two shapes, timed once: by rank 0
+    assert built.count([False, True]) >= 3  # the ranks' models (after the memory check's, by the rule)
 
 
 def test_a_shape_that_runs_out_of_memory_is_chosen_by_the_rule_and_not_cached(

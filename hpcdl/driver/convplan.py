@@ -6,14 +6,17 @@ across shapes there (:mod:`hpcdl.nn.convplan`). With ``model.winograd = "measure
 rank 0 times each eligible layer shape of the model at the run's batch both ways
 (:func:`~hpcdl.nn.convplan.time_products`), once per machine: the times are cached in
 ``$XDG_CACHE_HOME/hpcdl/conv-times.json`` under the CPU, the BLAS (library, version, kernel,
-threads) and NumPy, and a later run of those shapes times nothing. The layers where Winograd was
-faster are written into the run's config as ``model.winograd_layers``, which every rank's model
-follows, the run file records and a resume takes from the run it continues, so that a resumed
-run computes as it began. ``rule`` keeps ``Conv2d``'s rule (and is what a run made before this
-key continues with), ``always`` and ``never`` fix every eligible layer.
+threads) and NumPy, and a later run of those shapes times nothing. ``measure`` settles into
+``model.winograd = "layers"`` and ``model.winograd_layers``, the layers where Winograd was
+faster, which every rank's model follows, the run file records and a resume takes from the run
+it continues (whatever the cache says by then), so that a resumed run computes as it began.
+``layers`` can also be given by hand. ``rule`` keeps ``Conv2d``'s rule (and is what a run made
+before this key continues with), ``always`` and ``never`` fix every eligible layer.
 
-A cache that cannot be read is timed afresh (one line); one that cannot be written costs a line,
-not the run.
+Timing stops after :data:`BUDGET` seconds (the other ranks wait meanwhile): shapes left, and
+shapes that run out of memory, take the rule and are not cached, so that the next run times
+them. On a GPU nothing is timed (the cache knows CPUs): the rule chooses. A cache that cannot be
+read is timed afresh (one line); one that cannot be written costs a line, not the run.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from hpcdl.comm.machine import blas, cpu_model
 from hpcdl.config import DRIVER_KEYS
 from hpcdl.errors import ConfigError, HpcdlError
 from hpcdl.nn import Sequential
-from hpcdl.nn.conv import WINOGRAD_MIN_CHANNELS
 from hpcdl.nn.convplan import ConvShape, apply, layers, shapes, time_products
 
 __all__ = [
@@ -48,6 +50,9 @@ MODES = DRIVER_KEYS["model.winograd"].choices
 TIMES_FORMAT = 1
 #: interleaved repetitions per shape and product (the fastest is kept)
 REPEAT = 5
+#: seconds of timing after which a run times no further shape (it times one at least); the
+#: shapes left take the rule, and the next run times them
+BUDGET = 60.0
 #: Winograd is chosen where its time is below this fraction of im2row's: a near tie is left to
 #: im2row, whose results are the reference's bits (the same shape timed six times here moved by
 #: up to 30% from one timing to the next, so a tie can come out either way)
@@ -76,37 +81,45 @@ def apply_config(model: Sequential, cfg: Any) -> None:
     """Fix each eligible ``Conv2d`` of ``model`` as ``model.winograd`` says (``rule``, and
     ``measure`` before it is settled: ``Conv2d``'s rule)."""
     mode = cfg["model.winograd"]
-    if mode in ("always", "never"):
-        plan_model(model, mode, (), 0, None)
-    elif mode == "measure" and cfg.is_set("model.winograd_layers"):
+    if mode == "layers":
         apply(model, cfg["model.winograd_layers"])
+    elif mode in ("always", "never"):
+        plan_model(model, mode, (), 0, None)
 
 
 def settle_winograd(cfg: Any, inputs: Any, cache: Path | None = None) -> dict[str, Any]:
-    """Rank 0: ``{"model.winograd_layers": [...]}`` for ``model.winograd = "measure"`` ({} for the
-    other modes), from the cache or timed now; on a resume of a measured run, its layers.
+    """Rank 0: for ``model.winograd = "measure"``, ``{"model.winograd": "layers",
+    "model.winograd_layers": [...]}``, from the cache or timed now, or on a resume the run's own
+    (``{"model.winograd": "rule"}`` on a GPU); {} for the other modes.
 
     Prints what it chose (and what it timed, and for how long) on stderr.
 
     Raises:
-        ConfigError: ``model.winograd_layers`` set by hand beside ``measure``.
+        ConfigError: ``model.winograd_layers`` set beside another mode than ``layers``.
     """
-    if cfg["model.winograd"] != "measure":
+    mode = cfg["model.winograd"]
+    if mode != "layers" and cfg["model.winograd_layers"]:
+        raise ConfigError(
+            f"model.winograd_layers names the layers of model.winograd = 'layers'; with {mode!r} "
+            "leave it unset (or set model.winograd = 'layers')"
+        )
+    if mode != "measure":
         return {}
     stored: Mapping[str, Any] | None = inputs.stored
-    if stored is not None and stored.get("model.winograd") == "measure" and "model.winograd_layers" in stored:
-        return {"model.winograd_layers": list(stored["model.winograd_layers"])}
-    if cfg.is_set("model.winograd_layers"):
-        raise ConfigError(
-            "model.winograd_layers is what model.winograd = 'measure' settles: leave it unset, or "
-            "set model.winograd to 'rule', 'always' or 'never'"
-        )
+    if stored is not None and stored.get("model.winograd") == "layers":
+        return {"model.winograd": "layers", "model.winograd_layers": list(stored["model.winograd_layers"])}
+    if stored is not None and stored.get("model.winograd") == "rule":  # measured on a GPU
+        return {"model.winograd": "rule"}
+    if cfg["device"] != "cpu":
+        line = "model.winograd = 'measure' times on the CPU only: on a GPU Conv2d's rule chooses"
+        print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
+        return {"model.winograd": "rule"}
     chosen, _, lines = measure(
         inputs.model(), inputs.data().input_shape, cfg["data.batch_size"], cfg["dtype"], cache
     )
     for line in lines:
         print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
-    return {"model.winograd_layers": chosen}
+    return {"model.winograd": "layers", "model.winograd_layers": chosen}
 
 
 def measure(
@@ -122,7 +135,8 @@ def measure(
     path = cache or default_cache()
     times, lines = _times(path, {s.key: s for s in found.values()})
     faster = {k: t["winograd"] < MARGIN * t["im2row"] for k, t in times.items()}
-    chosen = [name for name, s in found.items() if (faster[s.key] if s.key in faster else _rule(model, name))]
+    rule = {layer.name: layer.winograd_by_rule for layer in layers(model)}
+    chosen = [name for name, s in found.items() if faster.get(s.key, rule[name])]
     shown = ", ".join(chosen) if len(chosen) <= 4 else f"{', '.join(chosen[:3])}, …"
     lines.append(
         f"model.winograd = 'measure': Winograd on {len(chosen)} of {len(found)} eligible 3x3 layers"
@@ -167,7 +181,13 @@ def _times(path: Path, wanted: dict[str, ConvShape]) -> tuple[dict[str, dict[str
         return times, lines
     t0 = time.perf_counter()
     timed: dict[str, dict[str, float]] = {}
-    for s in missing:
+    for i, s in enumerate(missing):
+        if i and time.perf_counter() - t0 > BUDGET:  # one shape at least: each run gets further
+            lines.append(
+                f"model.winograd: {len(missing) - i} layer shape{'s' * (len(missing) - i != 1)} not timed "
+                f"within {BUDGET:g} s: Conv2d's rule chooses there (the next run times them)"
+            )
+            break
         try:
             timed[s.key] = time_products(s, repeat=REPEAT, min_time=MIN_TIME)
         except MemoryError:  # the run itself will tell, in its own words, if it cannot fit either
@@ -188,16 +208,10 @@ def _times(path: Path, wanted: dict[str, ConvShape]) -> tuple[dict[str, dict[str
     except (OSError, HpcdlError) as err:
         where = f"not cached: {err}"
     lines.append(
-        f"model.winograd: timed {len(missing)} layer shape{'s' * (len(missing) != 1)} both ways in "
+        f"model.winograd: timed {len(timed)} layer shape{'s' * (len(timed) != 1)} both ways in "
         f"{seconds:.1f} s ({where})"
     )
     return times, lines
-
-
-def _rule(model: Sequential, name: str) -> bool:
-    """Whether ``Conv2d``'s channel rule gives the layer ``name`` Winograd."""
-    layer = next(layer for layer in layers(model) if layer.name == name)
-    return layer.winograd_eligible and min(layer.in_channels, layer.out_channels) >= WINOGRAD_MIN_CHANNELS
 
 
 def _times_of(entry: Any, here: Mapping[str, Any]) -> dict[str, Any]:

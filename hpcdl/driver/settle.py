@@ -68,15 +68,15 @@ class PlanInputs:
 
 def stored_config(out: str | os.PathLike[str] | None, resume: str | None) -> dict[str, Any] | None:
     """The config a run file stores, when the run resumes from it — or, resumed from a checkpoint
-    without a run file, the checkpoint's (None for a fresh run, or a file that cannot be read:
-    opening the run reports that, in its own words)."""
+    without a run file (none given, or a new one), the checkpoint's (None for a fresh run, or a
+    file that cannot be read: opening the run reports that, in its own words)."""
     if resume is None:
         return None
     try:
-        if out is None and resume != "auto":
-            text = checkpoint_config(resume)
-        elif out is not None and Path(out).is_file():
+        if out is not None and Path(out).is_file():
             text = read_attrs(out).get("config")
+        elif resume != "auto":
+            text = checkpoint_config(resume)
         else:
             return None
         return stored_values(text) if text else None

@@ -316,6 +316,12 @@ class Conv2d(Layer):
         ph, pw = self.padding
         return self.kernel_size == (3, 3) and self.stride == (1, 1) and ph == pw <= 2
 
+    @property
+    def winograd_by_rule(self) -> bool:
+        """What ``winograd = None`` gives: eligible, and both channel counts at least
+        :data:`WINOGRAD_MIN_CHANNELS`."""
+        return self.winograd_eligible and min(self.in_channels, self.out_channels) >= WINOGRAD_MIN_CHANNELS
+
     def uses_winograd(self) -> bool:
         """Whether the forward and the input gradient go through Winograd (see ``winograd``).
 
@@ -323,9 +329,7 @@ class Conv2d(Layer):
             ValueError: ``winograd`` is ``True`` on a layer that is not eligible.
         """
         if self.winograd is None:
-            return (
-                self.winograd_eligible and min(self.in_channels, self.out_channels) >= WINOGRAD_MIN_CHANNELS
-            )
+            return self.winograd_by_rule
         if self.winograd and not self.winograd_eligible:
             raise ValueError(
                 f"{self.name or 'Conv2d'}: Winograd needs a 3x3 kernel, stride 1 and padding <= 2 alike "

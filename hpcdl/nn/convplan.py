@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.backend import get_array_module
+from hpcdl.backend import get_array_module, synchronize
 from hpcdl.nn.conv import Conv2d
 from hpcdl.nn.hooks import observe
 from hpcdl.nn.layer import Layer
@@ -47,6 +47,7 @@ class ConvShape:
         height, width: the input's H and W.
         padding: zero padding on each side (the same on both axes).
         dtype: the input's dtype name (``float32``).
+        input_grad: whether backward forms the input gradient (not a model's first layer's).
     """
 
     batch: int
@@ -56,13 +57,14 @@ class ConvShape:
     width: int
     padding: int
     dtype: str
+    input_grad: bool = True
 
     @property
     def key(self) -> str:
-        """A readable, unique name: ``n16 c64 o64 32x32 p1 float32``."""
+        """A readable, unique name: ``n16 c64 o64 32x32 p1 float32`` (``... no-input-grad``)."""
         return (
             f"n{self.batch} c{self.in_channels} o{self.out_channels} {self.height}x{self.width} "
-            f"p{self.padding} {self.dtype}"
+            f"p{self.padding} {self.dtype}" + ("" if self.input_grad else " no-input-grad")
         )
 
 
@@ -120,7 +122,9 @@ def shapes(
     for layer in layers(model):
         if layer.name in observer.seen:
             (_, c, h, w), dt = observer.seen[layer.name]
-            found[layer.name] = ConvShape(batch, c, layer.out_channels, h, w, layer.padding[0], dt)
+            found[layer.name] = ConvShape(
+                batch, c, layer.out_channels, h, w, layer.padding[0], dt, layer.needs_input_grad
+            )
     return found
 
 
@@ -128,7 +132,8 @@ def time_products(
     shape: ConvShape, *, repeat: int = 3, min_time: float = 0.01, xp: Any = np
 ) -> dict[str, float]:
     """Seconds of a forward and backward of a layer of ``shape`` by each product:
-    ``{"im2row": s, "winograd": s}``.
+    ``{"im2row": s, "winograd": s}``, on the device of the array module ``xp`` (the clock is read
+    after the device has finished: :func:`hpcdl.backend.synchronize`).
 
     Both layers are built, warmed by one call, and then timed in ``repeat`` interleaved
     repetitions of as many calls as last ``min_time`` seconds (at least one); each product's
@@ -144,13 +149,17 @@ def time_products(
         )  # fmt: skip
         for name, flag in (("im2row", False), ("winograd", True))
     }
+    for layer in made.values():
+        layer.needs_input_grad = shape.input_grad
     gy = None
     calls: dict[str, int] = {}
     for name, layer in made.items():
+        synchronize(x)
         t0 = time.perf_counter()
         y = layer.forward(x)
         gy = xp.ones_like(y) if gy is None else gy
         layer.backward(gy)
+        synchronize(y)
         once = time.perf_counter() - t0
         calls[name] = max(1, int(min_time / once) if once > 0 else 1)
     best = dict.fromkeys(made, float("inf"))
@@ -160,6 +169,7 @@ def time_products(
             for _ in range(calls[name]):
                 layer.forward(x)
                 layer.backward(gy)
+            synchronize(x)
             best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
     return best
 
