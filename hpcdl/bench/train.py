@@ -279,6 +279,7 @@ def _bench_train(
             {
                 "impl": name,
                 "config": cfg["name"],
+                "model": cfg["model.name"],
                 "ranks": size,
                 "batch_per_rank": variants[name]["data.batch_size"],
                 "micro_steps": micro,
@@ -343,8 +344,8 @@ def _scaling(r: dict[str, Any], one: dict[str, Any], reps: list[dict], solo: lis
 def print_rows(rows: list[dict[str, Any]]) -> None:
     ref = next((r for r in rows if r["impl"] == "torch-ddp"), None)
     r0 = rows[0]
-    print(f"bench train: {r0['config']}, {r0['ranks']} ranks x batch {r0['batch_per_rank']}, "
-          f"median of {r0['repeat']} interleaved repetitions")  # fmt: skip
+    print(f"bench train: {r0['config']} (model {r0['model']}), {r0['ranks']} rank{'s' * (r0['ranks'] != 1)} "
+          f"x batch {r0['batch_per_rank']}, median of {r0['repeat']} interleaved repetitions")  # fmt: skip
     head = ("impl", "samples/s", "step ms", "compute ms", "comm ms", "exposed", "vs ddp")
     widths = (16, 11, 9, 12, 9, 9, 8)
     print(head[0].ljust(widths[0]) + "".join(h.rjust(w) for h, w in zip(head[1:], widths[1:])))
