@@ -71,6 +71,16 @@ def test_shapes_leaves_the_model_as_it_was() -> None:
     assert not model.training
 
 
+def test_shapes_draws_nothing_from_the_dropout_stream() -> None:
+    stream = generator(0, 0, "dropout")
+    model = build_model("cnn", (1, 8, 8), 10, rng=generator(0, "init"), dropout_rng=stream, dropout=0.5)
+    before = stream.bit_generator.state
+    assert shapes(model, (1, 8, 8), 4)
+    assert stream.bit_generator.state == before
+    model.forward(np.zeros((2, 1, 8, 8), np.float32))  # a training forward does draw: the test can fail
+    assert stream.bit_generator.state != before
+
+
 def test_time_products_times_each_product_as_a_layer_of_that_shape_runs_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
