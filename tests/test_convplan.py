@@ -196,6 +196,8 @@ def test_the_other_modes_fix_the_layers_without_timing(mode: str, monkeypatch: p
     assert convplan.plan_model(model, mode, (3, 16, 16), 4, "float32") == [] and fake.timed == []
     used = [layer.uses_winograd() for layer in layers(model)]
     rule = [min(c.in_channels, c.out_channels) >= 64 for c in layers(model)]
+    with pytest.raises(ValueError, match="'layers' is not"):  # bench step: layers need their names
+        convplan.plan_model(model, "layers", (3, 16, 16), 4, "float32")
     assert used == {"rule": rule, "always": [True] * len(used), "never": [False] * len(used)}[mode]
 
 
@@ -353,11 +355,23 @@ def test_on_virtual_ranks_rank_0_times_and_every_rank_follows(
         built.append([c.uses_winograd() for c in layers(model)])
 
     monkeypatch.setattr("hpcdl.driver.factory.apply_config", record)
+    measured: list[Any] = []
+    measure = convplan.measure
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        measured.append(args)
+        return measure(*args, **kw)
+
+    monkeypatch.setattr(convplan, "measure", counted)
     argv = ["-n", "3", "--network", "ib-hdr", "-m", "hpcdl.train", "--config", "digits-cnn",
             "--progress", "none", "--out", str(tmp_path / "r.h5"), *(f"--set={x}" for x in CNN)]  # fmt: skip
     assert simulate(argv) == 0
-    assert len(fake.timed) == 2  # two shapes, timed once: by rank 0
-    assert built.count([False, True]) >= 3  # the ranks' models (after the memory check's, by the rule)
+    assert len(measured) == 1 and len(fake.timed) == 2  # one rank measured its two shapes
+    # the memory check's models come first, by the rule (3 channels: no Winograd); every model after
+    # the choice follows it, on each of the 3 ranks
+    first = built.index([False, True])
+    assert set(map(tuple, built[:first])) == {(False, False)}
+    assert set(map(tuple, built[first:])) == {(False, True)} and len(built) - first >= 3
 
 
 def test_a_shape_that_runs_out_of_memory_is_chosen_by_the_rule_and_not_cached(
@@ -368,7 +382,7 @@ def test_a_shape_that_runs_out_of_memory_is_chosen_by_the_rule_and_not_cached(
     fake = _fake_times(0)  # Winograd faster wherever timed
 
     def short_of_memory(shape: ConvShape, **kw: Any) -> dict[str, float]:
-        if shape.in_channels == 8:
+        if shape.in_channels in (8, 64):  # the rule: im2row at 8 channels, Winograd at 64
             raise MemoryError
         return fake(shape, **kw)
 
@@ -377,11 +391,11 @@ def test_a_shape_that_runs_out_of_memory_is_chosen_by_the_rule_and_not_cached(
     model = _resnet()
     chosen, _, lines = convplan.measure(model, (3, 16, 16), 4, "float32", cache)
     found = shapes(model, (3, 16, 16), 4)
-    starved = {name for name, s in found.items() if s.in_channels == 8}
-    assert starved and any("not timed (out of memory)" in line for line in lines)
-    assert set(chosen) == set(found) - starved  # the rule: 8 channels are below its 64
+    starved = {name: s.in_channels for name, s in found.items() if s.in_channels in (8, 64)}
+    assert set(starved.values()) == {8, 64} and any("not timed (out of memory)" in line for line in lines)
+    assert set(chosen) == set(found) - {name for name, c in starved.items() if c == 8}
     entry = next(iter(json.loads(cache.read_text())["entries"].values()))
-    assert not any(" c8 " in key for key in entry["times"])
+    assert not any(" c8 " in key or " c64 " in key for key in entry["times"])
 
 
 @pytest.mark.parametrize(("ratio", "winograd"), [(0.97, False), (0.93, True)])
@@ -392,3 +406,24 @@ def test_a_near_tie_is_left_to_im2row(
     model = _resnet()
     chosen, eligible, _ = convplan.measure(model, (3, 16, 16), 4, "float32", tmp_path / "c.json")
     assert chosen == ([layer.name for layer in layers(model)] if winograd else []) and eligible
+
+
+@pytest.mark.parametrize(("mode", "used"), [("rule", [False, False]), ("always", [True, True]),
+                                            ("never", [False, False])])  # fmt: skip
+def test_a_resume_under_the_default_keeps_the_mode_the_run_began_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, used: list[bool]
+) -> None:
+    fake = _fake_times(0)
+    monkeypatch.setattr(convplan, "time_products", fake)
+    first = [*CNN, f"model.winograd={mode!r}"]
+    run(load_config("digits-cnn", [*first, "train.stop_at=3"]), out=tmp_path / "r.h5")
+    rest = run(load_config("digits-cnn", CNN), out=tmp_path / "r.h5", resume="auto")  # measure, by default
+    assert fake.timed == [] and rest.steps == 6
+    assert [c.uses_winograd() for c in layers(rest.model)] == used
+
+
+def test_layer_names_that_are_not_eligible_convolutions_are_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"model.winograd_layers names '3.conv1', not a 3x3 stride-1 "
+                       r"convolution of model.name = 'cnn': those are 0, 3$"):  # fmt: skip
+        sets = [*CNN, "model.winograd='layers'", "model.winograd_layers=['3', '3.conv1']"]
+        run(load_config("digits-cnn", sets))

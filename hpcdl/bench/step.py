@@ -236,7 +236,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--winograd",
         nargs="+",
-        choices=MODES,
+        choices=[m for m in MODES if m != "layers"],
         default=["measure"],
         help="how the 3x3 convolutions are chosen, as model.winograd in a run (default: measure, timed on "
         "this machine and cached); several: one row each, interleaved",

@@ -89,13 +89,14 @@ def apply_config(model: Sequential, cfg: Any) -> None:
 
 def settle_winograd(cfg: Any, inputs: Any, cache: Path | None = None) -> dict[str, Any]:
     """Rank 0: for ``model.winograd = "measure"``, ``{"model.winograd": "layers",
-    "model.winograd_layers": [...]}``, from the cache or timed now, or on a resume the run's own
-    (``{"model.winograd": "rule"}`` on a GPU); {} for the other modes.
+    "model.winograd_layers": [...]}``, from the cache or timed now (``{"model.winograd": "rule"}``
+    on a GPU); on a resume, the mode (and layers) the run settled; {} for the other modes.
 
     Prints what it chose (and what it timed, and for how long) on stderr.
 
     Raises:
-        ConfigError: ``model.winograd_layers`` set beside another mode than ``layers``.
+        ConfigError: ``model.winograd_layers`` set beside another mode than ``layers``, or naming
+            what is not an eligible layer of the model.
     """
     mode = cfg["model.winograd"]
     if mode != "layers" and cfg["model.winograd_layers"]:
@@ -103,13 +104,15 @@ def settle_winograd(cfg: Any, inputs: Any, cache: Path | None = None) -> dict[st
             f"model.winograd_layers names the layers of model.winograd = 'layers'; with {mode!r} "
             "leave it unset (or set model.winograd = 'layers')"
         )
+    if mode == "layers":
+        _check_names(cfg, inputs.model())
     if mode != "measure":
         return {}
     stored: Mapping[str, Any] | None = inputs.stored
-    if stored is not None and stored.get("model.winograd") == "layers":
-        return {"model.winograd": "layers", "model.winograd_layers": list(stored["model.winograd_layers"])}
-    if stored is not None and stored.get("model.winograd") == "rule":  # measured on a GPU
-        return {"model.winograd": "rule"}
+    settled = stored.get("model.winograd", "measure") if stored is not None else "measure"
+    if settled != "measure":  # a resume: as the run began (layers, or rule, always, never)
+        kept = {"model.winograd_layers": list(stored.get("model.winograd_layers", []))} if stored else {}
+        return {"model.winograd": settled, **(kept if settled == "layers" else {})}
     if cfg["device"] != "cpu":
         line = "model.winograd = 'measure' times on the CPU only: on a GPU Conv2d's rule chooses"
         print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
@@ -120,6 +123,17 @@ def settle_winograd(cfg: Any, inputs: Any, cache: Path | None = None) -> dict[st
     for line in lines:
         print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
     return {"model.winograd": "layers", "model.winograd_layers": chosen}
+
+
+def _check_names(cfg: Any, model: Sequential) -> None:
+    """Refuse ``model.winograd_layers`` names that are not eligible layers of ``model``."""
+    eligible = [layer.name for layer in layers(model)]
+    wrong = [name for name in cfg["model.winograd_layers"] if name not in eligible]
+    if wrong:
+        raise ConfigError(
+            f"model.winograd_layers names {wrong[0]!r}, not a 3x3 stride-1 convolution of model.name = "
+            f"{cfg['model.name']!r}: those are {', '.join(eligible) or 'none'}"
+        )
 
 
 def measure(
@@ -161,6 +175,8 @@ def plan_model(  # noqa: PLR0917 (measure's arguments and the mode)
         chosen, _, lines = measure(model, sample_shape, batch, dtype, cache)
         apply(model, chosen)
         return lines
+    if mode not in ("rule", "always", "never"):
+        raise ValueError(f"plan_model: mode {mode!r} is not measure, rule, always or never")
     if mode != "rule":
         apply(model, [layer.name for layer in layers(model)] if mode == "always" else ())
     return []

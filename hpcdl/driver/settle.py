@@ -132,7 +132,8 @@ def settle_convolutions(cfg: Config, comm: Communicator, inputs: PlanInputs) -> 
     layers by ``Conv2d``'s rule.
 
     Raises:
-        HpcdlError: ``model.winograd_layers`` set beside ``measure``, on every rank alike.
+        HpcdlError: ``model.winograd_layers`` set beside another mode than ``layers``, or naming
+            what is not an eligible layer, on every rank alike.
     """
     updates = on_root(comm, lambda: settle_winograd(cfg, inputs))
     return cfg.with_updates(updates) if updates else cfg
