@@ -15,19 +15,24 @@ import contextlib
 import errno
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from hpcdl.atomic import write_text_atomic
 
-__all__ = ["cache_dir", "locked", "read_entries", "update_entry"]
+__all__ = ["cache_dir", "entry_key", "locked", "read_entries", "update_entry"]
 
 
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/hpcdl`` (``~/.cache/hpcdl`` when the variable is unset or empty)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hpcdl"
+
+
+def entry_key(fields: Mapping[str, Any]) -> str:
+    """An entry's key from what it was measured under: ``cpu=... | blas=... | ...``, in order."""
+    return " | ".join(f"{k}={v}" for k, v in fields.items())
 
 
 @contextlib.contextmanager

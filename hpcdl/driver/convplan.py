@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcdl.cachefile import cache_dir, read_entries, update_entry
+from hpcdl.cachefile import cache_dir, entry_key, read_entries, update_entry
 from hpcdl.comm.machine import blas, cpu_model
 from hpcdl.config import DRIVER_KEYS
 from hpcdl.errors import ConfigError, HpcdlError
@@ -84,7 +84,7 @@ def apply_config(model: Sequential, cfg: Any) -> None:
     if mode == "layers":
         apply(model, cfg["model.winograd_layers"])
     elif mode in ("always", "never"):
-        plan_model(model, mode, (), 0, None)
+        apply(model, _every_or_none(model, mode))
 
 
 def settle_winograd(cfg: Any, inputs: Any, cache: Path | None = None) -> dict[str, Any]:
@@ -110,9 +110,11 @@ def settle_winograd(cfg: Any, inputs: Any, cache: Path | None = None) -> dict[st
         return {}
     stored: Mapping[str, Any] | None = inputs.stored
     settled = stored.get("model.winograd", "measure") if stored is not None else "measure"
-    if settled != "measure":  # a resume: as the run began (layers, or rule, always, never)
-        kept = {"model.winograd_layers": list(stored.get("model.winograd_layers", []))} if stored else {}
-        return {"model.winograd": settled, **(kept if settled == "layers" else {})}
+    if settled == "layers":  # a resume: as the run began
+        kept = list(stored.get("model.winograd_layers", []))
+        return {"model.winograd": "layers", "model.winograd_layers": kept}
+    if settled != "measure":  # rule, always, never
+        return {"model.winograd": settled}
     if cfg["device"] != "cpu":
         line = "model.winograd = 'measure' times on the CPU only: on a GPU Conv2d's rule chooses"
         print(f"hpcdl.train: {line}", file=sys.stderr, flush=True)
@@ -178,15 +180,20 @@ def plan_model(  # noqa: PLR0917 (measure's arguments and the mode)
     if mode not in ("rule", "always", "never"):
         raise ValueError(f"plan_model: mode {mode!r} is not measure, rule, always or never")
     if mode != "rule":
-        apply(model, [layer.name for layer in layers(model)] if mode == "always" else ())
+        apply(model, _every_or_none(model, mode))
     return []
+
+
+def _every_or_none(model: Sequential, mode: str) -> list[str]:
+    """The layers ``always`` (every eligible one) or ``never`` (none) names."""
+    return [layer.name for layer in layers(model)] if mode == "always" else []
 
 
 def _times(path: Path, wanted: dict[str, ConvShape]) -> tuple[dict[str, dict[str, float]], list[str]]:
     """The two products' seconds for each shape in ``wanted``: cached, or timed now and cached
     (a shape that runs out of memory is left out); and the lines to tell."""
     here = machine()
-    key = " | ".join(f"{k}={v}" for k, v in here.items())
+    key = entry_key(here)
     entries, why = read_entries(path, TIMES_FORMAT, "a convolution timings cache")
     lines = [f"model.winograd: {path} {why}; timing again"] if why else []
     entry = entries.get(key)

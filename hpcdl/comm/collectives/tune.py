@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdl.cachefile import cache_dir, read_entries, update_entry
+from hpcdl.cachefile import cache_dir, entry_key, read_entries, update_entry
 from hpcdl.comm.collectives.api import ALGORITHMS, NODE_ALGORITHMS, available_algorithms
 from hpcdl.comm.collectives.auto import AutoTable, format_segments, ordinary_segments, table_from_rows
 from hpcdl.comm.collectives.shm import PLACE_BYTES
@@ -109,7 +109,7 @@ def default_cache() -> Path:
 def cache_key(machine: Mapping[str, Any]) -> str:
     """The cache entry of a machine (:func:`hpcdl.comm.machine.describe` with ``ranks`` and
     ``ranks_per_node``): ``cpu=... | mpi=... | ranks=2 | ranks_per_node=2``."""
-    return " | ".join(f"{k}={machine.get(k)}" for k in KEY_FIELDS)
+    return entry_key({k: machine.get(k) for k in KEY_FIELDS})
 
 
 def analytic_time(
