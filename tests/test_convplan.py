@@ -84,23 +84,28 @@ def test_shapes_draws_nothing_from_the_dropout_stream() -> None:
 def test_time_products_times_each_product_as_a_layer_of_that_shape_runs_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both products are timed on layers of the shape, and a product's time is per call: the
-    Winograd layer's forward is made to cost 20 ms more, and its time shows it."""
-    import time
+    """Both products are timed on layers of the shape, and a product's time is per call: on a
+    clock that a forward by im2row moves by 1 s and one by Winograd by 3 s, with 5 s to fill per
+    repetition, im2row is called 5 times a repetition and Winograd once, and each is 1 s and 3 s."""
+    import types
 
+    from hpcdl.nn import convplan as nn_convplan
+
+    now = [0.0]
     calls: dict[bool, list[tuple[int, ...]]] = {False: [], True: []}
     forward = Conv2d.forward
 
-    def slow(self: Conv2d, x: Any) -> Any:
+    def ticking(self: Conv2d, x: Any) -> Any:
         calls[bool(self.winograd)].append(tuple(x.shape))
-        if self.winograd:
-            time.sleep(0.02)
+        now[0] += 3.0 if self.winograd else 1.0
         return forward(self, x)
 
-    monkeypatch.setattr(Conv2d, "forward", slow)
-    t = time_products(ConvShape(2, 3, 4, 6, 6, 1, "float32"), repeat=2, min_time=0.001)
+    monkeypatch.setattr(Conv2d, "forward", ticking)
+    monkeypatch.setattr(nn_convplan, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    t = time_products(ConvShape(2, 3, 4, 6, 6, 1, "float32"), repeat=2, min_time=5.0)
     assert set(calls[False]) == set(calls[True]) == {(2, 3, 6, 6)}
-    assert t["winograd"] >= 0.02 > t["im2row"]
+    assert (len(calls[False]), len(calls[True])) == (1 + 2 * 5, 1 + 2 * 1)  # a warm-up, then 2 repetitions
+    assert t == {"im2row": 1.0, "winograd": 3.0}
 
 
 def test_apply_fixes_every_eligible_layer() -> None:
